@@ -1,0 +1,131 @@
+"""The root configs of the three subcommands.
+
+Each is a dataclass of sections; ``validate()`` holds the rules that span sections.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prime_spmd.config.rl_sections import LossConfig, RolloutConfig
+from prime_spmd.config.sections import (
+    CkptConfig,
+    DataConfig,
+    EnvConfig,
+    InferenceConfig,
+    LogConfig,
+    ModelConfig,
+    OptimConfig,
+    SamplingConfig,
+    TopologyConfig,
+    TrainerConfig,
+)
+
+
+def _model() -> ModelConfig:
+    return ModelConfig(path="outputs/model")
+
+
+@dataclass(kw_only=True, slots=True)
+class SFTJobConfig:
+    config: str = ""
+    """TOML file whose values become the defaults (CLI flags override them)."""
+    output_dir: str = "outputs/sft"
+    """Run directory: resolved config, metrics, checkpoints and final weights."""
+    dry_run: bool = False
+    """Print the resolved config and exit."""
+    model: ModelConfig = field(default_factory=_model)
+    """The model to train."""
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    """How ranks split into roles."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Training loop."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and schedule."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """SFT dataset."""
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    """Checkpoints."""
+    log: LogConfig = field(default_factory=LogConfig)
+    """Metrics, progress and plots."""
+    eval_examples: int = 128
+    """Reverse-text examples greedily decoded at the end to report exact match (0: skip)."""
+
+    def validate(self) -> None:
+        if self.topology.mode == "disjoint" or self.topology.num_inference_ranks:
+            raise ValueError(
+                "sft trains on every rank: drop --topology.num_inference_ranks / --topology.mode=disjoint "
+                f"(got mode={self.topology.mode!r}, num_inference_ranks={self.topology.num_inference_ranks})"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class RLJobConfig:
+    config: str = ""
+    """TOML file whose values become the defaults (CLI flags override them)."""
+    output_dir: str = "outputs/rl"
+    """Run directory: resolved config, metrics, checkpoints and final weights."""
+    dry_run: bool = False
+    """Print the resolved config and exit."""
+    model: ModelConfig = field(default_factory=_model)
+    """The policy to train."""
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    """How ranks split into trainer and inference roles."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Training loop."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and schedule."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Rollouts, groups, advantages and the async bound."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """Policy-gradient loss."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """Sampling parameters of the rollouts."""
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    """Inference engine."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Environment (rollout logic and rubric)."""
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    """Checkpoints."""
+    log: LogConfig = field(default_factory=LogConfig)
+    """Metrics, progress and plots."""
+
+    def validate(self) -> None:
+        if self.inference.max_model_len and self.inference.max_model_len < self.trainer.seq_len:
+            raise ValueError(
+                f"--inference.max_model_len={self.inference.max_model_len} is shorter than "
+                f"--trainer.seq_len={self.trainer.seq_len}; raise it or set 0 to follow seq_len"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalJobConfig:
+    config: str = ""
+    """TOML file whose values become the defaults (CLI flags override them)."""
+    output_dir: str = "outputs/eval"
+    """Run directory: resolved config, samples.jsonl and the summary."""
+    dry_run: bool = False
+    """Print the resolved config and exit."""
+    model: ModelConfig = field(default_factory=_model)
+    """The model to evaluate."""
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    """How ranks split into roles (each rank runs an engine on its share of the examples)."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """Sampling parameters."""
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    """Inference engine."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Environment whose eval split is run."""
+    log: LogConfig = field(default_factory=LogConfig)
+    """Metrics and progress."""
+    samples_per_example: int = 1
+    """Completions per example; pass@k is reported for k up to this."""
+    seed: int = 0
+    """Sampling seed."""
+
+    def validate(self) -> None:
+        if self.samples_per_example < 1:
+            raise ValueError(f"--samples_per_example={self.samples_per_example} is invalid: must be >= 1")
+
+
+JobConfig = SFTJobConfig | RLJobConfig | EvalJobConfig

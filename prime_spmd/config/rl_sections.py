@@ -1,0 +1,57 @@
+"""Config sections used only by the `rl` subcommand."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from prime_spmd.config.sections import _check
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    prompts_per_step: int = 16
+    """Prompts per training batch; each is sampled --rollout.group_size times."""
+    group_size: int = 8
+    """Completions per prompt (the group of group-relative advantages)."""
+    max_async: int = 1
+    """Off-policy bound k: batch j is generated with weights w_max(0, j-k); 0 is synchronous on-policy."""
+    std_normalize: bool = False
+    """Divide advantages by the group's reward std (GRPO) instead of only subtracting the mean."""
+    length_penalty: float = 0.0
+    """Subtract this times (completion tokens / max_tokens) from each reward."""
+    drop_zero_advantage_groups: bool = True
+    """Drop groups whose advantages are all zero (they carry no gradient) and count them."""
+
+    def __post_init__(self) -> None:
+        _check(self.prompts_per_step >= 1, "rollout.prompts_per_step", self.prompts_per_step, "must be >= 1")
+        _check(self.group_size >= 1, "rollout.group_size", self.group_size, "must be >= 1")
+        _check(self.max_async >= 0, "rollout.max_async", self.max_async, "must be >= 0")
+        _check(self.length_penalty >= 0, "rollout.length_penalty", self.length_penalty, "must be >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class LossConfig:
+    type: Literal["dppo", "ppo"] = "dppo"
+    """dppo: PRIME-RL's default masked importance-ratio loss; ppo: clipped-ratio surrogate (GRPO-style)."""
+    prob_delta_high: float = 0.2
+    """dppo: mask a token with A > 0 when p_train - p_inf exceeds this."""
+    prob_delta_low: float = 0.2
+    """dppo: mask a token with A < 0 when p_inf - p_train exceeds this."""
+    kl_coef: float = 1e-3
+    """Weight of the (log r)^2 term that keeps the trainer near the inference policy."""
+    clip_low: float = 0.2
+    """ppo: lower clip of the ratio is 1 - clip_low."""
+    clip_high: float = 0.28
+    """ppo: upper clip of the ratio is 1 + clip_high."""
+    max_log_ratio: float = 10.0
+    """Clamp log r to [-max_log_ratio, max_log_ratio] before exp so ratios cannot overflow."""
+
+    def __post_init__(self) -> None:
+        for name in ("prob_delta_high", "prob_delta_low"):
+            v = getattr(self, name)
+            _check(0 < v <= 1, f"loss.{name}", v, "must be in (0, 1]")
+        _check(self.kl_coef >= 0, "loss.kl_coef", self.kl_coef, "must be >= 0")
+        _check(0 < self.clip_low < 1, "loss.clip_low", self.clip_low, "must be in (0, 1)")
+        _check(self.clip_high > 0, "loss.clip_high", self.clip_high, "must be > 0")
+        _check(self.max_log_ratio > 0, "loss.max_log_ratio", self.max_log_ratio, "must be > 0")

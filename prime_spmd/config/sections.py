@@ -1,0 +1,243 @@
+"""Leaf config sections shared by the `sft`, `rl` and `eval` subcommands.
+
+Every field has a one-line docstring (tyro shows it in ``--help``); units are in the names.
+Each section validates itself in ``__post_init__`` and names the flag to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+def _check(cond: bool, flag: str, value: object, rule: str) -> None:
+    if not cond:
+        raise ValueError(f"--{flag}={value!r} is invalid: {rule}")
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    path: str = ""
+    """Local model directory (HF format) or hub id; with --model.init_tiny set, where the random model is written."""
+    tokenizer_path: str = ""
+    """Tokenizer directory or hub id; empty means the same as --model.path."""
+    impl: Literal["auto", "hf", "custom"] = "auto"
+    """Model code: transformers (hf), ours (custom), or custom where the config type is registered (auto)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Parameter dtype for compute: auto is bfloat16 on CUDA and float32 on CPU."""
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    """Attention kernel of HF models."""
+    init_tiny: Literal["none", "qwen3-nano", "qwen3-micro", "qwen3-1m"] = "none"
+    """Build a random-init tiny Qwen3 + character tokenizer at --model.path if it has no model yet."""
+    trust_remote_code: bool = False
+    """Allow model code from the model directory (transformers trust_remote_code)."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.path), "model.path", self.path, "set it to a local model directory or hub id")
+
+
+@dataclass(kw_only=True, slots=True)
+class TopologyConfig:
+    mode: Literal["auto", "colocated", "disjoint"] = "auto"
+    """colocated: every rank trains and infers; disjoint: separate trainer and inference ranks; auto: colocated for one rank or when num_inference_ranks is 0."""
+    num_inference_ranks: int = 0
+    """Ranks that run inference engines in disjoint mode (the last ranks of the world); 0 with mode auto means colocated."""
+    engine_tp: int = 1
+    """Tensor-parallel ranks per inference engine (consecutive ranks, never spanning nodes)."""
+    ep: int = 1
+    """Expert-parallel degree of the trainer mesh (MoE models); must divide the trainer ranks."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Collective backend: auto is nccl on CUDA, gloo on CPU."""
+    timeout_s: int = 1800
+    """Collective timeout: a rank stuck this long in a collective fails the job instead of hanging."""
+
+    def __post_init__(self) -> None:
+        _check(self.num_inference_ranks >= 0, "topology.num_inference_ranks", self.num_inference_ranks, "must be >= 0")
+        _check(self.engine_tp >= 1, "topology.engine_tp", self.engine_tp, "must be >= 1")
+        _check(self.ep >= 1, "topology.ep", self.ep, "must be >= 1")
+        _check(self.timeout_s > 0, "topology.timeout_s", self.timeout_s, "must be > 0")
+        if self.num_inference_ranks % self.engine_tp:
+            raise ValueError(
+                f"--topology.num_inference_ranks={self.num_inference_ranks} is not a multiple of "
+                f"--topology.engine_tp={self.engine_tp}; use a multiple such as "
+                f"{max(self.engine_tp, self.num_inference_ranks // self.engine_tp * self.engine_tp)}"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    lr: float = 1e-3
+    """Peak learning rate (AdamW)."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 0
+    """Linear warmup from 0 to --optim.lr over this many optimizer steps."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """Learning-rate shape after warmup."""
+    min_lr_ratio: float = 0.1
+    """Cosine schedule floor as a fraction of --optim.lr."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this (0 disables clipping)."""
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "optim.lr", self.lr, "must be > 0")
+        _check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must be >= 0")
+        _check(0 <= self.beta1 < 1, "optim.beta1", self.beta1, "must be in [0, 1)")
+        _check(0 <= self.beta2 < 1, "optim.beta2", self.beta2, "must be in [0, 1)")
+        _check(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "must be >= 0")
+        _check(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+        _check(self.max_grad_norm >= 0, "optim.max_grad_norm", self.max_grad_norm, "must be >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerConfig:
+    max_steps: int = 100
+    """Optimizer steps to run."""
+    batch_size: int = 32
+    """Sequences per optimizer step, summed over all trainer ranks."""
+    micro_batch_tokens: int = 2048
+    """Tokens packed into one micro-batch on one rank (forward/backward unit); gradients accumulate over micro-batches."""
+    seq_len: int = 512
+    """Longest sequence (prompt + completion) in tokens; longer samples are dropped and counted."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block in the backward to save activation memory."""
+    reshard_after_forward: bool = True
+    """FSDP2: free gathered parameters after the forward (ZeRO-3) instead of keeping them for the backward."""
+    loss_impl: Literal["auto", "reference", "chunked", "triton"] = "auto"
+    """Log-prob/entropy computation: auto is the Triton kernel on CUDA and the reference on CPU."""
+    seed: int = 0
+    """Seed of model init, data order and sampling."""
+    num_threads: int = 0
+    """torch CPU threads per process (0: torch's default)."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_steps >= 1, "trainer.max_steps", self.max_steps, "must be >= 1")
+        _check(self.batch_size >= 1, "trainer.batch_size", self.batch_size, "must be >= 1")
+        _check(self.micro_batch_tokens >= 1, "trainer.micro_batch_tokens", self.micro_batch_tokens, "must be >= 1")
+        _check(self.seq_len >= 2, "trainer.seq_len", self.seq_len, "must be >= 2")
+        _check(
+            self.micro_batch_tokens >= self.seq_len,
+            "trainer.micro_batch_tokens",
+            self.micro_batch_tokens,
+            f"must be >= --trainer.seq_len={self.seq_len} so that every sequence fits one micro-batch",
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    source: Literal["reverse_text", "jsonl", "parquet"] = "reverse_text"
+    """reverse_text: built-in seeded generator; jsonl/parquet: local file of prompt/completion or messages rows."""
+    path: str = ""
+    """Dataset file for jsonl/parquet sources."""
+    min_chars: int = 5
+    """reverse_text: shortest string to reverse."""
+    max_chars: int = 10
+    """reverse_text: longest string to reverse."""
+    alphabet: str = "abcdefghijklmnopqrstuvwxyz"
+    """reverse_text: characters the strings are drawn from."""
+    bad_rows: Literal["skip", "error"] = "skip"
+    """What to do with malformed rows: skip and count them (first few logged), or stop with the row index."""
+
+    def __post_init__(self) -> None:
+        if self.source in ("jsonl", "parquet"):
+            _check(bool(self.path), "data.path", self.path, f"--data.source={self.source} needs a file path")
+        _check(1 <= self.min_chars <= self.max_chars, "data.min_chars", self.min_chars, "need 1 <= min_chars <= max_chars")
+        _check(len(self.alphabet) >= 2, "data.alphabet", self.alphabet, "needs at least 2 characters")
+
+
+@dataclass(kw_only=True, slots=True)
+class CkptConfig:
+    interval_steps: int = 0
+    """Save a checkpoint every this many steps (0: only at the end)."""
+    resume: bool = False
+    """Resume from the latest complete checkpoint in <output_dir>/checkpoints."""
+    keep_last: int = 2
+    """Checkpoints to keep (older ones are deleted after a newer one is complete)."""
+    save_hf: bool = True
+    """Also write HF-format safetensors weights (loadable with AutoModelForCausalLM) at the end of the run."""
+
+    def __post_init__(self) -> None:
+        _check(self.interval_steps >= 0, "ckpt.interval_steps", self.interval_steps, "must be >= 0")
+        _check(self.keep_last >= 1, "ckpt.keep_last", self.keep_last, "must be >= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class LogConfig:
+    interval_steps: int = 1
+    """Write a metrics line (JSONL and console) every this many steps."""
+    progress: bool = True
+    """Show a progress bar (plain lines when stderr is not a terminal)."""
+    wandb: bool = False
+    """Also log metrics to Weights & Biases."""
+    wandb_project: str = "prime-spmd"
+    """wandb project name."""
+    wandb_mode: Literal["online", "offline"] = "offline"
+    """wandb mode; offline works without network."""
+    plots: bool = True
+    """Write PNG plots of the metrics at the end of the run."""
+
+    def __post_init__(self) -> None:
+        _check(self.interval_steps >= 1, "log.interval_steps", self.interval_steps, "must be >= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class SamplingConfig:
+    temperature: float = 1.0
+    """Sampling temperature (0 is greedy)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = 0
+    """Keep only the k most likely tokens (0: off)."""
+    min_p: float = 0.0
+    """Drop tokens with probability below min_p times the top probability."""
+    max_tokens: int = 64
+    """Most tokens generated per completion (per turn for multi-turn environments)."""
+
+    def __post_init__(self) -> None:
+        _check(self.temperature >= 0, "sampling.temperature", self.temperature, "must be >= 0")
+        _check(0 < self.top_p <= 1, "sampling.top_p", self.top_p, "must be in (0, 1]")
+        _check(self.top_k >= 0, "sampling.top_k", self.top_k, "must be >= 0")
+        _check(0 <= self.min_p < 1, "sampling.min_p", self.min_p, "must be in [0, 1)")
+        _check(self.max_tokens >= 1, "sampling.max_tokens", self.max_tokens, "must be >= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class InferenceConfig:
+    engine: Literal["native", "vllm"] = "native"
+    """Inference engine: our PyTorch engine (any device) or vLLM (CUDA, optional extra)."""
+    max_batch_size: int = 64
+    """Sequences decoded at once (KV-cache slots)."""
+    max_model_len: int = 0
+    """KV-cache length per sequence in tokens (0: --trainer.seq_len, or the model's limit for eval)."""
+    cuda_graphs: bool = True
+    """Capture the decode step in CUDA graphs (CUDA only)."""
+    gpu_memory_utilization: float = 0.3
+    """vLLM: fraction of GPU memory for the engine."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_batch_size >= 1, "inference.max_batch_size", self.max_batch_size, "must be >= 1")
+        _check(self.max_model_len >= 0, "inference.max_model_len", self.max_model_len, "must be >= 0")
+        _check(
+            0 < self.gpu_memory_utilization <= 1,
+            "inference.gpu_memory_utilization",
+            self.gpu_memory_utilization,
+            "must be in (0, 1]",
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class EnvConfig:
+    name: str = "reverse_text"
+    """Environment: a built-in name (reverse_text) or an installed verifiers environment id."""
+    args: dict[str, str] = field(default_factory=dict)
+    """Keyword arguments for the environment's loader."""
+    num_eval_examples: int = 64
+    """Examples in the eval split."""
+    seed: int = 0
+    """Seed of the environment's dataset."""

@@ -1,0 +1,1 @@
+"""Inference engines: the interface, the native PyTorch engine, the vLLM engine, sampling."""

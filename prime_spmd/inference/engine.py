@@ -1,0 +1,168 @@
+"""The inference-engine interface every engine (native, vLLM) implements.
+
+An engine owns a model and a tokenizer on one device (or one tp group). Work is submitted as
+``Request`` objects (token ids + ``SamplingParams``) and comes back as ``Completion`` objects
+(sampled token ids, the logprob of each sampled token, finish reason). The core is step-wise so
+that continuous batching serves both a synchronous batch call (``generate``) and many concurrent
+asyncio callers (``AsyncEngine``, used by the verifiers bridge).
+
+Logprob contract (docs/inference.md): ``Completion.logprobs[i]`` is log p(token_i) under exactly
+the distribution token_i was sampled from: softmax(logits / temperature) after top-k / top-p /
+min-p filtering and renormalisation. With no filtering this is log_softmax(logits / T)[token],
+which the trainer recomputes teacher-forced. Greedy (temperature 0) reports log_softmax(logits).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+
+@dataclass(kw_only=True, slots=True)
+class SamplingParams:
+    temperature: float = 1.0
+    """0 is greedy."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 disables top-k."""
+    min_p: float = 0.0
+    max_tokens: int = 64
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Sampling one of these ends the completion (the token is kept); the tokenizer's eos is added by the engine."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings: the completion ends at the first token whose decoded text completes one (the token is kept)."""
+    seed: int | None = None
+    """Per-request seed: the same seed, prompt and weights give the same completion regardless of batch."""
+    ignore_eos: bool = False
+
+
+@dataclass(kw_only=True, slots=True)
+class Request:
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    request_id: int | str = 0
+
+
+@dataclass(kw_only=True, slots=True)
+class Completion:
+    request_id: int | str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    """Sampled tokens, including the stop token that ended the completion."""
+    logprobs: list[float]
+    """log p of each sampled token under the distribution it was sampled from (see module doc)."""
+    finish_reason: Literal["stop", "length"]
+    text: str = ""
+    """Decoded completion (special tokens skipped)."""
+
+
+class InferenceEngine(abc.ABC):
+    """Step-wise engine. Subclasses implement ``add_request``, ``step``, ``has_unfinished``,
+    ``load_weights`` and ``reset_cache``; ``generate`` is built on them.
+
+    Called on every rank of an inference engine's tp group with identical inputs in identical order.
+    """
+
+    tokenizer: Any
+
+    @abc.abstractmethod
+    def add_request(self, request: Request) -> None:
+        """Queue a request; it is admitted into a free KV-cache slot by a later ``step``."""
+
+    @abc.abstractmethod
+    def step(self) -> list[Completion]:
+        """Run one engine iteration (admit/prefill waiting requests, one decode step); return the finished ones."""
+
+    @abc.abstractmethod
+    def has_unfinished(self) -> bool:
+        """True while any request is queued or running."""
+
+    @abc.abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy (HF name, tensor) pairs into the model in place (no re-allocation), then ``reset_cache``."""
+
+    @abc.abstractmethod
+    def reset_cache(self) -> None:
+        """Drop every cache entry that depends on the weights (prefix cache)."""
+
+    def generate(self, requests: Sequence[Request], progress: bool = False) -> list[Completion]:
+        """Run ``requests`` to completion with continuous batching; results in request order."""
+        order = {}
+        for i, r in enumerate(requests):
+            key = (i, r.request_id)
+            order[id(r)] = key
+        ids = [r.request_id for r in requests]
+        if len(set(map(str, ids))) != len(ids):
+            raise ValueError("generate: request_id values must be unique within one call")
+        for r in requests:
+            self.add_request(r)
+        done: dict[str, Completion] = {}
+        bar = _progress(len(requests)) if progress else None
+        while self.has_unfinished():
+            for c in self.step():
+                done[str(c.request_id)] = c
+                if bar is not None:
+                    bar.advance()
+        if bar is not None:
+            bar.close()
+        return [done[str(r.request_id)] for r in requests]
+
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of ``messages`` rendered with the tokenizer's chat template plus the generation prompt."""
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("the tokenizer has no chat_template; chat requests need one (set --model.tokenizer_path)")
+        out = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+        if hasattr(out, "keys"):
+            out = out["input_ids"]
+        return list(out)
+
+
+class _progress:
+    def __init__(self, total: int) -> None:
+        from prime_spmd.progress import Progress
+
+        self._p = Progress(total=total, desc="generate")
+
+    def advance(self) -> None:
+        self._p.update(1)
+
+    def close(self) -> None:
+        self._p.close()
+
+
+class AsyncEngine:
+    """asyncio front of a step-wise engine: many coroutines ``await generate(request)`` at once and
+    their requests share the engine's continuous batch. One driver task steps the engine while any
+    request is pending. Single-threaded: the engine runs inside the event loop between awaits.
+    """
+
+    def __init__(self, engine: InferenceEngine) -> None:
+        self.engine = engine
+        self._futures: dict[str, asyncio.Future] = {}
+        self._driver: asyncio.Task | None = None
+        self._next_id = 0
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Completion:
+        rid = f"async-{self._next_id}"
+        self._next_id += 1
+        fut = asyncio.get_running_loop().create_future()
+        self._futures[rid] = fut
+        self.engine.add_request(Request(prompt_ids=list(prompt_ids), sampling=sampling, request_id=rid))
+        if self._driver is None or self._driver.done():
+            self._driver = asyncio.ensure_future(self._drive())
+        return await fut
+
+    async def _drive(self) -> None:
+        # Yield once so that coroutines started together submit before the first step (one batch).
+        await asyncio.sleep(0)
+        while self.engine.has_unfinished():
+            for c in self.engine.step():
+                fut = self._futures.pop(str(c.request_id))
+                if not fut.done():
+                    fut.set_result(c)
+            await asyncio.sleep(0)

@@ -1,0 +1,89 @@
+"""Load causal LMs and tokenizers from local directories (or hub ids where a hub is reachable).
+
+Every error names the path and what is missing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from prime_spmd.config.sections import ModelConfig
+from prime_spmd.log import logger
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` is bfloat16 on CUDA and float32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def check_model_dir(path: str) -> None:
+    """Raise ``ValueError`` when a local model directory lacks what ``from_pretrained`` needs.
+
+    Paths that do not exist locally are treated as hub ids and left to transformers.
+    """
+    p = Path(path)
+    if not p.exists():
+        if p.is_absolute() or path.startswith((".", "~")) or path.count("/") != 1:
+            raise ValueError(f"--model.path={path!r}: no such directory (and not a hub id of the form org/name)")
+        return
+    if not p.is_dir():
+        raise ValueError(f"--model.path={path!r} is a file; expected a model directory")
+    if not (p / "config.json").is_file():
+        raise ValueError(f"--model.path={path!r} has no config.json; is it a Hugging Face model directory?")
+    weights = list(p.glob("*.safetensors")) + list(p.glob("*.bin"))
+    if not weights:
+        raise ValueError(
+            f"--model.path={path!r} has no weights (*.safetensors or *.bin); "
+            "write one with save_pretrained or use --model.init_tiny"
+        )
+
+
+def maybe_build_tiny(cfg: ModelConfig, seed: int) -> None:
+    """With ``--model.init_tiny``, write a random tiny model at ``--model.path`` unless one is there."""
+    if cfg.init_tiny == "none":
+        return
+    p = Path(cfg.path)
+    if (p / "config.json").is_file():
+        logger.info(f"model.init_tiny={cfg.init_tiny}: {p} already holds a model, loading it")
+        return
+    from prime_spmd.models.tiny import build_tiny_model
+
+    logger.info(f"model.init_tiny={cfg.init_tiny}: writing a random-init model to {p}")
+    build_tiny_model(p, preset=cfg.init_tiny, seed=seed)
+
+
+def load_tokenizer(cfg: ModelConfig):
+    """Load the tokenizer of ``--model.tokenizer_path`` (or ``--model.path``); pad token set."""
+    from transformers import AutoTokenizer
+
+    path = cfg.tokenizer_path or cfg.path
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"could not load a tokenizer from {path!r}: {e}") from e
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """Load the causal LM of ``cfg`` onto ``device``: custom code where registered (impl auto/custom), else HF."""
+    check_model_dir(cfg.path)
+    dtype = dtype or resolve_dtype(cfg.dtype, device)
+    from prime_spmd.models import registry
+
+    if registry.use_custom(cfg):
+        return registry.load_custom(cfg.path, device=device, dtype=dtype)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        cfg.path,
+        dtype=dtype,
+        attn_implementation=cfg.attn_implementation,
+        trust_remote_code=cfg.trust_remote_code,
+    )
+    return model.to(device)
