@@ -1,0 +1,1 @@
+"""Environments: the interface, built-in environments, and the verifiers bridge."""

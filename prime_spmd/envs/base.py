@@ -1,0 +1,43 @@
+"""The environment interface the RL loop and `eval` use.
+
+An environment owns a dataset of examples and the rollout logic + rubric. Inference ranks call
+``run_groups`` with their in-process engine; the result is token-exact (``Rollout``), so the trainer
+never re-tokenizes. The built-in environments and the verifiers bridge implement this.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Literal
+
+from prime_spmd.inference.engine import InferenceEngine, SamplingParams
+from prime_spmd.rl.types import Rollout
+
+
+class Environment(abc.ABC):
+    name: str
+
+    @abc.abstractmethod
+    def num_examples(self, split: Literal["train", "eval"]) -> int:
+        """Examples in the split (the train split may be large and generated on demand)."""
+
+    @abc.abstractmethod
+    def example(self, split: Literal["train", "eval"], index: int) -> dict[str, Any]:
+        """Example ``index`` of ``split``: at least ``prompt`` (chat messages) and ``answer``. Deterministic."""
+
+    @abc.abstractmethod
+    def run_groups(
+        self,
+        engine: InferenceEngine,
+        split: Literal["train", "eval"],
+        example_ids: list[int],
+        group_size: int,
+        sampling: SamplingParams,
+        seed: int,
+    ) -> list[list[Rollout]]:
+        """Sample ``group_size`` rollouts per example and score them; one list per example, in order.
+
+        ``seed`` seeds the per-request sampling (request seeds are derived from it, the example id and
+        the sample index), so results do not depend on batch composition. ``policy_version`` is left 0
+        for the caller to set.
+        """

@@ -1,0 +1,1 @@
+"""RL pieces: rollout records, advantages, losses, the async schedule."""
