@@ -1,0 +1,184 @@
+"""Model runners: the forward passes the native engine schedules (prefill and decode).
+
+A runner owns the KV cache and reads the model's own parameters at every call, so an in-place
+weight update (``NativeEngine.load_weights``) is seen at once, also by captured CUDA graphs.
+
+- ``LlamaStyleRunner``: HF Qwen3 / Qwen2 / Llama / Mistral style decoders (``model.model.layers[i]``
+  with ``self_attn.{q,k,v,o}_proj``, optional ``q_norm``/``k_norm``, ``mlp``, two RMSNorms). We run
+  attention against the slot KV cache ourselves and call the HF submodules for everything else.
+- ``GenericRunner``: any HF causal LM, no KV cache: every decode step re-runs the whole sequence.
+  Slow, but correct; it exists so that unsupported architectures still work.
+
+A custom model can bring its own runner: give the model a method
+``make_inference_runner(num_slots, max_len, device) -> runner`` with ``prefill``/``decode`` below.
+
+Shapes: ``N`` prefill rows, ``T`` prefill length, ``B`` decode rows (slots 0..B-1), ``Lb`` cache
+length attended, ``H`` query heads, ``Hkv`` kv heads, ``G`` = H / Hkv, ``D`` head dim, ``V`` vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from prime_spmd.inference.kv_cache import SlotKVCache
+
+LLAMA_STYLE = {"qwen3", "qwen2", "llama", "mistral"}
+
+
+def is_llama_style(model: torch.nn.Module) -> bool:
+    """True when ``LlamaStyleRunner`` supports ``model`` (full attention, standard RoPE blocks)."""
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "model_type", None) not in LLAMA_STYLE:
+        return False
+    layer_types = getattr(cfg, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        return False
+    if getattr(cfg, "use_sliding_window", False):
+        return False
+    inner = getattr(model, "model", None)
+    return all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb"))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaStyleRunner:
+    """Prefill and decode for HF Llama-style decoders with a ``SlotKVCache``."""
+
+    def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, device: torch.device) -> None:
+        cfg = model.config
+        self.model, self.inner = model, model.model
+        self.num_layers = cfg.num_hidden_layers
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.vocab_size = cfg.vocab_size
+        self.dtype = next(model.parameters()).dtype
+        self.device = device
+        self.cache = SlotKVCache(
+            num_layers=self.num_layers,
+            num_slots=num_slots,
+            max_len=max_len,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            device=device,
+        )
+        self.rebuild_rope()
+
+    def rebuild_rope(self) -> None:
+        """cos/sin tables [L, D] from the model's own rotary module (any rope_type it supports)."""
+        pos = torch.arange(self.cache.max_len, device=self.device)[None]
+        probe = torch.zeros(1, device=self.device, dtype=self.dtype)
+        with torch.no_grad():
+            cos, sin = self.inner.rotary_emb(probe, pos)
+        self.cos_LD, self.sin_LD = cos[0].contiguous(), sin[0].contiguous()
+
+    def _qkv(self, attn: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Projections (+ Qwen3's per-head q/k RMSNorm) -> q [..., H, D], k and v [..., Hkv, D]."""
+        lead = x.shape[:-1]
+        q = attn.q_proj(x).view(*lead, self.num_heads, self.head_dim)
+        k = attn.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        v = attn.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        return q, k, v
+
+    @torch.no_grad()
+    def prefill(self, ids_NT: torch.Tensor, slots_N: torch.Tensor, last_N: torch.Tensor) -> torch.Tensor:
+        """Run right-padded prompts ``ids_NT`` into ``slots_N``; return float logits [N, V] at ``last_N``.
+
+        Padding sits after each prompt, so causal attention keeps real positions exact; the K/V
+        written at padded positions are overwritten by decode before they are ever attended.
+        """
+        n, t = ids_NT.shape
+        x = self.inner.embed_tokens(ids_NT)
+        cos = self.cos_LD[:t][None, None]
+        sin = self.sin_LD[:t][None, None]
+        for li, layer in enumerate(self.inner.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q, k, v = self._qkv(attn, h)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [N, H*, T, D]
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            self.cache.write_prefill(li, slots_N, k, v)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=True)
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(n, t, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x_ND = x[torch.arange(n, device=x.device), last_N]
+        return self.model.lm_head(self.inner.norm(x_ND)).float()
+
+    @torch.no_grad()
+    def decode(self, ids_B: torch.Tensor, pos_B: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """One token for each of slots 0..B-1 at ``pos_B``; attends positions [0, kv_len); float logits [B, V]."""
+        b = ids_B.shape[0]
+        g = self.num_heads // self.num_kv_heads
+        x = self.inner.embed_tokens(ids_B)  # [B, hidden]
+        cos = self.cos_LD[pos_B][:, None]  # [B, 1, D]
+        sin = self.sin_LD[pos_B][:, None]
+        # attend to positions <= pos; additive mask [B, 1, 1, Lb] in float32
+        visible = torch.arange(kv_len, device=ids_B.device)[None, :] <= pos_B[:, None]
+        mask = torch.zeros(visible.shape, device=ids_B.device).masked_fill(~visible, float("-inf"))[:, None, None]
+        for li, layer in enumerate(self.inner.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q, k, v = self._qkv(attn, h)  # [B, H, D], [B, Hkv, D]
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            self.cache.write_decode(li, pos_B, k, v)
+            kc, vc = self.cache.read(li, b, kv_len)  # [B, Hkv, Lb, D]
+            q = q.view(b, self.num_kv_heads, g, self.head_dim)
+            scores = torch.matmul(q, kc.transpose(-1, -2)).float() * attn.scaling + mask  # [B, Hkv, G, Lb]
+            p = torch.softmax(scores, dim=-1).to(vc.dtype)
+            o = torch.matmul(p, vc)  # [B, Hkv, G, D]
+            x = x + attn.o_proj(o.reshape(b, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.model.lm_head(self.inner.norm(x)).float()
+
+
+class GenericRunner:
+    """Any HF causal LM: keeps each slot's token ids and re-runs the full sequences every step."""
+
+    def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, device: torch.device) -> None:
+        self.model, self.device, self.max_len = model, device, max_len
+        self.vocab_size = model.config.vocab_size
+        self.seqs: list[list[int]] = [[] for _ in range(num_slots)]
+        self.cache = None
+
+    def rebuild_rope(self) -> None:
+        pass
+
+    @torch.no_grad()
+    def _last_logits(self, seqs: list[list[int]]) -> torch.Tensor:
+        t = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), t, dtype=torch.long, device=self.device)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.tensor(s, device=self.device)
+        # right padding + causal attention: real positions see only real tokens
+        logits = self.model(input_ids=ids, use_cache=False).logits
+        last = torch.tensor([len(s) - 1 for s in seqs], device=self.device)
+        return logits[torch.arange(len(seqs), device=self.device), last].float()
+
+    def prefill(self, ids_NT: torch.Tensor, slots_N: torch.Tensor, last_N: torch.Tensor) -> torch.Tensor:
+        rows = ids_NT.tolist()
+        for slot, row, last in zip(slots_N.tolist(), rows, last_N.tolist()):
+            self.seqs[slot] = row[: last + 1]
+        return self._last_logits([self.seqs[s] for s in slots_N.tolist()])
+
+    def decode(self, ids_B: torch.Tensor, pos_B: torch.Tensor, kv_len: int) -> torch.Tensor:
+        for slot, (tok, pos) in enumerate(zip(ids_B.tolist(), pos_B.tolist())):
+            self.seqs[slot] = self.seqs[slot][:pos] + [tok] if pos > 0 else [tok]
+        return self._last_logits(self.seqs[: ids_B.shape[0]])
+
+
+def build_runner(model: torch.nn.Module, num_slots: int, max_len: int, device: torch.device):
+    """The fastest runner that supports ``model``."""
+    if hasattr(model, "make_inference_runner"):
+        return model.make_inference_runner(num_slots, max_len, device)
+    if is_llama_style(model):
+        return LlamaStyleRunner(model, num_slots, max_len, device)
+    return GenericRunner(model, num_slots, max_len, device)

@@ -1,0 +1,136 @@
+"""Batched token sampling with per-row parameters and counter-based, batch-independent noise.
+
+Shapes: ``B`` rows (sequences), ``V`` vocabulary. Every function here is pure tensor ops (no
+host syncs, no per-row Python loops, no ``torch.Generator``), so a decode step can be captured in a
+CUDA graph and a row's sample depends only on its own logits, seed and step, never on its
+neighbours in the batch.
+
+Order of operations for a row with temperature T > 0 (the distribution a token is sampled from,
+and whose log-probability is reported; see docs/inference.md):
+  1. ``logits / T`` in float32;
+  2. min-p: drop tokens whose probability is below ``min_p * max_prob``;
+  3. top-k: keep the k largest (ties at the k-th value are all kept);
+  4. top-p: keep the smallest prefix of the descending-sorted, renormalised distribution whose
+     mass reaches ``top_p`` (the token that crosses the threshold is kept);
+  5. renormalise over the kept set; sample with the Gumbel-max trick using noise hashed from
+     (seed, step, vocab index).
+T = 0 is greedy (argmax of the raw logits) and reports ``log_softmax(logits)[token]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32-style) on int64 tensors holding values in [0, 2^32).
+
+    Multipliers are < 2^31 so every product stays below 2^63: no signed overflow anywhere.
+    """
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _MASK32
+    x = x ^ (x >> 16)
+    x = (x * 0x297A2D39) & _MASK32
+    x = x ^ (x >> 15)
+    return x
+
+
+def row_keys(seeds_B: torch.Tensor, steps_B: torch.Tensor) -> torch.Tensor:
+    """Per-row 32-bit keys from (seed, step): int64 [B] -> int64 [B] in [0, 2^32)."""
+    lo = seeds_B & _MASK32
+    hi = (seeds_B >> 32) & _MASK32
+    k = _mix32(lo ^ 0x5BD1E995)
+    k = _mix32(k ^ hi)
+    return _mix32(k ^ (steps_B & _MASK32))
+
+
+def uniform_noise(seeds_B: torch.Tensor, steps_B: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Uniforms in (0, 1), float32 [B, V], a pure function of (seed, step, vocab index)."""
+    keys_B = row_keys(seeds_B, steps_B)
+    v_V = torch.arange(vocab_size, device=seeds_B.device, dtype=torch.int64)
+    x_BV = _mix32(keys_B[:, None] ^ _mix32(v_V + 0x3C6EF372)[None, :])
+    # 24 high bits -> (0, 1) exactly representable in float32, never 0 or 1.
+    return ((x_BV >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass(kw_only=True, slots=True)
+class SamplingTensors:
+    """Per-row sampling parameters on the logits' device. Rows with temperature 0 are greedy."""
+
+    temperature_B: torch.Tensor
+    """float32 [B]."""
+    top_k_B: torch.Tensor
+    """int64 [B]; 0 is off."""
+    top_p_B: torch.Tensor
+    """float32 [B]; 1 is off."""
+    min_p_B: torch.Tensor
+    """float32 [B]; 0 is off."""
+    seeds_B: torch.Tensor
+    """int64 [B]."""
+    steps_B: torch.Tensor
+    """int64 [B]: index of the token being sampled within its completion."""
+    needs_sort: bool = False
+    """Host-side flag: some row uses top-k or top-p (needs a vocab sort)."""
+    needs_min_p: bool = False
+    """Host-side flag: some row uses min-p."""
+
+
+def filter_logits(logits_BV: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Temperature-scaled float32 logits with filtered-out tokens set to -inf (steps 1-4 above).
+
+    Greedy rows (T = 0) are scaled by 1 and never filtered.
+    """
+    greedy_B = st.temperature_B <= 0
+    temp_B = torch.where(greedy_B, torch.ones_like(st.temperature_B), st.temperature_B)
+    x_BV = logits_BV.float() / temp_B[:, None]
+    neg_inf = torch.tensor(float("-inf"), device=x_BV.device)
+    if st.needs_min_p:
+        logp_BV = torch.log_softmax(x_BV, dim=-1)
+        # p_i < min_p * p_max  <=>  logp_i < log(min_p) + logp_max
+        thresh_B = torch.log(st.min_p_B.clamp_min(1e-30)) + logp_BV.max(dim=-1).values
+        drop_BV = (logp_BV < thresh_B[:, None]) & (st.min_p_B > 0)[:, None] & ~greedy_B[:, None]
+        x_BV = x_BV.masked_fill(drop_BV, neg_inf)
+    if st.needs_sort:
+        x_BV = _top_k_top_p(x_BV, st, greedy_B)
+    return x_BV
+
+
+def _top_k_top_p(x_BV: torch.Tensor, st: SamplingTensors, greedy_B: torch.Tensor) -> torch.Tensor:
+    vocab = x_BV.shape[-1]
+    sorted_BV, idx_BV = torch.sort(x_BV, dim=-1, descending=True)
+    k_B = torch.where(st.top_k_B > 0, st.top_k_B.clamp_max(vocab), torch.full_like(st.top_k_B, vocab))
+    kth_B = sorted_BV.gather(1, (k_B - 1)[:, None]).squeeze(1)
+    ranks_V = torch.arange(vocab, device=x_BV.device)
+    # top-k keeps values >= the k-th value (ties kept) -> in sorted order a prefix.
+    keep_sorted_BV = sorted_BV >= kth_B[:, None]
+    sorted_BV = sorted_BV.masked_fill(~keep_sorted_BV, float("-inf"))
+    probs_BV = torch.softmax(sorted_BV, dim=-1)
+    mass_before_BV = torch.cumsum(probs_BV, dim=-1) - probs_BV
+    keep_p_BV = (mass_before_BV < st.top_p_B[:, None]) | (ranks_V[None, :] == 0)
+    keep_sorted_BV = keep_sorted_BV & keep_p_BV
+    keep_sorted_BV = keep_sorted_BV | greedy_B[:, None]
+    keep_BV = torch.zeros_like(keep_sorted_BV).scatter(1, idx_BV, keep_sorted_BV)
+    return x_BV.masked_fill(~keep_BV, float("-inf"))
+
+
+def sample(logits_BV: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; return (tokens int64 [B], logprobs float32 [B]).
+
+    The logprob is log p(token) under the filtered, renormalised distribution the token was drawn
+    from (for greedy rows: ``log_softmax(logits)[token]``).
+    """
+    x_BV = filter_logits(logits_BV, st)
+    logp_BV = torch.log_softmax(x_BV, dim=-1)
+    u_BV = uniform_noise(st.seeds_B, st.steps_B, x_BV.shape[-1])
+    gumbel_BV = -torch.log(-torch.log(u_BV))
+    sampled_B = torch.argmax(x_BV + gumbel_BV, dim=-1)
+    greedy_tok_B = torch.argmax(x_BV, dim=-1)
+    tokens_B = torch.where(st.temperature_B <= 0, greedy_tok_B, sampled_B)
+    logprobs_B = logp_BV.gather(1, tokens_B[:, None]).squeeze(1)
+    return tokens_B, logprobs_B
