@@ -40,3 +40,12 @@ def use_custom(cfg: ModelConfig) -> bool:
 
 def load_custom(path: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     return REGISTRY[model_type(path)](path, device=device, dtype=dtype)
+
+
+def _load_qwen3(path: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    from prime_spmd.models.qwen3.hf import load_qwen3  # lazy: keeps kernels/ out of plain HF runs
+
+    return load_qwen3(path, device=device, dtype=dtype)
+
+
+REGISTRY.update(qwen3=_load_qwen3, qwen3_moe=_load_qwen3)

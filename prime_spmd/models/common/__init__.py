@@ -1,0 +1,1 @@
+"""Building blocks shared by our model families: norm, rope, attention, MoE."""

@@ -1,0 +1,85 @@
+"""Causal grouped-query attention over packed sequences.
+
+Document boundaries come from ``position_ids``: a token whose position is not the previous position
+plus one starts a new document (the rule HF's ``find_packed_sequence_indices`` uses), so packed
+micro-batches need no extra inputs and attention never crosses documents.
+
+Backends: flash-attn's varlen kernel when installed (CUDA, bf16/fp16); else SDPA, with ``is_causal``
+for unpacked rows and a block-diagonal causal bool mask when a row holds several documents.
+
+Legend: B batch, T tokens, N query heads, Nkv kv heads, Dh head dim, S documents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+try:  # optional dependency (CUDA only)
+    from flash_attn import flash_attn_varlen_func
+except ImportError:
+    flash_attn_varlen_func = None
+
+
+@dataclass(slots=True)
+class AttnContext:
+    """Per-forward attention metadata, built once and shared by all layers."""
+
+    mask_B1TT: torch.Tensor | None = None  # SDPA bool mask (True = attend) when rows are packed
+    cu_seqlens_S1: torch.Tensor | None = None  # flash-attn varlen: int32 document offsets over B*T tokens
+    max_seqlen: int = 0
+
+
+def document_starts(position_ids_BT: torch.Tensor) -> torch.Tensor:
+    """Bool [B, T]: True where a new document starts (first token of a row, or position not prev + 1)."""
+    starts = torch.ones_like(position_ids_BT, dtype=torch.bool)
+    starts[:, 1:] = position_ids_BT[:, 1:] - position_ids_BT[:, :-1] != 1
+    return starts
+
+
+def build_attn_context(position_ids_BT: torch.Tensor, dtype: torch.dtype, use_flash: bool = True) -> AttnContext:
+    """Attention metadata for ``position_ids``; syncs with the host once (packed or not, max length)."""
+    starts = document_starts(position_ids_BT)
+    on_flash = (
+        use_flash
+        and flash_attn_varlen_func is not None
+        and position_ids_BT.is_cuda
+        and dtype in (torch.bfloat16, torch.float16)
+    )
+    if on_flash:
+        idx = torch.nonzero(starts.flatten()).flatten()
+        total = torch.tensor([starts.numel()], device=idx.device)
+        cu = torch.cat([idx, total]).to(torch.int32)
+        return AttnContext(cu_seqlens_S1=cu, max_seqlen=int((cu[1:] - cu[:-1]).max()))
+    if not bool(starts[:, 1:].any()):
+        return AttnContext()
+    doc_BT = starts.cumsum(-1)
+    T = position_ids_BT.shape[1]
+    causal_TT = torch.ones(T, T, dtype=torch.bool, device=position_ids_BT.device).tril()
+    mask = (doc_BT[:, :, None] == doc_BT[:, None, :]) & causal_TT
+    return AttnContext(mask_B1TT=mask[:, None])
+
+
+def attention(q_BTND: torch.Tensor, k_BTND: torch.Tensor, v_BTND: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+    """Causal GQA within documents; q [B, T, N, Dh], k/v [B, T, Nkv, Dh] -> [B, T, N, Dh]; scale 1/sqrt(Dh)."""
+    B, T, N, Dh = q_BTND.shape
+    if ctx.cu_seqlens_S1 is not None:
+        out = flash_attn_varlen_func(
+            q_BTND.reshape(B * T, N, Dh),
+            k_BTND.reshape(B * T, -1, Dh),
+            v_BTND.reshape(B * T, -1, Dh),
+            ctx.cu_seqlens_S1,
+            ctx.cu_seqlens_S1,
+            ctx.max_seqlen,
+            ctx.max_seqlen,
+            causal=True,
+        )
+        return out.view(B, T, N, Dh)
+    q, k, v = (t.transpose(1, 2) for t in (q_BTND, k_BTND, v_BTND))
+    if ctx.mask_B1TT is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask_B1TT, enable_gqa=True)
+    return out.transpose(1, 2)

@@ -1,0 +1,80 @@
+"""Mixture-of-experts block: top-k softmax router and stacked experts.
+
+Expert weights are stacked ([E, ...] tensors, dim 0 = expert) so that one grouped kernel runs all
+experts and EP can shard dim 0; Hugging Face checkpoints store them per expert, and the mapping
+lives in ``models/qwen3/hf.py``. The experts compute goes through ``kernels.moe.op``.
+
+Legend: T tokens, K experts per token, D hidden, E experts, I expert intermediate.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.moe.op import MoeImpl, moe_experts
+
+
+class TopKRouter(nn.Module):
+    """Softmax router (fp32) with top-k selection; ``norm_topk_prob`` renormalizes the kept weights."""
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, dim))
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns (probs_TE fp32, topk_weights_TK in x dtype, topk_ids_TK int64)."""
+        logits_TE = F.linear(x_TD, self.weight)
+        probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float)
+        weights_TK, ids_TK = torch.topk(probs_TE, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+        return probs_TE, weights_TK.to(logits_TE.dtype), ids_TK
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts as two stacked weights: ``gate_up_proj`` [E, 2I, D], ``down_proj`` [E, D, I].
+
+    ``impl`` picks the kernel: ``reference`` (loop, CPU default), ``triton`` (ours), ``grouped_mm``
+    (``torch._grouped_mm``). EP replaces ``forward`` through ``distributed/ep.py``; the model code
+    here stays single-device.
+    """
+
+    def __init__(self, dim: int, inter: int, num_experts: int, impl: MoeImpl = "reference") -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, dim))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, inter))
+        self.impl: MoeImpl = impl
+
+    def forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        return moe_experts(x_TD, ids_TK, weights_TK, self.gate_up_proj, self.down_proj, impl=self.impl)
+
+
+class MoEBlock(nn.Module):
+    """Router + experts; keeps the last forward's load-balance loss and per-expert token counts.
+
+    ``aux_loss`` is the Switch-Transformer loss E * sum_e f_e * P_e (f_e: fraction of the T*K
+    assignments to expert e, P_e: mean router probability), 1.0 at perfect balance.
+    """
+
+    def __init__(self, dim: int, inter: int, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
+        super().__init__()
+        self.gate = TopKRouter(dim, num_experts, top_k, norm_topk_prob)
+        self.experts = GroupedExperts(dim, inter, num_experts)
+        self.aux_loss: torch.Tensor | None = None
+        self.tokens_per_expert: torch.Tensor | None = None
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        B, T, D = x_BTD.shape
+        x_TD = x_BTD.reshape(-1, D)
+        probs_TE, weights_TK, ids_TK = self.gate(x_TD)
+        E = probs_TE.shape[-1]
+        with torch.no_grad():
+            counts_E = torch.bincount(ids_TK.flatten(), minlength=E).float()
+        self.tokens_per_expert = counts_E
+        self.aux_loss = E * (counts_E / ids_TK.numel() * probs_TE.mean(0)).sum()
+        return self.experts(x_TD, ids_TK, weights_TK).view(B, T, D)

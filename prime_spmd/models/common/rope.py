@@ -1,0 +1,43 @@
+"""Rotary position embedding (the "default" rope type of HF configs: half-split rotation).
+
+Legend: B batch, T tokens, N heads, Dh head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables [B, T, Dh] for arbitrary ``position_ids`` (packed sequences restart at 0)."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self) -> torch.Tensor:
+        return 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim))
+
+    def reset_parameters(self) -> None:
+        """Recompute the buffer (needed after building on the meta device)."""
+        self.inv_freq = self._inv_freq().to(self.inv_freq.device)
+
+    def forward(self, position_ids_BT: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # fp32 angles, as HF computes them, so logits match to the last bit in fp32
+        freqs = position_ids_BT[..., None].float() * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x_BTND: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [B, T, N, Dh] by the tables [B, T, Dh]."""
+    cos, sin = cos_BTD.unsqueeze(2), sin_BTD.unsqueeze(2)
+    return x_BTND * cos + rotate_half(x_BTND) * sin
