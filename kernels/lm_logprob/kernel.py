@@ -29,18 +29,33 @@ GRAD_BUFFER_ELEMENTS = 2**29
 
 
 @triton.jit
-def _logits_tile(h_ptr, w_ptr, offs_n, offs_v, mask_n, mask_v, H, stride_hn, stride_wv,
-                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _logits_tile(
+    h_ptr,
+    w_ptr,
+    offs_n,
+    offs_v,
+    mask_n,
+    mask_v,
+    H,
+    stride_hn,
+    stride_wv,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """fp32 [BLOCK_N, BLOCK_V] tile of hidden @ weight.T (rows offs_n, vocab columns offs_v)."""
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < H
-        h = tl.load(h_ptr + offs_n[:, None] * stride_hn + offs_k[None, :],
-                    mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(w_ptr + offs_v[None, :] * stride_wv + offs_k[:, None],
-                    mask=mask_v[None, :] & mask_k[:, None], other=0.0)
+        h = tl.load(
+            h_ptr + offs_n[:, None] * stride_hn + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0
+        )
+        w = tl.load(
+            w_ptr + offs_v[None, :] * stride_wv + offs_k[:, None], mask=mask_v[None, :] & mask_k[:, None], other=0.0
+        )
         if UPCAST:
             h = h.to(tl.float32)
             w = w.to(tl.float32)
@@ -49,10 +64,27 @@ def _logits_tile(h_ptr, w_ptr, offs_n, offs_v, mask_n, mask_v, H, stride_hn, str
 
 
 @triton.jit
-def _fwd_kernel(h_ptr, w_ptr, tgt_ptr, temp_ptr, m_ptr, s_ptr, a_ptr, zt_ptr,
-                N, H, V, stride_hn, stride_wv, v_per_split,
-                BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-                UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _fwd_kernel(
+    h_ptr,
+    w_ptr,
+    tgt_ptr,
+    temp_ptr,
+    m_ptr,
+    s_ptr,
+    a_ptr,
+    zt_ptr,
+    N,
+    H,
+    V,
+    stride_hn,
+    stride_wv,
+    v_per_split,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -68,8 +100,25 @@ def _fwd_kernel(h_ptr, w_ptr, tgt_ptr, temp_ptr, m_ptr, s_ptr, a_ptr, zt_ptr,
     for v0 in range(v_start, v_end, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
         mask_v = offs_v < v_end
-        z = _logits_tile(h_ptr, w_ptr, offs_n, offs_v, mask_n, mask_v, H, stride_hn, stride_wv,
-                         BLOCK_N, BLOCK_V, BLOCK_K, UPCAST, PRECISION) * inv_t[:, None]
+        z = (
+            _logits_tile(
+                h_ptr,
+                w_ptr,
+                offs_n,
+                offs_v,
+                mask_n,
+                mask_v,
+                H,
+                stride_hn,
+                stride_wv,
+                BLOCK_N,
+                BLOCK_V,
+                BLOCK_K,
+                UPCAST,
+                PRECISION,
+            )
+            * inv_t[:, None]
+        )
         z_masked = tl.where(mask_v[None, :], z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z_masked, axis=1))
         alpha = tl.exp(m - m_new)
@@ -86,11 +135,31 @@ def _fwd_kernel(h_ptr, w_ptr, tgt_ptr, temp_ptr, m_ptr, s_ptr, a_ptr, zt_ptr,
 
 
 @triton.jit
-def _grad_logits_kernel(h_ptr, w_ptr, tgt_ptr, temp_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, g_ptr,
-                        N, H, V, stride_hn, stride_wv, stride_gn,
-                        HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _grad_logits_kernel(
+    h_ptr,
+    w_ptr,
+    tgt_ptr,
+    temp_ptr,
+    lse_ptr,
+    ent_ptr,
+    glp_ptr,
+    gent_ptr,
+    g_ptr,
+    N,
+    H,
+    V,
+    stride_hn,
+    stride_wv,
+    stride_gn,
+    HAS_GLP: tl.constexpr,
+    HAS_GENT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     # Grouped program order so that GROUP_N row blocks share weight tiles in L2.
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -107,8 +176,25 @@ def _grad_logits_kernel(h_ptr, w_ptr, tgt_ptr, temp_ptr, lse_ptr, ent_ptr, glp_p
     mask_v = offs_v < V
     inv_t = 1.0 / tl.load(temp_ptr + offs_n, mask=mask_n, other=1.0)
     lse = tl.load(lse_ptr + offs_n, mask=mask_n, other=0.0)
-    z = _logits_tile(h_ptr, w_ptr, offs_n, offs_v, mask_n, mask_v, H, stride_hn, stride_wv,
-                     BLOCK_N, BLOCK_V, BLOCK_K, UPCAST, PRECISION) * inv_t[:, None]
+    z = (
+        _logits_tile(
+            h_ptr,
+            w_ptr,
+            offs_n,
+            offs_v,
+            mask_n,
+            mask_v,
+            H,
+            stride_hn,
+            stride_wv,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_K,
+            UPCAST,
+            PRECISION,
+        )
+        * inv_t[:, None]
+    )
     p = tl.exp(z - lse[:, None])
     g = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     if HAS_GLP:
@@ -121,8 +207,16 @@ def _grad_logits_kernel(h_ptr, w_ptr, tgt_ptr, temp_ptr, lse_ptr, ent_ptr, glp_p
         expected = lse - tl.load(ent_ptr + offs_n, mask=mask_n, other=0.0)
         g += gent[:, None] * p * (expected[:, None] - z)
     g = g * inv_t[:, None]  # d z / d raw logits = 1 / T
-    tl.store(g_ptr + offs_n[:, None] * stride_gn + offs_v[None, :], g.to(g_ptr.dtype.element_ty),
-             mask=mask_n[:, None] & mask_v[None, :])
+    tl.store(
+        g_ptr + offs_n[:, None] * stride_gn + offs_v[None, :],
+        g.to(g_ptr.dtype.element_ty),
+        mask=mask_n[:, None] & mask_v[None, :],
+    )
+
+
+def _empty(shape: tuple[int, ...], like: Tensor, dtype: torch.dtype) -> Tensor:
+    """Every output and scratch buffer comes from here, so tests can poison them (NaN-fill)."""
+    return torch.empty(shape, device=like.device, dtype=dtype)
 
 
 def _cuda_configs() -> list[triton.Config]:
@@ -145,6 +239,10 @@ _fwd_tuned = triton.autotune(_cuda_configs(), key=_KEY)(_fwd_kernel)
 _grad_tuned = triton.autotune(_cuda_configs(), key=_KEY)(_grad_logits_kernel)
 # One fixed config for the CPU interpreter (small tiles keep it fast; 16 is tl.dot's minimum).
 _CPU_META = {"BLOCK_N": 16, "BLOCK_V": 32, "BLOCK_K": 32}
+
+
+def _grad_grid(meta: dict) -> tuple[int]:
+    return (triton.cdiv(meta["N"], meta["BLOCK_N"]) * triton.cdiv(meta["V"], meta["BLOCK_V"]),)
 
 
 def _dot_options(hidden_NH: Tensor) -> dict:
@@ -172,10 +270,24 @@ def forward(hidden_NH: Tensor, weight_VH: Tensor, targets_N: Tensor, temperature
     num_tokens, hidden_size = hidden_NH.shape
     vocab = weight_VH.shape[0]
     splits, per_split = _num_vocab_splits(num_tokens, vocab, hidden_NH.device)
-    parts_SN = torch.empty((4, splits, num_tokens), device=hidden_NH.device, dtype=torch.float32)
+    parts_SN = _empty((4, splits, num_tokens), hidden_NH, torch.float32)
     m_SN, s_SN, a_SN, zt_SN = parts_SN.unbind(0)
-    args = (hidden_NH, weight_VH, targets_N, temperature_N, m_SN, s_SN, a_SN, zt_SN,
-            num_tokens, hidden_size, vocab, hidden_NH.stride(0), weight_VH.stride(0), per_split)
+    args = (
+        hidden_NH,
+        weight_VH,
+        targets_N,
+        temperature_N,
+        m_SN,
+        s_SN,
+        a_SN,
+        zt_SN,
+        num_tokens,
+        hidden_size,
+        vocab,
+        hidden_NH.stride(0),
+        weight_VH.stride(0),
+        per_split,
+    )
     opts = _dot_options(hidden_NH)
     if opts["UPCAST"]:
         grid = (triton.cdiv(num_tokens, _CPU_META["BLOCK_N"]), splits)
@@ -200,39 +312,55 @@ def backward(
     temperature_N: Tensor,
     lse_N: Tensor,
     entropy_N: Tensor,
-    grad_buffer_elements: int = GRAD_BUFFER_ELEMENTS,
+    grad_buffer_elements: int | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(d hidden [N, H], d weight [V, H]) in the input dtype; recomputes logits chunk by chunk."""
+    """(d hidden [N, H], d weight [V, H]) in the input dtype; recomputes logits chunk by chunk.
+
+    grad_buffer_elements caps the [chunk, V] scratch buffer (default GRAD_BUFFER_ELEMENTS).
+    """
     num_tokens, hidden_size = hidden_NH.shape
     vocab = weight_VH.shape[0]
-    grad_hidden_NH = torch.empty_like(hidden_NH)
-    grad_weight_VH = torch.zeros_like(weight_VH)
     if grad_logprob_N is None and grad_entropy_N is None:
-        return grad_hidden_NH.zero_(), grad_weight_VH
-    chunk = max(1, min(num_tokens, grad_buffer_elements // vocab))
+        return torch.zeros_like(hidden_NH), torch.zeros_like(weight_VH)
+    grad_hidden_NH = _empty(tuple(hidden_NH.shape), hidden_NH, hidden_NH.dtype)
+    grad_weight_VH = _empty(tuple(weight_VH.shape), weight_VH, weight_VH.dtype)
+    budget = GRAD_BUFFER_ELEMENTS if grad_buffer_elements is None else grad_buffer_elements
+    chunk = max(1, min(num_tokens, budget // vocab))
     if chunk >= 128:
         chunk -= chunk % 128
-    grad_CV = torch.empty((chunk, vocab), device=hidden_NH.device, dtype=hidden_NH.dtype)
+    grad_CV = _empty((chunk, vocab), hidden_NH, hidden_NH.dtype)
     opts = _dot_options(hidden_NH)
     dummy = lse_N  # placeholder pointer for an absent upstream gradient (never read)
     for start in range(0, num_tokens, chunk):
         end = min(start + chunk, num_tokens)
         rows = end - start
         grad_cv = grad_CV[:rows]
-        args = (hidden_NH[start:end], weight_VH, targets_N[start:end], temperature_N[start:end],
-                lse_N[start:end], entropy_N[start:end],
-                dummy if grad_logprob_N is None else grad_logprob_N[start:end],
-                dummy if grad_entropy_N is None else grad_entropy_N[start:end], grad_cv,
-                rows, hidden_size, vocab, hidden_NH.stride(0), weight_VH.stride(0), grad_cv.stride(0))
+        args = (
+            hidden_NH[start:end],
+            weight_VH,
+            targets_N[start:end],
+            temperature_N[start:end],
+            lse_N[start:end],
+            entropy_N[start:end],
+            dummy if grad_logprob_N is None else grad_logprob_N[start:end],
+            dummy if grad_entropy_N is None else grad_entropy_N[start:end],
+            grad_cv,
+            rows,
+            hidden_size,
+            vocab,
+            hidden_NH.stride(0),
+            weight_VH.stride(0),
+            grad_cv.stride(0),
+        )
         flags = {"HAS_GLP": grad_logprob_N is not None, "HAS_GENT": grad_entropy_N is not None, "GROUP_N": 8}
         if opts["UPCAST"]:
             grid = (triton.cdiv(rows, _CPU_META["BLOCK_N"]) * triton.cdiv(vocab, _CPU_META["BLOCK_V"]),)
             _grad_logits_kernel[grid](*args, **flags, **_CPU_META, **opts)
         else:
-            _grad_tuned[lambda meta: (triton.cdiv(rows, meta["BLOCK_N"]) * triton.cdiv(vocab, meta["BLOCK_V"]),)](
-                *args, **flags, **opts
-            )
+            _grad_tuned[_grad_grid](*args, **flags, **opts)
         torch.mm(grad_cv, weight_VH, out=grad_hidden_NH[start:end])
-        # beta=1 accumulation in the weight dtype: one rounding per chunk (see README).
-        grad_weight_VH.addmm_(grad_cv.T, hidden_NH[start:end])
+        if start == 0:
+            torch.mm(grad_cv.T, hidden_NH[start:end], out=grad_weight_VH)
+        else:  # beta=1 accumulation in the weight dtype: one rounding per chunk (see README).
+            grad_weight_VH.addmm_(grad_cv.T, hidden_NH[start:end])
     return grad_hidden_NH, grad_weight_VH
