@@ -1,0 +1,1 @@
+"""Datasets: the seeded reverse-text generator and local JSONL/Parquet SFT files."""

@@ -1,0 +1,151 @@
+"""SFT datasets -> tokenized ``Sample``s (loss on completion tokens only).
+
+Row formats of local JSONL / Parquet files:
+- ``{"prompt": str, "completion": str}``: the prompt becomes one user message;
+- ``{"prompt": [messages], "completion": str | [one assistant message]}``;
+- ``{"messages": [..., {"role": "assistant", "content": str}]}``: the last message is the completion.
+The prompt is rendered with the tokenizer's chat template (generation prompt added); the
+completion is its text plus the eos token. Malformed rows are skipped and counted (the first few
+logged) or, with ``--data.bad_rows=error``, stop the run with the row index.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from prime_spmd.config.sections import DataConfig
+from prime_spmd.data.reverse_text import example_rng, reverse_text_example
+from prime_spmd.log import logger
+from prime_spmd.trainer.packing import Sample
+
+_SHOWN_BAD_ROWS = 3
+
+
+def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            "the tokenizer has no chat_template, which SFT/RL prompts need; use a tokenizer with one "
+            "(--model.tokenizer_path) or a model directory that ships it"
+        )
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(out, "keys"):
+        out = out["input_ids"]
+    return list(out)
+
+
+def _row_to_chat(row: Any) -> tuple[list[dict], str]:
+    """(prompt messages, completion text) of a row, or ValueError saying what is wrong."""
+    if not isinstance(row, dict):
+        raise ValueError(f"row is a {type(row).__name__}, expected an object")
+    if "messages" in row:
+        msgs = row["messages"]
+        if not isinstance(msgs, list) or len(msgs) < 2 or not all(isinstance(m, dict) for m in msgs):
+            raise ValueError("'messages' must be a list of at least 2 message objects")
+        last = msgs[-1]
+        if last.get("role") != "assistant" or not isinstance(last.get("content"), str):
+            raise ValueError("the last message must be {'role': 'assistant', 'content': str}")
+        return msgs[:-1], last["content"]
+    if "prompt" not in row or "completion" not in row:
+        raise ValueError(f"missing field(s): need 'prompt' and 'completion' or 'messages'; got keys {sorted(row)}")
+    prompt, completion = row["prompt"], row["completion"]
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise ValueError("empty prompt")
+        prompt = [{"role": "user", "content": prompt}]
+    elif not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "content" in m for m in prompt)):
+        raise ValueError("'prompt' must be a non-empty string or a list of messages")
+    if isinstance(completion, list) and len(completion) == 1 and isinstance(completion[0], dict):
+        completion = completion[0].get("content")
+    if not isinstance(completion, str):
+        raise ValueError(f"'completion' must be a string, got {type(completion).__name__}")
+    return prompt, completion
+
+
+def read_rows(path: str, source: str) -> list[Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--data.path={path!r}: no such file")
+    if source == "jsonl":
+        rows = []
+        for i, line in enumerate(p.read_text().splitlines()):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                rows.append(ValueError(f"line {i + 1} is not valid JSON: {e}"))
+        return rows
+    import pyarrow.parquet as pq
+
+    return pq.read_table(p).to_pylist()
+
+
+class SFTDataset:
+    """Deterministic, position-addressable SFT data: ``batch(step, batch_size)`` is a pure function
+    of (seed, step), so resuming at a step needs no iterator state."""
+
+    def __init__(self, cfg: DataConfig, tokenizer, seed: int, seq_len: int) -> None:
+        self.cfg, self.tok, self.seed, self.seq_len = cfg, tokenizer, seed, seq_len
+        self.rows = None if cfg.source == "reverse_text" else read_rows(cfg.path, cfg.source)
+        if self.rows is not None and not self.rows:
+            raise ValueError(f"--data.path={cfg.path!r} has no rows")
+        self.num_bad_rows = 0
+        self.num_too_long = 0
+
+    def __len__(self) -> int:
+        return len(self.rows) if self.rows is not None else 2**62
+
+    def example(self, split: str, index: int) -> tuple[list[dict], str]:
+        """(prompt messages, completion text) of row/example ``index``."""
+        if self.rows is None:
+            text, rev = reverse_text_example(
+                example_rng(self.seed, split, index), self.cfg.min_chars, self.cfg.max_chars, self.cfg.alphabet
+            )
+            return [{"role": "user", "content": text}], rev
+        row = self.rows[index]
+        if isinstance(row, Exception):
+            raise row
+        return _row_to_chat(row)
+
+    def tokenize(self, prompt: list[dict], completion: str) -> Sample:
+        prompt_ids = render_prompt(self.tok, prompt)
+        completion_ids = list(self.tok.encode(completion, add_special_tokens=False)) + [self.tok.eos_token_id]
+        ids = prompt_ids + completion_ids
+        return Sample(input_ids=ids, loss_mask=[0] * len(prompt_ids) + [1] * len(completion_ids))
+
+    def _bad(self, index: int, err: Exception) -> None:
+        if self.cfg.bad_rows == "error":
+            raise ValueError(f"{self.cfg.path}: row {index}: {err}") from err
+        self.num_bad_rows += 1
+        if self.num_bad_rows <= _SHOWN_BAD_ROWS:
+            logger.warning(f"skipping bad row {index} of {self.cfg.path}: {err}")
+
+    def row_index(self, global_index: int) -> int:
+        n = len(self)
+        if self.rows is None:
+            return global_index
+        epoch, pos = divmod(global_index, n)
+        perm = list(range(n))
+        random.Random(f"sft/{self.seed}/{epoch}").shuffle(perm)
+        return perm[pos]
+
+    def batch(self, step: int, batch_size: int) -> list[Sample]:
+        """The global batch of optimizer step ``step`` (skipped rows make it shorter, and are counted)."""
+        out = []
+        for g in range(step * batch_size, (step + 1) * batch_size):
+            idx = self.row_index(g)
+            try:
+                prompt, completion = self.example("train", idx)
+            except ValueError as e:
+                self._bad(idx, e)
+                continue
+            sample = self.tokenize(prompt, completion)
+            if len(sample.input_ids) > self.seq_len:
+                self.num_too_long += 1
+                self._bad(idx, ValueError(f"{len(sample.input_ids)} tokens > --trainer.seq_len={self.seq_len}"))
+                continue
+            out.append(sample)
+        return out

@@ -1,0 +1,174 @@
+"""Per-role default process groups and the explicit cross-role bridges.
+
+vLLM's ``external_launcher`` takes the whole default process group as its world, so each role gets
+its own default group: trainer ranks init one over the trainer ranks, inference ranks one over the
+inference ranks (both rendezvous through the torchrun master's TCPStore, under different
+prefixes). Traffic between roles goes over two bridges, built as standalone backends on the same
+store, never through the default group:
+
+- the *weight bridge* (NCCL on CUDA, gloo on CPU): trainer rank 0 + every inference rank; new
+  weights are broadcast from trainer rank 0 after each optimizer step;
+- the *data bridge* (gloo, CPU tensors): the controller (global rank 0) + every engine leader;
+  rollouts travel as pickled byte tensors, point to point.
+
+Colocated mode has no bridges: every rank is in the one default group, weights are copied
+in-process and rollouts are gathered over the default group.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from prime_spmd.config.sections import TopologyConfig
+from prime_spmd.distributed.topology import CONTROLLER_RANK, Topology, plan_topology
+from prime_spmd.log import logger
+
+
+class Bridge:
+    """A standalone process group over ``members`` (global ranks), addressed by global rank.
+
+    Built only on member ranks, at the same point in each member's program. Sends are
+    asynchronous (the ``Work`` and its buffers are kept until ``wait_sends``); receives and
+    broadcasts block. Every op is collective among the members it names, so the schedule decides
+    the order, and two bridges never wait on each other.
+    """
+
+    def __init__(self, name: str, store: dist.Store, members: list[int], rank: int, backend: str, timeout: timedelta):
+        assert rank in members, f"rank {rank} is not a member of bridge {name} {members}"
+        self.name, self.members, self.rank, self.backend = name, list(members), rank, backend
+        prefixed = dist.PrefixStore(f"bridge/{name}", store)
+        me, size = members.index(rank), len(members)
+        if backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self.pg = dist.ProcessGroupNCCL(prefixed, me, size, opts)
+        else:
+            self.pg = dist.ProcessGroupGloo(prefixed, me, size, timeout)
+        self._pending: list[tuple[Any, list[torch.Tensor]]] = []
+
+    def _idx(self, global_rank: int) -> int:
+        if global_rank not in self.members:
+            raise AssertionError(f"rank {global_rank} is not in bridge {self.name} {self.members}")
+        return self.members.index(global_rank)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        """Blocking broadcast of ``tensor`` (in place on receivers) from global rank ``src``; all members call it."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = self._idx(src)
+        opts.rootTensor = 0
+        self.pg.broadcast([tensor], opts).wait()
+
+    def isend(self, tensor: torch.Tensor, dst: int) -> None:
+        """Asynchronous send; the tensor is kept alive until ``wait_sends``."""
+        work = self.pg.send([tensor], self._idx(dst), 0)
+        self._pending.append((work, [tensor]))
+
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        self.pg.recv([tensor], self._idx(src), 0).wait()
+        return tensor
+
+    def isend_object(self, obj: Any, dst: int) -> None:
+        """Pickle ``obj`` and send it (length, then bytes) to global rank ``dst`` without blocking."""
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        self.isend(torch.tensor([payload.numel()], dtype=torch.int64), dst)
+        self.isend(payload, dst)
+
+    def recv_object(self, src: int) -> Any:
+        """Receive one object sent by ``isend_object`` from global rank ``src`` (blocks)."""
+        size = self.recv(torch.zeros(1, dtype=torch.int64), src)
+        payload = self.recv(torch.empty(int(size.item()), dtype=torch.uint8), src)
+        return pickle.loads(payload.numpy().tobytes())
+
+    def wait_sends(self) -> None:
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+
+    def close(self) -> None:
+        self.wait_sends()
+
+
+@dataclass
+class DistContext:
+    """What a rank knows about the job's process groups. Runtime object: never put in config."""
+
+    topo: Topology
+    device: torch.device
+    backend: str
+    store: dist.Store
+    weight_bridge: Bridge | None = None
+    data_bridge: Bridge | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def role_world_size(self) -> int:
+        return dist.get_world_size()
+
+    def close(self) -> None:
+        for b in (self.weight_bridge, self.data_bridge):
+            if b is not None:
+                b.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _device(backend_cfg: str) -> torch.device:
+    if backend_cfg != "gloo" and torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+    if world_size == 1 and "MASTER_ADDR" not in os.environ:
+        return dist.HashStore()
+    # env:// rendezvous connects to the torchrun agent's TCPStore (TORCHELASTIC_USE_AGENT_STORE) or,
+    # without torchrun, makes rank 0 host it: the same logic init_process_group uses.
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+    return store
+
+
+def init_distributed(cfg: TopologyConfig) -> DistContext:
+    """Plan roles from RANK/WORLD_SIZE and build this rank's default group and bridges.
+
+    Every rank of the job calls it once, at start. Side effects: initializes the default process
+    group (the role's world), sets the CUDA device.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
+    topo = plan_topology(cfg, world_size, rank, local_world)
+    device = _device(cfg.backend)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if cfg.backend == "nccl" and backend != "nccl":
+        raise ValueError("--topology.backend=nccl needs CUDA, which is not available; use auto or gloo")
+    timeout = timedelta(seconds=cfg.timeout_s)
+    store = _store(rank, world_size, timeout)
+    if topo.is_trainer:
+        role, role_rank, role_size = "trainer", topo.trainer_rank, topo.num_trainer_ranks
+    else:
+        role, role_rank, role_size = "inference", topo.inference_rank, topo.num_inference_ranks
+    dist.init_process_group(
+        backend, store=dist.PrefixStore(f"role/{role}", store), rank=role_rank, world_size=role_size, timeout=timeout
+    )
+    ctx = DistContext(topo=topo, device=device, backend=backend, store=store)
+    if topo.mode == "disjoint":
+        weight_members = [CONTROLLER_RANK] + topo.inference_ranks
+        data_members = [CONTROLLER_RANK] + topo.engine_leaders
+        if rank in weight_members:
+            ctx.weight_bridge = Bridge("weights", store, weight_members, rank, backend, timeout)
+        if rank in data_members:
+            ctx.data_bridge = Bridge("data", store, data_members, rank, "gloo", timeout)
+    logger.info(
+        f"topology: {topo.mode}, world {world_size}: trainer ranks {topo.trainer_ranks}, "
+        f"inference ranks {topo.inference_ranks} ({topo.num_engines} engine(s) x tp {topo.engine_tp}), backend {backend}"
+    )
+    return ctx

@@ -1,0 +1,89 @@
+"""Build the trainer side of a job: model (FSDP2), optimizer, schedule, tokenizer."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from prime_spmd.config.sections import ModelConfig, OptimConfig, TrainerConfig
+from prime_spmd.distributed.fsdp import apply_activation_checkpointing, apply_fsdp
+from prime_spmd.distributed.groups import DistContext
+from prime_spmd.distributed.mesh import build_trainer_mesh
+from prime_spmd.models.loading import load_model, load_tokenizer, maybe_build_tiny, resolve_dtype
+from prime_spmd.trainer.optim import build_optimizer, build_scheduler
+from prime_spmd.trainer.policy import PolicyModel, decoder_layer_lists, resolve_loss_impl
+
+
+@dataclass
+class TrainerParts:
+    policy: nn.Module
+    """PolicyModel (FSDP2 root); ``policy.lm`` is the causal LM with HF parameter names."""
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    mesh: DeviceMesh
+    tokenizer: object
+    compute_dtype: torch.dtype
+
+
+def prepare_model_dir(model_cfg: ModelConfig, ctx: DistContext, seed: int) -> None:
+    """With --model.init_tiny, global rank 0 writes the random model once; every rank of the job
+    waits for it through the TCPStore (works across roles, before any role collective)."""
+    if model_cfg.init_tiny == "none":
+        return
+    key = f"init_tiny_done/{os.path.abspath(model_cfg.path)}"
+    if ctx.topo.rank == 0:
+        maybe_build_tiny(model_cfg, seed)
+        ctx.store.set(key, "1")
+    else:
+        ctx.store.wait([key])
+
+
+def set_threads(num_threads: int) -> None:
+    if num_threads > 0:
+        torch.set_num_threads(num_threads)
+
+
+def build_trainer(
+    model_cfg: ModelConfig, trainer_cfg: TrainerConfig, optim_cfg: OptimConfig, ctx: DistContext
+) -> TrainerParts:
+    """Load the LM (fp32 master weights), apply AC and FSDP2, build AdamW + schedule.
+
+    Collective over the trainer role: every trainer rank calls it.
+    """
+    device = ctx.device
+    compute_dtype = resolve_dtype(model_cfg.dtype, device)
+    torch.manual_seed(trainer_cfg.seed)
+    lm = load_model(model_cfg, device, dtype=torch.float32)
+    if getattr(lm, "config", None) is not None:
+        lm.config.use_cache = False
+    policy = PolicyModel(lm, resolve_loss_impl(trainer_cfg.loss_impl, device))
+    blocks = policy.blocks()
+    if trainer_cfg.activation_checkpointing:
+        apply_activation_checkpointing(blocks, decoder_layer_lists(lm))
+        blocks = policy.blocks()
+    mesh = build_trainer_mesh(ctx.topo, device)
+    apply_fsdp(policy, blocks, mesh, param_dtype=compute_dtype, reshard_after_forward=trainer_cfg.reshard_after_forward)
+    optimizer = build_optimizer(policy, optim_cfg)
+    scheduler = build_scheduler(optimizer, optim_cfg, trainer_cfg.max_steps)
+    return TrainerParts(
+        policy=policy,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        mesh=mesh,
+        tokenizer=load_tokenizer(model_cfg),
+        compute_dtype=compute_dtype,
+    )
+
+
+def strip_prefix(state_dict: dict[str, torch.Tensor], prefix: str = "lm.") -> dict[str, torch.Tensor]:
+    """PolicyModel state-dict names -> the LM's own (HF) names; checkpoint wrappers' prefixes removed."""
+    out = {}
+    for k, v in state_dict.items():
+        if k.startswith(prefix):
+            k = k[len(prefix) :]
+        out[k.replace("._checkpoint_wrapped_module", "")] = v
+    return out

@@ -1,0 +1,149 @@
+"""Checkpoints that resume exactly, and HF-format weight export.
+
+Layout of ``<output_dir>/checkpoints/``:
+- ``step_000010/``: complete checkpoints only. ``dcp/`` holds the torch.distributed.checkpoint
+  shards of model + optimizer (written by every trainer rank), ``state.json`` the controller state
+  (step, scheduler, data position, counters, anything the loop adds), ``rng_rank{r}.pt`` each rank's
+  RNG states.
+- ``step_000010.tmp/``: being written. A checkpoint is written under the .tmp name and renamed
+  by rank 0 after every rank finished (rename is atomic), so a kill mid-write never leaves a
+  corrupt checkpoint under a complete name; stale .tmp dirs are deleted at the next start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+from prime_spmd.log import logger
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class Checkpointer:
+    """Save/load trainer state. Collective over the trainer role: every trainer rank calls
+    ``save``/``load`` at the same step; only trainer rank 0 touches the directory names."""
+
+    def __init__(self, output_dir: str | Path, keep_last: int, rank: int) -> None:
+        self.root = Path(output_dir) / "checkpoints"
+        self.keep_last, self.rank = keep_last, rank
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob("step_*.tmp"):
+                logger.warning(f"removing incomplete checkpoint {stale}")
+                shutil.rmtree(stale, ignore_errors=True)
+        _barrier()
+
+    def complete(self) -> list[Path]:
+        """Complete checkpoints, oldest first."""
+        if not self.root.is_dir():
+            return []
+        dirs = [p for p in self.root.iterdir() if p.is_dir() and p.name.startswith("step_") and p.suffix != ".tmp"]
+        return sorted((p for p in dirs if (p / "state.json").is_file()), key=lambda p: int(p.name[5:]))
+
+    def latest(self) -> Path | None:
+        done = self.complete()
+        return done[-1] if done else None
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> Path:
+        """Write checkpoint ``step`` (the number of optimizer steps taken). ``state`` is JSON-able, rank 0's."""
+        final = self.root / f"step_{step:06d}"
+        tmp = self.root / f"step_{step:06d}.tmp"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _barrier()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+        torch.save(rng_state(), tmp / f"rng_rank{self.rank}.pt")
+        _barrier()
+        if self.rank == 0:
+            (tmp / "state.json").write_text(json.dumps(state, indent=1))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            for old in self.complete()[: -self.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+            logger.info(f"saved checkpoint {final}")
+        _barrier()
+        return final
+
+    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Load model + optimizer shards and this rank's RNG; return the saved controller state."""
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        sd = {"model": model_sd, "optim": optim_sd}
+        dcp.load(sd, checkpoint_id=str(path / "dcp"))
+        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        rng_file = path / f"rng_rank{self.rank}.pt"
+        if rng_file.is_file():
+            set_rng_state(torch.load(rng_file, weights_only=False))
+        logger.info(f"resumed from {path}")
+        return json.loads((path / "state.json").read_text())
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full (unsharded) CPU state dict; collective over the trainer role, result on every rank."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_hf(lm: nn.Module, state_dict: dict[str, torch.Tensor], out_dir: str | Path, tokenizer=None) -> Path:
+    """Write HF-format safetensors that ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads.
+
+    ``state_dict`` has the LM's own (HF) parameter names. Written to a temp dir and renamed.
+    Call on one rank only.
+    """
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if hasattr(lm, "save_hf"):
+        lm.save_hf(tmp, state_dict)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            fresh = AutoModelForCausalLM.from_config(lm.config)
+        fresh.load_state_dict(state_dict, strict=False, assign=True)
+        fresh.tie_weights()
+        missing = [n for n, p in fresh.named_parameters() if p.is_meta]
+        assert not missing, f"HF export: parameters missing from the state dict: {missing[:5]}"
+        fresh.save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out

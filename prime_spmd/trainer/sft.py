@@ -1,0 +1,124 @@
+"""The `sft` subcommand: FSDP2 supervised fine-tuning with packed sequences.
+
+Every rank is a trainer. Each step: the global batch for the step (a pure function of seed and
+step), packed into micro-batches dealt across ranks, one optimizer step, metrics, checkpoints.
+At the end: final checkpoint, HF-format weights in <output_dir>/hf, and (reverse-text data) a
+greedy exact-match evaluation of the exported model.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from prime_spmd.config import SFTJobConfig, to_json
+from prime_spmd.data.sft import SFTDataset
+from prime_spmd.distributed.groups import init_distributed
+from prime_spmd.log import logger
+from prime_spmd.metrics import MetricsSink
+from prime_spmd.progress import Progress
+from prime_spmd.trainer.build import build_trainer, prepare_model_dir, set_threads, strip_prefix
+from prime_spmd.trainer.checkpoint import Checkpointer, full_state_dict, save_hf
+from prime_spmd.trainer.packing import MicroBatch, pack
+from prime_spmd.trainer.step import train_step
+
+
+def sft_loss(logprob_L: torch.Tensor, entropy_L: torch.Tensor, mb: MicroBatch):
+    """Negative log-likelihood summed over completion tokens, plus entropy and token sums."""
+    mask = mb.loss_mask.to(logprob_L.dtype)
+    return -(logprob_L * mask).sum(), {"entropy_sum": (entropy_L.detach() * mask).sum(), "tokens": mask.sum()}
+
+
+def write_resolved_config(cfg, output_dir: Path) -> None:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "config.json").write_text(to_json(cfg))
+
+
+def run_sft(cfg: SFTJobConfig) -> dict[str, float]:
+    """Run SFT on every rank of the job; returns the final metrics (rank 0's view)."""
+    set_threads(cfg.trainer.num_threads)
+    ctx = init_distributed(cfg.topology)
+    topo = ctx.topo
+    out = Path(cfg.output_dir)
+    if topo.rank == 0:
+        write_resolved_config(cfg, out)
+        logger.info(f"resolved config written to {out / 'config.json'}")
+    prepare_model_dir(cfg.model, ctx, cfg.trainer.seed)
+    parts = build_trainer(cfg.model, cfg.trainer, cfg.optim, ctx)
+    data = SFTDataset(cfg.data, parts.tokenizer, cfg.trainer.seed, cfg.trainer.seq_len)
+    ckpt = Checkpointer(out, cfg.ckpt.keep_last, topo.rank)
+    sink = MetricsSink(out, cfg.log, enabled=topo.rank == 0, run_name=out.name, config=json.loads(to_json(cfg)))
+    start = 0
+    latest = ckpt.latest() if cfg.ckpt.resume else None
+    if latest is not None:
+        state = ckpt.load(latest, parts.policy, parts.optimizer)
+        parts.scheduler.load_state_dict(state["scheduler"])
+        start = state["step"]
+        data.num_bad_rows = state.get("num_bad_rows", 0)
+    elif cfg.ckpt.resume:
+        logger.warning(f"--ckpt.resume: no complete checkpoint in {ckpt.root}; starting from step 0")
+    sink.truncate_from(start)
+    world = topo.num_trainer_ranks
+    bar = Progress(total=cfg.trainer.max_steps - start, desc="sft", enabled=topo.rank == 0 and cfg.log.progress)
+    last: dict[str, float] = {}
+
+    def state_dict(step: int) -> dict:
+        return {"step": step, "scheduler": parts.scheduler.state_dict(), "num_bad_rows": data.num_bad_rows}
+
+    for step in range(start, cfg.trainer.max_steps):
+        t0 = time.perf_counter()
+        samples = data.batch(step, cfg.trainer.batch_size)
+        micro_batches = pack(samples, cfg.trainer.micro_batch_tokens, world)[topo.trainer_rank]
+        stats = train_step(
+            parts.policy,
+            parts.optimizer,
+            parts.scheduler,
+            micro_batches,
+            sft_loss,
+            device=ctx.device,
+            max_grad_norm=cfg.optim.max_grad_norm,
+        )
+        dt = time.perf_counter() - t0
+        tokens = sum(len(s.input_ids) for s in samples)
+        last = {
+            "loss": stats["loss"],
+            "entropy": stats["entropy_sum"] / max(stats["tokens"], 1.0),
+            "grad_norm": stats["grad_norm"],
+            "lr": stats["lr"],
+            "skipped_steps": stats["skipped"],
+            "samples": float(len(samples)),
+            "bad_rows": float(data.num_bad_rows),
+            "step_time_s": dt,
+            "train_tokens_per_s": tokens / dt,
+        }
+        if sink.should_log(step, last=step == cfg.trainer.max_steps - 1):
+            sink.log(step, last, console_keys=["loss", "grad_norm", "lr", "train_tokens_per_s"])
+        bar.update(1, loss=stats["loss"])
+        done = step + 1
+        if cfg.ckpt.interval_steps and done % cfg.ckpt.interval_steps == 0 and done < cfg.trainer.max_steps:
+            ckpt.save(done, parts.policy, parts.optimizer, state_dict(done))
+    bar.close()
+    if start < cfg.trainer.max_steps:
+        ckpt.save(cfg.trainer.max_steps, parts.policy, parts.optimizer, state_dict(cfg.trainer.max_steps))
+    if cfg.ckpt.save_hf:
+        sd = strip_prefix(full_state_dict(parts.policy))
+        if topo.rank == 0:
+            hf_dir = save_hf(parts.policy.lm, sd, out / "hf", parts.tokenizer)
+            logger.info(f"HF-format weights written to {hf_dir}")
+            if cfg.eval_examples and cfg.data.source == "reverse_text":
+                from prime_spmd.trainer.sft_eval import eval_reverse_text
+
+                scores = eval_reverse_text(hf_dir, cfg, ctx.device)
+                last.update(scores)
+                sink.log(cfg.trainer.max_steps, scores, console_keys=list(scores))
+                (out / "eval.json").write_text(json.dumps(scores, indent=1))
+    sink.close()
+    if cfg.log.plots and topo.rank == 0:
+        from prime_spmd.plots import plot_run
+
+        plot_run(out)
+    ctx.close()
+    return last

@@ -1,0 +1,81 @@
+"""One optimizer step over this rank's micro-batches (shared by SFT and RL).
+
+The loss is a sum over trained tokens divided by the number of trained tokens in the *global*
+batch (all micro-batches of all trainer ranks), so that 1 rank and N ranks give the same update.
+FSDP2 averages gradients over the trainer ranks, hence the factor ``world_size`` below.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from prime_spmd.trainer.packing import MicroBatch
+
+# loss_fn(logprob [L], entropy [L], micro_batch) -> (loss summed over trained tokens, {stat: summed tensor})
+LossFn = Callable[[torch.Tensor, torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def _all_reduce_sum(values: dict[str, torch.Tensor], device: torch.device) -> dict[str, float]:
+    """Sum scalars over the trainer role's default group (every trainer rank calls this; no grad)."""
+    keys = sorted(values)
+    if not keys:
+        return {}
+    buf = torch.stack([values[k].detach().to(device=device, dtype=torch.float64) for k in keys])
+    if dist.is_initialized():
+        dist.all_reduce(buf)
+    return {k: float(v) for k, v in zip(keys, buf.tolist())}
+
+
+def train_step(
+    policy: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    micro_batches: list[MicroBatch],
+    loss_fn: LossFn,
+    *,
+    device: torch.device,
+    temperature: float = 1.0,
+    max_grad_norm: float = 1.0,
+) -> dict[str, float]:
+    """Forward/backward every micro-batch, clip, step. Collective over the trainer role.
+
+    Every trainer rank calls it with the same number of micro-batches (packing pads with dummies).
+    Returns global sums of the loss_fn stats plus ``loss`` (per trained token), ``grad_norm``,
+    ``lr``, ``trained_tokens`` and ``skipped`` (1.0 when the step was skipped for a non-finite
+    loss or gradient; the parameters are then unchanged).
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    n_local = sum(int(mb.loss_mask.sum()) for mb in micro_batches)
+    n_global = _all_reduce_sum({"n": torch.tensor(float(n_local))}, device)["n"]
+    scale = world / max(n_global, 1.0)
+    sums: dict[str, torch.Tensor] = {}
+    for mb in micro_batches:
+        mb = mb.to(device)
+        logprob_L, entropy_L = policy(mb.input_ids, mb.position_ids, mb.targets, temperature)
+        loss_sum, stats = loss_fn(logprob_L, entropy_L, mb)
+        (loss_sum * scale).backward()
+        stats = {"loss_sum": loss_sum, **stats}
+        for k, v in stats.items():
+            sums[k] = sums.get(k, torch.zeros((), dtype=torch.float64, device=device)) + v.detach().double()
+    totals = _all_reduce_sum(sums, device)
+    params = [p for p in policy.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()  # DTensor norm -> replicated scalar (no grad flows through it)
+    grad_norm = float(norm)
+    loss = totals.get("loss_sum", 0.0) / max(n_global, 1.0)
+    skipped = not (math.isfinite(grad_norm) and math.isfinite(loss))
+    lr = optimizer.param_groups[0]["lr"]
+    if skipped:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    totals.update(loss=loss, grad_norm=grad_norm, lr=lr, trained_tokens=n_global, skipped=float(skipped))
+    return totals
