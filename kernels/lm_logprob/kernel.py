@@ -45,16 +45,23 @@ def _logits_tile(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """fp32 [BLOCK_N, BLOCK_V] tile of hidden @ weight.T (rows offs_n, vocab columns offs_v)."""
+    """fp32 [BLOCK_N, BLOCK_V] tile of hidden @ weight.T (rows offs_n, vocab columns offs_v).
+
+    Row offsets go to int64 first: V * H passes 2**31 for large vocabularies with H >= 8192.
+    """
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < H
         h = tl.load(
-            h_ptr + offs_n[:, None] * stride_hn + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0
+            h_ptr + offs_n.to(tl.int64)[:, None] * stride_hn + offs_k[None, :],
+            mask=mask_n[:, None] & mask_k[None, :],
+            other=0.0,
         )
         w = tl.load(
-            w_ptr + offs_v[None, :] * stride_wv + offs_k[:, None], mask=mask_v[None, :] & mask_k[:, None], other=0.0
+            w_ptr + offs_v.to(tl.int64)[None, :] * stride_wv + offs_k[:, None],
+            mask=mask_v[None, :] & mask_k[:, None],
+            other=0.0,
         )
         if UPCAST:
             h = h.to(tl.float32)
@@ -208,7 +215,7 @@ def _grad_logits_kernel(
         g += gent[:, None] * p * (expected[:, None] - z)
     g = g * inv_t[:, None]  # d z / d raw logits = 1 / T
     tl.store(
-        g_ptr + offs_n[:, None] * stride_gn + offs_v[None, :],
+        g_ptr + offs_n.to(tl.int64)[:, None] * stride_gn + offs_v[None, :],
         g.to(g_ptr.dtype.element_ty),
         mask=mask_n[:, None] & mask_v[None, :],
     )
