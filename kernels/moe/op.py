@@ -2,7 +2,15 @@
 
 ``reference``: the expert loop (kernels/moe/reference.py). ``grouped_mm``: permute + two
 ``torch._grouped_mm`` calls, autograd by torch (the baseline). ``triton``: our fused kernels as a
-``torch.library`` custom op with an explicit backward (kernels/moe/triton_op.py).
+``torch.library`` custom op (below) with an explicit backward; kernels in kernel.py.
+
+Triton backward, with h = silu(g) * u, z = h W2^T, out[t] = sum_k w[t,k] z[t,k]:
+    dz_un = dout[tok] @ W2[e]          (grouped GEMM, gathers dout rows)
+    dw    = rowsum(h * dz_un)           (router-weight grads)
+    dh    = w * dz_un ; dg, du from the SwiGLU derivative
+    dx    = sum_k (dg|du) @ W13[e]      (grouped GEMM, scatters to (token, slot) order, then K-sum)
+    dW2[e]  = sum_r (w dout[tok])^T h   (grouped weight-grad GEMM)
+    dW13[e] = sum_r (dg|du)^T x[tok]
 
 Legend: T tokens, K top-k, D hidden, E experts, I intermediate, F = 2I, M = T*K sorted rows.
 """
@@ -52,7 +60,109 @@ def moe_experts(
     if impl == "grouped_mm":
         return experts_grouped_mm(x_TD, ids_TK, weights_TK, w13_EFD, w2_EDI)
     if impl == "triton":
-        from kernels.moe.triton_op import experts_triton
-
-        return experts_triton(x_TD, ids_TK, weights_TK, w13_EFD, w2_EDI)
+        store = torch.is_grad_enabled() and any(t.requires_grad for t in (x_TD, weights_TK, w13_EFD, w2_EDI))
+        return torch.ops.prime_spmd.moe_experts_fwd(x_TD, ids_TK, weights_TK, w13_EFD, w2_EDI, store)[0]
     raise ValueError(f"unknown MoE impl {impl!r}; choose reference, grouped_mm or triton")
+
+
+# ---- the Triton path as a torch.library op ----
+
+
+@torch.library.custom_op("prime_spmd::moe_experts_fwd", mutates_args=())
+def moe_experts_fwd(
+    x_TD: torch.Tensor,
+    ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    w13_EFD: torch.Tensor,
+    w2_EDI: torch.Tensor,
+    store_for_backward: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out [T, D], gate|up pre-activations [M, 2I] (0 rows unless stored), h [M, I], perm [M], offs [E])."""
+    from kernels.moe import kernel
+
+    T, K = ids_TK.shape
+    M = T * K
+    perm_M, offs_E = sort_by_expert(ids_TK, w13_EFD.shape[0])
+    tok_M = perm_M // K
+    sched = kernel.tile_schedule(offs_E, M)
+    x_TD, w13_EFD, w2_EDI = x_TD.contiguous(), w13_EFD.contiguous(), w2_EDI.contiguous()
+    h_MI, gu_MF = kernel.gate_up_swiglu(x_TD, tok_M, w13_EFD, sched, store_for_backward)
+    scale_M = weights_TK.flatten()[perm_M].contiguous()
+    # down projection: row r's result, times its routing weight, lands at its (token, slot) index
+    z_MD = kernel.grouped_gemm(h_MI, w2_EDI, sched, M, out_idx=perm_M, scale=scale_M)
+    out_TD = z_MD.view(T, K, -1).sum(1)
+    return out_TD, gu_MF, h_MI, perm_M, offs_E
+
+
+@moe_experts_fwd.register_fake
+def _(x_TD, ids_TK, weights_TK, w13_EFD, w2_EDI, store_for_backward):
+    M, (E, F, _) = ids_TK.numel(), w13_EFD.shape
+    return (
+        torch.empty_like(x_TD),
+        x_TD.new_empty(M if store_for_backward else 0, F),
+        x_TD.new_empty(M, F // 2),
+        ids_TK.new_empty(M, dtype=torch.int64),
+        ids_TK.new_empty(E, dtype=torch.int32),
+    )
+
+
+@torch.library.custom_op("prime_spmd::moe_experts_bwd", mutates_args=())
+def moe_experts_bwd(
+    dout_TD: torch.Tensor,
+    x_TD: torch.Tensor,
+    weights_TK: torch.Tensor,
+    w13_EFD: torch.Tensor,
+    w2_EDI: torch.Tensor,
+    gu_MF: torch.Tensor,
+    h_MI: torch.Tensor,
+    perm_M: torch.Tensor,
+    offs_E: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx [T, D], dweights [T, K], dw13 [E, 2I, D], dw2 [E, D, I]) for the forward above."""
+    from kernels.moe import kernel
+
+    T, K = weights_TK.shape
+    M, inter = h_MI.shape
+    tok_M = perm_M // K
+    sched = kernel.tile_schedule(offs_E, M)
+    dout_TD, x_TD = dout_TD.contiguous().to(x_TD.dtype), x_TD.contiguous()
+    w13_EFD, w2_EDI = w13_EFD.contiguous(), w2_EDI.contiguous()
+    scale_M = weights_TK.flatten()[perm_M].contiguous()
+    # dz_un[r] = dout[tok r] @ W2[e]: W2 [E, D, I] read as [E, N=I, K=D]
+    dz_MI = kernel.grouped_gemm(dout_TD, w2_EDI.transpose(1, 2), sched, M, a_idx=tok_M)
+    dz32, h32 = dz_MI.float(), h_MI.float()
+    dweights = torch.empty(M, dtype=weights_TK.dtype, device=x_TD.device)
+    dweights[perm_M] = (dz32 * h32).sum(-1).to(weights_TK.dtype)
+    g, u = gu_MF.float().chunk(2, dim=-1)
+    sig = torch.sigmoid(g)
+    dh = dz32 * scale_M.float()[:, None]
+    dgu_MF = torch.cat([dh * u * sig * (1 + g * (1 - sig)), dh * g * sig], dim=-1).to(x_TD.dtype)
+    # dx rows: dgu[r] @ W13[e] with W13 [E, 2I, D] read as [E, N=D, K=2I], scattered to (token, slot)
+    dx_TD = kernel.grouped_gemm(dgu_MF, w13_EFD.transpose(1, 2), sched, M, out_idx=perm_M).view(T, K, -1).sum(1)
+    dw2 = kernel.grouped_wgrad(dout_TD, h_MI, offs_E, a_idx=tok_M, scale=scale_M)
+    dw13 = kernel.grouped_wgrad(dgu_MF, x_TD, offs_E, b_idx=tok_M)
+    return dx_TD, dweights.view(T, K), dw13.to(w13_EFD.dtype), dw2.to(w2_EDI.dtype)
+
+
+@moe_experts_bwd.register_fake
+def _(dout_TD, x_TD, weights_TK, w13_EFD, w2_EDI, gu_MF, h_MI, perm_M, offs_E):
+    return torch.empty_like(x_TD), torch.empty_like(weights_TK), torch.empty_like(w13_EFD), torch.empty_like(w2_EDI)
+
+
+def _setup_context(ctx, inputs, output):
+    x_TD, _, weights_TK, w13_EFD, w2_EDI, _ = inputs
+    _, gu_MF, h_MI, perm_M, offs_E = output
+    ctx.save_for_backward(x_TD, weights_TK, w13_EFD, w2_EDI, gu_MF, h_MI, perm_M, offs_E)
+
+
+def _backward(ctx, dout_TD, _dgu, _dh, _dperm, _doffs):
+    x_TD, weights_TK, w13_EFD, w2_EDI, gu_MF, h_MI, perm_M, offs_E = ctx.saved_tensors
+    if gu_MF.shape[0] != perm_M.shape[0]:
+        raise RuntimeError("moe_experts_fwd ran with store_for_backward=False; its output has no backward")
+    dx, dweights, dw13, dw2 = torch.ops.prime_spmd.moe_experts_bwd(
+        dout_TD, x_TD, weights_TK, w13_EFD, w2_EDI, gu_MF, h_MI, perm_M, offs_E
+    )
+    return dx, None, dweights, dw13, dw2, None
+
+
+moe_experts_fwd.register_autograd(_backward, setup_context=_setup_context)

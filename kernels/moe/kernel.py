@@ -1,0 +1,272 @@
+"""Triton kernels for MoE experts over rows sorted by expert, and their Python launchers.
+
+Rows: the M = T*K (token, slot) assignments sorted by expert (``reference.sort_by_expert``); expert
+e owns rows [offs[e-1], offs[e]). Kernels gather token rows through an index instead of
+materializing permuted copies, and scatter outputs back to (token, slot) order, so the only
+permutation work outside them is one sort and a K-way sum.
+
+- ``gate_up_swiglu``: h = silu(x Wg^T) * (x Wu^T) per row, gate/up in one pass (two accumulators);
+  optionally stores the pre-activations for backward.
+- ``grouped_gemm``: out[dst(r)] = scale(r) * A[src(r)] @ B[e(r)] (B any [E, N, K] strides); the
+  down projection, and dx / d(h) in backward.
+- ``grouped_wgrad``: dW[e] = sum over e's rows of (scale * A[src])^T B[src']; the weight grads.
+
+Row tiles: each program of the row-tiled kernels takes one BLOCK_M tile that lies inside one expert;
+the tile -> (expert, row range) table is built on device (``tile_schedule``), sized by the static
+bound ceil(M / BLOCK_M) + E, so nothing syncs with the host and empty experts cost nothing.
+
+Interpreter (CPU, TRITON_INTERPRET=1): tiles upcast to fp32 before ``tl.dot`` (bf16 dots give
+garbage there) and one autotune config (several fail). On GPU, bf16 tiles go to the tensor cores.
+
+Legend: M sorted rows, D hidden, I intermediate, E experts, N/K GEMM output/reduction dims.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+BLOCK_M = 32 if INTERPRET else 128  # rows per tile: fixed (the tile table depends on it), not autotuned
+
+
+def _configs(bn: tuple[int, ...], bk: tuple[int, ...], warps: tuple[int, ...], stages: tuple[int, ...]):
+    if INTERPRET:
+        return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
+    return [
+        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+        for n in bn
+        for k in bk
+        for w in warps
+        for s in stages
+    ]
+
+
+ROW_CONFIGS = _configs((64, 128, 256), (64,), (4, 8), (3, 4))
+WGRAD_CONFIGS = [
+    triton.Config(
+        {"BLOCK_N": c.kwargs["BLOCK_N"], "BLOCK_K": c.kwargs["BLOCK_K"], "BLOCK_MW": bm},
+        num_warps=c.num_warps,
+        num_stages=c.num_stages,
+    )
+    for c in _configs((64, 128), (32, 64), (4, 8), (3, 4))
+    for bm in ((32,) if INTERPRET else (64, 128))
+]
+
+
+def tile_schedule(offs_E: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Per row tile: expert, first row, end row (int32 [num_tiles]); idle tiles have start == end."""
+    E = offs_E.numel()
+    offs = offs_E.long()
+    starts = torch.cat([offs.new_zeros(1), offs[:-1]])
+    tiles_E = (offs - starts + BLOCK_M - 1) // BLOCK_M
+    tile_end_E = tiles_E.cumsum(0)
+    num_tiles = triton.cdiv(num_rows, BLOCK_M) + E
+    pid = torch.arange(num_tiles, device=offs.device)
+    e = torch.searchsorted(tile_end_E, pid, right=True).clamp(max=E - 1)
+    row0 = starts[e] + (pid - (tile_end_E - tiles_E)[e]) * BLOCK_M
+    row1 = offs[e]
+    idle = row0 >= row1
+    row0 = torch.where(idle, 0, row0)
+    row1 = torch.where(idle, 0, row1)
+    return e.int(), row0.int(), row1.int(), num_tiles
+
+
+@triton.autotune(configs=ROW_CONFIGS, key=["N", "K"])
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, h_ptr, gu_ptr, tok_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr,
+    N, K, stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_gm,
+    STORE_GU: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    r0, r1 = tl.load(tile_r0_ptr + pid_m), tl.load(tile_r1_ptr + pid_m)
+    if r0 >= r1:
+        return
+    e = tl.load(tile_e_ptr + pid_m).to(tl.int64)
+    rows = r0 + tl.arange(0, BLOCK_M)
+    rmask = rows < r1
+    tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_base = w_ptr + e * stride_we
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < K
+        a = tl.load(x_ptr + tok[:, None] * stride_xm + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        bmask = kmask[:, None] & cmask[None, :]
+        bg = tl.load(w_base + ks[:, None] * stride_wk + cols[None, :] * stride_wn, mask=bmask, other=0.0)
+        bu = tl.load(w_base + ks[:, None] * stride_wk + (cols[None, :] + N) * stride_wn, mask=bmask, other=0.0)
+        if UPCAST:
+            a, bg, bu = a.to(tl.float32), bg.to(tl.float32), bu.to(tl.float32)
+        acc_g = tl.dot(a, bg, acc_g)
+        acc_u = tl.dot(a, bu, acc_u)
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    omask = rmask[:, None] & cmask[None, :]
+    rows64 = rows.to(tl.int64)
+    tl.store(h_ptr + rows64[:, None] * stride_hm + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=omask)
+    if STORE_GU:
+        gptr = gu_ptr + rows64[:, None] * stride_gm + cols[None, :]
+        tl.store(gptr, acc_g.to(gu_ptr.dtype.element_ty), mask=omask)
+        tl.store(gptr + N, acc_u.to(gu_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.autotune(configs=ROW_CONFIGS, key=["N", "K", "A_GATHER", "OUT_SCATTER"])
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr, b_ptr, out_ptr, a_idx_ptr, out_idx_ptr, scale_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr,
+    N, K, stride_am, stride_be, stride_bn, stride_bk, stride_om,
+    A_GATHER: tl.constexpr, OUT_SCATTER: tl.constexpr, HAS_SCALE: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    r0, r1 = tl.load(tile_r0_ptr + pid_m), tl.load(tile_r1_ptr + pid_m)
+    if r0 >= r1:
+        return
+    e = tl.load(tile_e_ptr + pid_m).to(tl.int64)
+    rows = r0 + tl.arange(0, BLOCK_M)
+    rmask = rows < r1
+    if A_GATHER:
+        arow = tl.load(a_idx_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    else:
+        arow = rows.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    b_base = b_ptr + e * stride_be
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < K
+        a = tl.load(a_ptr + arow[:, None] * stride_am + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(
+            b_base + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
+            mask=kmask[:, None] & cmask[None, :],
+            other=0.0,
+        )
+        if UPCAST:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
+    if OUT_SCATTER:
+        orow = tl.load(out_idx_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    else:
+        orow = rows.to(tl.int64)
+    omask = rmask[:, None] & cmask[None, :]
+    tl.store(out_ptr + orow[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.autotune(configs=WGRAD_CONFIGS, key=["MW", "N", "A_GATHER", "B_GATHER"])
+@triton.jit
+def _grouped_wgrad_kernel(
+    a_ptr, b_ptr, out_ptr, a_idx_ptr, b_idx_ptr, scale_ptr, offs_ptr,
+    MW, N, stride_am, stride_bm, stride_oe, stride_om,
+    A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_MW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """out[e, i, j] = sum over expert e's rows r of scale[r] * A[ia(r), i] * B[ib(r), j]."""
+    e, pid_m, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    r1 = tl.load(offs_ptr + e)
+    r0 = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+    ms = pid_m * BLOCK_MW + tl.arange(0, BLOCK_MW)
+    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask, nmask = ms < MW, ns < N
+    acc = tl.zeros((BLOCK_MW, BLOCK_N), dtype=tl.float32)
+    for k0 in range(r0, r1, BLOCK_K):
+        rows = k0 + tl.arange(0, BLOCK_K)
+        rmask = rows < r1
+        if A_GATHER:
+            ia = tl.load(a_idx_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        else:
+            ia = rows.to(tl.int64)
+        if B_GATHER:
+            ib = tl.load(b_idx_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        else:
+            ib = rows.to(tl.int64)
+        at = tl.load(a_ptr + ia[None, :] * stride_am + ms[:, None], mask=mmask[:, None] & rmask[None, :], other=0.0)
+        if HAS_SCALE:
+            s = tl.load(scale_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+            at = (at.to(tl.float32) * s[None, :]).to(at.dtype)
+        b = tl.load(b_ptr + ib[:, None] * stride_bm + ns[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
+        if UPCAST:
+            at, b = at.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(at, b, acc)
+    optr = out_ptr + e.to(tl.int64) * stride_oe + ms[:, None].to(tl.int64) * stride_om + ns[None, :]
+    tl.store(optr, acc.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+def _upcast(t: torch.Tensor) -> bool:
+    return INTERPRET or t.dtype == torch.float32
+
+
+def gate_up_swiglu(
+    x_TD: torch.Tensor, tok_M: torch.Tensor, w13_EFD: torch.Tensor, sched, store_gu: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [M, I] = silu(x[tok] Wg^T) * (x[tok] Wu^T); and gate|up pre-activations [M, 2I] (empty unless store_gu)."""
+    tile_e, r0, r1, num_tiles = sched
+    M, (_, F, D) = tok_M.numel(), w13_EFD.shape
+    inter = F // 2
+    h = x_TD.new_empty(M, inter)
+    gu = x_TD.new_empty(M if store_gu else 0, F)
+    assert x_TD.stride(1) == 1 and w13_EFD.stride(2) == 1
+    grid = lambda meta: (num_tiles, triton.cdiv(inter, meta["BLOCK_N"]))  # noqa: E731
+    _gate_up_kernel[grid](
+        x_TD, w13_EFD, h, gu, tok_M, tile_e, r0, r1,
+        inter, D, x_TD.stride(0), w13_EFD.stride(0), w13_EFD.stride(1), w13_EFD.stride(2), h.stride(0), F,
+        STORE_GU=store_gu, UPCAST=_upcast(x_TD), BLOCK_M=BLOCK_M,
+    )  # fmt: skip
+    return h, gu
+
+
+def grouped_gemm(
+    a: torch.Tensor,
+    b_ENK: torch.Tensor,
+    sched,
+    num_out_rows: int,
+    a_idx: torch.Tensor | None = None,
+    out_idx: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """out[out_idx[r]] = scale[r] * a[a_idx[r]] @ b[e(r)]^T-as-[N, K]; ``b_ENK`` may be any strided view."""
+    tile_e, r0, r1, num_tiles = sched
+    E, N, K = b_ENK.shape
+    assert a.stride(1) == 1
+    out = a.new_empty(num_out_rows, N)
+    dummy = tile_e
+    grid = lambda meta: (num_tiles, triton.cdiv(N, meta["BLOCK_N"]))  # noqa: E731
+    _grouped_gemm_kernel[grid](
+        a, b_ENK, out, dummy if a_idx is None else a_idx, dummy if out_idx is None else out_idx,
+        dummy if scale is None else scale, tile_e, r0, r1,
+        N, K, a.stride(0), b_ENK.stride(0), b_ENK.stride(1), b_ENK.stride(2), out.stride(0),
+        A_GATHER=a_idx is not None, OUT_SCATTER=out_idx is not None, HAS_SCALE=scale is not None,
+        UPCAST=_upcast(a), BLOCK_M=BLOCK_M,
+    )  # fmt: skip
+    return out
+
+
+def grouped_wgrad(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offs_E: torch.Tensor,
+    a_idx: torch.Tensor | None = None,
+    b_idx: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """out [E, MW, N]: out[e] = sum over e's rows r of scale[r] * outer(a[a_idx[r]], b[b_idx[r]])."""
+    E, MW, N = offs_E.numel(), a.shape[1], b.shape[1]
+    assert a.stride(1) == 1 and b.stride(1) == 1
+    out = a.new_empty(E, MW, N)
+    dummy = offs_E
+    grid = lambda meta: (E, triton.cdiv(MW, meta["BLOCK_MW"]), triton.cdiv(N, meta["BLOCK_N"]))  # noqa: E731
+    _grouped_wgrad_kernel[grid](
+        a, b, out, dummy if a_idx is None else a_idx, dummy if b_idx is None else b_idx,
+        dummy if scale is None else scale, offs_E,
+        MW, N, a.stride(0), b.stride(0), out.stride(0), out.stride(1),
+        A_GATHER=a_idx is not None, B_GATHER=b_idx is not None, HAS_SCALE=scale is not None, UPCAST=_upcast(a),
+    )  # fmt: skip
+    return out
