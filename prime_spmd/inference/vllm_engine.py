@@ -1,0 +1,460 @@
+"""The vLLM engine: vLLM's synchronous ``vllm.LLM`` in-process behind our ``InferenceEngine`` interface.
+
+Written against the source of vLLM 0.29.0 (the newest release that resolves together with
+``verifiers>=0.3.1,<0.4``; docs/vllm.md has the resolver evidence). Nothing here has been run
+against a real vLLM on this project's machines; tests/unit/test_vllm_engine.py runs the real engine
+where vLLM and CUDA are present. Thin on purpose: vLLM does the batching, the KV cache and the
+sampling; this module translates our requests, sampling params, outputs and weight updates.
+
+- Token in, token out: prompts go in as ``TokensPrompt(prompt_token_ids=...)``; completions come back
+  as token ids with one logprob per sampled token (``SamplingParams(logprobs=0)``: vLLM always returns
+  the sampled token's logprob, ``logprobs=0`` asks for no extra top-k entries).
+- Logprob contract (engine.py, docs/inference.md): ``LLM(logprobs_mode="processed_logprobs")``. vLLM's
+  default, ``raw_logprobs``, is log_softmax of the raw logits, before temperature and top-k/top-p/
+  min-p, which is not the distribution the token was sampled from. ``processed_logprobs`` is computed
+  in vLLM's sampler (vllm/v1/sample/sampler.py, ops/topk_topp_sampler.py ``forward_native``) as
+  log_softmax of the fp32 logits after temperature, min-p and top-k/top-p masking, which is our
+  contract; for greedy requests it is log_softmax(logits) (vLLM uses temperature 1 for them), also
+  our contract. It also makes vLLM use its PyTorch top-k/top-p sampler instead of FlashInfer's,
+  which cannot return processed logprobs. No conversion from the raw modes is possible from the
+  sampled token's value alone (it needs the logsumexp of the processed logits), so we require it.
+- Batch-synchronous: ``LLM.generate`` runs a batch to completion. ``generate`` hands the whole batch
+  to one ``LLM.generate`` call; ``add_request`` queues and the next ``step`` flushes everything queued
+  as one ``LLM.generate`` call and returns all of it finished. ``AsyncEngine`` works on top: the
+  coroutines that submit before its first ``step`` share one vLLM batch.
+- Stop rules match the native engine: generation_config="vllm" so only the tokenizer's eos (plus our
+  ``stop_token_ids``) ends a completion, not the extra eos ids of the model's generation_config.json;
+  the token that completes a stop string or is a stop token is kept in ``token_ids`` (vLLM keeps it,
+  vllm/v1/engine/detokenizer.py) and ``text`` is decoded here the same way the native engine does.
+
+Distributed (tp > 1, or several engines): ``distributed_executor_backend="external_launcher"``.
+vLLM then takes the WHOLE default process group as its world, so this must run on every rank of
+the inference default process group, at the same point, with the same arguments and seed (each rank
+builds one in-process worker; the ranks all-reduce during construction). With W inference ranks and
+``tp`` per engine vLLM runs W // tp data-parallel replicas (``data_parallel_size``); consecutive
+ranks form a tp group. Every rank of one tp group must then submit identical requests in identical
+order, and every replica must call ``generate``/``step`` the same number of times: vLLM all-reduces
+"has unfinished requests" across the DP replicas at each engine step and runs dummy batches on idle
+ones (vllm/v1/engine/llm_engine.py ``has_unfinished_requests_dp``). Pipeline parallelism is not
+supported in this mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Literal
+
+import torch
+
+from prime_spmd.inference.engine import Completion, InferenceEngine, Request, SamplingParams
+from prime_spmd.log import logger
+
+VLLM_VERSION = "0.29.0"
+"""The vLLM release this module is written against (the ``gpu`` extra's pin)."""
+INSTALL_HINT = "pip install 'prime-spmd[gpu]'"
+LOGPROBS_MODE = "processed_logprobs"
+"""vLLM's logprobs mode whose values follow our logprob contract (see the module docstring)."""
+WORKER_EXTENSION = "prime_spmd.inference.vllm_engine.WeightLoadExtension"
+"""Qualified name vLLM mixes into its worker class (``worker_extension_cls``)."""
+
+# Prefixes that torch wrappers put in front of HF parameter names (torch.compile, activation
+# checkpointing, FSDP1, DDP). vLLM's ``load_weights`` expects the checkpoint's own names.
+_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "module.")
+
+
+def import_vllm() -> Any:
+    """Import vllm or raise an ``ImportError`` that says how to install it."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(
+            f"--inference.engine vllm needs vLLM (CUDA only), which is not installed: {INSTALL_HINT} "
+            f"(tested with vllm=={VLLM_VERSION}); or use --inference.engine native"
+        ) from e
+    return vllm
+
+
+# ---------------------------------------------------------------- translation (pure, CPU-tested)
+
+
+def vllm_sampling_kwargs(sp: SamplingParams) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.SamplingParams`` equivalent to our ``sp`` (vLLM 0.29 field names).
+
+    top_k: ours and vLLM 0.29's both use 0 for "disabled" (vLLM also accepts -1, rejects < -1).
+    ``logprobs=0`` returns only the sampled token's logprob; ``flat_logprobs`` packs them into
+    primitive lists (less GC work than a dict per token). ``include_stop_str_in_output`` keeps
+    vLLM's text in line with our token ids, which always include the stop-string token.
+    """
+    if sp.max_tokens < 1:
+        raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {sp.max_tokens}")
+    return dict(
+        n=1,
+        temperature=float(sp.temperature),
+        top_p=float(sp.top_p),
+        top_k=int(sp.top_k) if sp.top_k > 0 else 0,
+        min_p=float(sp.min_p),
+        max_tokens=int(sp.max_tokens),
+        stop=list(sp.stop) or None,
+        stop_token_ids=list(sp.stop_token_ids) or None,
+        seed=sp.seed,
+        ignore_eos=bool(sp.ignore_eos),
+        logprobs=0,
+        flat_logprobs=True,
+        detokenize=True,  # stop strings are matched on vLLM's incremental detokenization
+        skip_special_tokens=True,
+        include_stop_str_in_output=True,
+    )
+
+
+def sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> list[float]:
+    """Per-position logprob of each sampled token from a vLLM ``CompletionOutput.logprobs``.
+
+    ``logprobs`` is either ``FlatLogprobs`` (vllm/logprobs.py: parallel lists ``token_ids``,
+    ``logprobs`` and per-position ``start_indices``/``end_indices``) or a list with one
+    ``dict[token_id, Logprob]`` per position. Raises ``RuntimeError`` when a position lacks its
+    sampled token (logprobs were not requested, or the lengths disagree).
+    """
+    if logprobs is None:
+        raise RuntimeError("vLLM returned no logprobs; the request must set SamplingParams(logprobs=0)")
+    if len(logprobs) != len(token_ids):
+        raise RuntimeError(f"vLLM returned {len(logprobs)} logprob positions for {len(token_ids)} tokens")
+    out: list[float] = []
+    if hasattr(logprobs, "start_indices"):  # FlatLogprobs: read the flat lists, build no dicts
+        for pos, tok in enumerate(token_ids):
+            start, end = logprobs.start_indices[pos], logprobs.end_indices[pos]
+            for j in range(start, end):
+                if logprobs.token_ids[j] == tok:
+                    out.append(float(logprobs.logprobs[j]))
+                    break
+            else:
+                raise RuntimeError(f"vLLM logprobs at position {pos} lack the sampled token {tok}")
+        return out
+    for pos, (tok, entry) in enumerate(zip(token_ids, logprobs)):
+        if not entry or tok not in entry:
+            raise RuntimeError(f"vLLM logprobs at position {pos} lack the sampled token {tok}")
+        out.append(float(entry[tok].logprob))
+    return out
+
+
+def map_finish_reason(reason: str | None, request_id: int | str) -> Literal["stop", "length"]:
+    """vLLM's ``CompletionOutput.finish_reason`` as ours.
+
+    vLLM (vllm/v1/engine/__init__.py ``FINISH_REASON_STRINGS``): "stop" (eos, a stop token or a stop
+    string), "length" (max_tokens or max_model_len), "abort", "error", "repetition"; None while
+    unfinished. The last three and None cannot be rollouts: raise ``RuntimeError``.
+    """
+    if reason == "stop":
+        return "stop"
+    if reason == "length":
+        return "length"
+    raise RuntimeError(f"vLLM request {request_id!r} ended with finish_reason={reason!r} (expected stop or length)")
+
+
+def to_completion(request: Request, output: Any, tokenizer: Any) -> Completion:
+    """Our ``Completion`` from a vLLM ``RequestOutput`` (one sample: ``outputs[0]``)."""
+    if len(output.outputs) != 1:
+        raise RuntimeError(f"vLLM request {request.request_id!r}: expected 1 output, got {len(output.outputs)}")
+    out = output.outputs[0]
+    token_ids = [int(t) for t in out.token_ids]
+    logprobs = sampled_logprobs(token_ids, out.logprobs)
+    text = tokenizer.decode(token_ids, skip_special_tokens=True) if tokenizer is not None else out.text
+    return Completion(
+        request_id=request.request_id,
+        prompt_ids=list(request.prompt_ids),
+        token_ids=token_ids,
+        logprobs=logprobs,
+        finish_reason=map_finish_reason(out.finish_reason, request.request_id),
+        text=text,
+    )
+
+
+def normalize_weight_name(name: str) -> str:
+    """The HF checkpoint name of a parameter: wrapper prefixes (compile, checkpointing, DDP) removed.
+
+    vLLM's ``model.load_weights`` maps HF names onto its fused parameters itself (q/k/v -> qkv_proj,
+    gate/up -> gate_up_proj, tied lm_head skipped), so no other mapping happens here.
+    """
+    changed = True
+    while changed:
+        changed = False
+        for prefix in _WRAPPER_PREFIXES:
+            if name.startswith(prefix):
+                name, changed = name[len(prefix) :], True
+        name = name.replace("._orig_mod.", ".").replace("._checkpoint_wrapped_module.", ".")
+    return name
+
+
+def normalize_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Lazily apply ``normalize_weight_name`` to (name, tensor) pairs; tensors pass through untouched."""
+    for name, tensor in weights:
+        yield normalize_weight_name(name), tensor
+
+
+def parallel_layout(tp: int, world_size: int | None) -> tuple[int, bool]:
+    """(data_parallel_size, external_launcher) for ``tp`` ranks per engine in a default group of
+    ``world_size`` ranks (None: torch.distributed not initialized, a world of one)."""
+    if tp < 1:
+        raise ValueError(f"--topology.engine_tp must be >= 1, got {tp}")
+    if world_size is None:
+        if tp > 1:
+            raise ValueError(f"--topology.engine_tp={tp} needs torchrun (the inference process group has tp ranks)")
+        return 1, False
+    if world_size % tp:
+        raise ValueError(
+            f"the inference process group has {world_size} ranks, not a multiple of --topology.engine_tp={tp}"
+        )
+    return world_size // tp, True
+
+
+def build_llm_kwargs(
+    *,
+    model_path: str,
+    tokenizer_path: str = "",
+    dtype: str = "auto",
+    tp: int = 1,
+    dp: int = 1,
+    external_launcher: bool = False,
+    seed: int = 0,
+    max_model_len: int = 0,
+    max_num_seqs: int = 64,
+    gpu_memory_utilization: float = 0.3,
+    enforce_eager: bool = False,
+    enable_sleep_mode: bool = False,
+    trust_remote_code: bool = False,
+) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` (vLLM 0.29 names). ``max_model_len`` 0: the model's limit."""
+    kw: dict[str, Any] = dict(
+        model=model_path,
+        tokenizer=tokenizer_path or model_path,
+        dtype=dtype,
+        tensor_parallel_size=tp,
+        seed=seed,
+        gpu_memory_utilization=gpu_memory_utilization,
+        max_num_seqs=max_num_seqs,
+        enforce_eager=enforce_eager,
+        enable_prefix_caching=True,
+        logprobs_mode=LOGPROBS_MODE,
+        generation_config="vllm",
+        worker_extension_cls=WORKER_EXTENSION,
+        enable_sleep_mode=enable_sleep_mode,
+        trust_remote_code=trust_remote_code,
+    )
+    if max_model_len > 0:
+        kw["max_model_len"] = max_model_len
+    if external_launcher:
+        kw["distributed_executor_backend"] = "external_launcher"
+        if dp > 1:
+            kw["data_parallel_size"] = dp
+    else:
+        assert tp == 1 and dp == 1, "tp > 1 or several engines need external_launcher"
+        kw["distributed_executor_backend"] = "uni"
+    return kw
+
+
+# ---------------------------------------------------------------- worker side
+
+
+class WeightLoadExtension:
+    """Mixed into vLLM's GPU worker (``worker_extension_cls``); reached through ``LLM.collective_rpc``.
+
+    With our executors (external_launcher or uni, both in-process) ``collective_rpc`` calls the
+    method directly on this process's worker, so (name, tensor) iterators pass by reference.
+    """
+
+    def prime_spmd_load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy HF-named tensors into the model in place (vLLM's ``model.load_weights``); return how
+        many vLLM parameters were written. Tensors may be on any device (copied by the weight loaders)."""
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        with _no_mtp_completeness_check():
+            loaded = model.load_weights(weights=normalize_weights(weights))
+        return len(loaded) if loaded is not None else 0
+
+
+@contextlib.contextmanager
+def _no_mtp_completeness_check() -> Iterator[None]:
+    # vLLM 0.29 checks that a load covers every multi-token-prediction weight; a bucketed update
+    # holds a subset (vLLM's own weight-transfer engines switch the check off the same way).
+    try:
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+    except ImportError:
+        yield
+        return
+    with disable_mtp_completeness_check():
+        yield
+
+
+@contextlib.contextmanager
+def _role_local_rank_env() -> Iterator[None]:
+    """Set RANK/WORLD_SIZE to this process's rank in the default group while vLLM is built.
+
+    vLLM's external_launcher reads ``os.environ["RANK"]`` (worker rank, DP rank), which torchrun
+    sets to the global rank; with one default group per role the inference ranks' rank differs.
+    LOCAL_RANK (the CUDA device) is kept as torchrun set it, or set to the current device without
+    torchrun (a world of one whose group our own code initialized).
+    """
+    import torch.distributed as dist
+
+    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(dist.get_rank()), str(dist.get_world_size())
+    os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device()))
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+# ---------------------------------------------------------------- the engine
+
+
+class VLLMEngine(InferenceEngine):
+    """``InferenceEngine`` over a built ``vllm.LLM`` (see ``build_vllm_engine``).
+
+    ``llm`` is anything with vLLM 0.29's ``generate(prompts, sampling_params, use_tqdm=...)``,
+    ``collective_rpc``, ``reset_prefix_cache``, ``sleep`` and ``wake_up``. ``sampling_params_cls`` and
+    ``tokens_prompt_cls`` default to vLLM's. Called on every rank of the engine's tp group with
+    identical inputs in identical order (see the module docstring for the data-parallel rule).
+    """
+
+    def __init__(
+        self,
+        llm: Any,
+        tokenizer: Any,
+        *,
+        sampling_params_cls: Any = None,
+        tokens_prompt_cls: Any = None,
+    ) -> None:
+        if sampling_params_cls is None or tokens_prompt_cls is None:
+            vllm = import_vllm()
+            sampling_params_cls = sampling_params_cls or vllm.SamplingParams
+            tokens_prompt_cls = tokens_prompt_cls or vllm.TokensPrompt
+        self.llm = llm
+        self.tokenizer = tokenizer
+        self._sp_cls = sampling_params_cls
+        self._prompt_cls = tokens_prompt_cls
+        self._queue: list[Request] = []
+        self.weights_version = 0
+        """Number of ``load_weights`` calls so far (the policy version tag is kept by the caller)."""
+
+    # -- step-wise interface: queue, then flush as one vLLM batch
+    def add_request(self, request: Request) -> None:
+        """Queue ``request``; the next ``step`` runs it (with everything else queued) to completion."""
+        self._queue.append(request)
+
+    def step(self) -> list[Completion]:
+        """Run every queued request to completion in one ``LLM.generate`` call; return them all."""
+        batch, self._queue = self._queue, []
+        return self._run(batch, progress=False)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._queue)
+
+    def generate(self, requests: Sequence[Request], progress: bool = False) -> list[Completion]:
+        """Run ``requests`` as one vLLM batch; results in request order."""
+        ids = [str(r.request_id) for r in requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError("generate: request_id values must be unique within one call")
+        return self._run(list(requests), progress=progress)
+
+    def _run(self, requests: list[Request], progress: bool) -> list[Completion]:
+        if not requests:
+            return []
+        prompts = [self._prompt_cls(prompt_token_ids=list(r.prompt_ids)) for r in requests]
+        params = [self._sp_cls(**vllm_sampling_kwargs(r.sampling)) for r in requests]
+        # LLM.generate returns outputs in input order (vllm/entrypoints/llm.py).
+        outputs = self.llm.generate(prompts, params, use_tqdm=progress)
+        if len(outputs) != len(requests):
+            raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(requests)} prompts")
+        return [to_completion(r, o, self.tokenizer) for r, o in zip(requests, outputs)]
+
+    # -- weights and caches
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy (HF name, tensor) pairs into vLLM's model in place, then reset the prefix cache.
+
+        Bucketed updates call this once per bucket; each call streams its iterator through the
+        worker's ``model.load_weights``. Runs on every rank of the tp group with the full tensors
+        (each rank's weight loaders take their own shard). The prefix cache is reset after each call,
+        which is cheap, so a partial update never leaves stale cached KV behind.
+        """
+        if self._queue:
+            raise RuntimeError("load_weights with queued requests: step() them first")
+        (num_loaded, *_) = self.llm.collective_rpc("prime_spmd_load_weights", args=(weights,))
+        self.weights_version += 1
+        self.reset_cache()
+        logger.debug(f"vllm: loaded {num_loaded} parameters (weights version {self.weights_version})")
+
+    def reset_cache(self) -> None:
+        """Drop vLLM's prefix cache (its cached KV was computed with the old weights)."""
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache (requests still running?)")
+
+    def sleep(self, level: int = 1) -> None:
+        """Free GPU memory while the trainer runs (colocated mode; needs ``enable_sleep_mode``).
+
+        Level 1 offloads weights to CPU and drops the KV cache; level 2 drops both (the next
+        ``load_weights`` must then bring every weight, after ``wake_up(["weights"])``).
+        """
+        self.llm.sleep(level=level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Re-allocate what ``sleep`` freed: tags from ("weights", "kv_cache"), None for all."""
+        self.llm.wake_up(tags=tags)
+
+
+def build_vllm_engine(
+    model_cfg: Any,
+    inference_cfg: Any,
+    *,
+    tp: int = 1,
+    seed: int = 0,
+    max_model_len: int = 0,
+    enable_sleep_mode: bool = False,
+    tokenizer: Any = None,
+) -> VLLMEngine:
+    """Build ``vllm.LLM`` in-process from ``--model.*``/``--inference.*`` and wrap it.
+
+    Collective when torch.distributed is initialized: every rank of the inference default process
+    group calls this at the same point with the same arguments and ``seed`` (vLLM's external_launcher
+    makes the whole default group its world; see the module docstring). ``max_model_len`` 0 falls back
+    to ``--inference.max_model_len`` and then to the model's limit.
+    """
+    vllm = import_vllm()
+    import torch.distributed as dist
+
+    from prime_spmd.models.loading import check_model_dir, load_tokenizer
+
+    if not torch.cuda.is_available():
+        raise ValueError("--inference.engine vllm needs CUDA; use --inference.engine native on this machine")
+    check_model_dir(model_cfg.path)
+    world = dist.get_world_size() if dist.is_initialized() else None
+    dp, external = parallel_layout(tp, world)
+    kwargs = build_llm_kwargs(
+        model_path=model_cfg.path,
+        tokenizer_path=model_cfg.tokenizer_path,
+        dtype="bfloat16" if model_cfg.dtype == "auto" else model_cfg.dtype,
+        tp=tp,
+        dp=dp,
+        external_launcher=external,
+        seed=seed,
+        max_model_len=max_model_len or inference_cfg.max_model_len,
+        max_num_seqs=inference_cfg.max_batch_size,
+        gpu_memory_utilization=inference_cfg.gpu_memory_utilization,
+        enforce_eager=not inference_cfg.cuda_graphs,
+        enable_sleep_mode=enable_sleep_mode,
+        trust_remote_code=model_cfg.trust_remote_code,
+    )
+    # In-process engine core: the worker (and its model) must live in this process so that
+    # collective_rpc passes tensors by reference. external_launcher sets this itself.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if vllm.__version__ != VLLM_VERSION:
+        logger.warning(f"vllm {vllm.__version__} is installed; this engine is written against {VLLM_VERSION}")
+    logger.info(f"vllm engine: tp={tp} dp={dp} external_launcher={external} {model_cfg.path}")
+    ctx = _role_local_rank_env() if external else contextlib.nullcontext()
+    with ctx:
+        llm = vllm.LLM(**kwargs)
+    return VLLMEngine(llm, tokenizer if tokenizer is not None else load_tokenizer(model_cfg))
