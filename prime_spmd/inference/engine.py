@@ -114,12 +114,20 @@ class InferenceEngine(abc.ABC):
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Token ids of ``messages`` rendered with the tokenizer's chat template plus the generation prompt."""
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError("the tokenizer has no chat_template; chat requests need one (set --model.tokenizer_path)")
-        out = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
-        if hasattr(out, "keys"):
-            out = out["input_ids"]
-        return list(out)
+        return render_chat_ids(self.tokenizer, messages, tools)
+
+
+def render_chat_ids(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """``tokenizer.apply_chat_template(..., add_generation_prompt=True)`` as a list of ids.
+
+    transformers 5 returns a BatchEncoding; older versions a list. Raises ``ValueError`` without a template.
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("the tokenizer has no chat_template; chat requests need one (set --model.tokenizer_path)")
+    out = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+    if hasattr(out, "keys"):
+        out = out["input_ids"]
+    return list(out)
 
 
 class _progress:

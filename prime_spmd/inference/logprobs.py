@@ -24,7 +24,7 @@ def teacher_forced_logprobs(
         raise ValueError("teacher_forced_logprobs: prompt_ids and completion_ids must be non-empty")
     device = next(model.parameters()).device
     ids = torch.tensor([list(prompt_ids) + list(completion_ids)], device=device)
-    logits = model(input_ids=ids, use_cache=False).logits[0].float()
+    logits = model(input_ids=ids).logits[0].float()
     n = len(prompt_ids)
     pred = logits[n - 1 : n - 1 + len(completion_ids)]
     t = temperature if temperature > 0 else 1.0

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import random
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -27,6 +28,22 @@ from prime_spmd.inference.engine import Completion, InferenceEngine, Request
 from prime_spmd.inference.kv_cache import bucket_sizes, pick_bucket
 from prime_spmd.inference.runner import build_runner
 from prime_spmd.inference.sampling import SamplingTensors, sample
+
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _expert_slice(params: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """The view of a stacked expert parameter (gate_up_proj [E, 2I, D], down_proj [E, D, I]) an HF name maps to."""
+    prefix, e, proj = _EXPERT.match(name).groups()  # type: ignore[union-attr]
+    e = int(e)
+    if proj == "down_proj":
+        p = params.get(f"{prefix}.down_proj")
+        return None if p is None or p.ndim != 3 else p[e]
+    p = params.get(f"{prefix}.gate_up_proj")
+    if p is None or p.ndim != 3:
+        return None
+    inter = p.shape[1] // 2
+    return p[e, :inter] if proj == "gate_proj" else p[e, inter:]
 
 
 @dataclass(slots=True)
@@ -75,9 +92,9 @@ class NativeEngine(InferenceEngine):
         self.vocab_size = self.runner.vocab_size
         self.batch_buckets = bucket_sizes(max_batch_size, 1, "pow2")
         self.len_buckets = bucket_sizes(max_model_len, min(256, max_model_len), "linear")
-        self.use_graphs = cuda_graphs and device.type == "cuda" and hasattr(self.runner, "cache") and bool(
-            self.runner.cache
-        )
+        # MoE expert dispatch sizes its buffers on the host (data-dependent shapes): no graphs
+        has_moe = any("MoE" in type(m).__name__ for m in self.model.modules())
+        self.use_graphs = cuda_graphs and device.type == "cuda" and self.runner.cache is not None and not has_moe
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self._ids_buf = torch.zeros(max_batch_size, dtype=torch.long, device=device)
@@ -102,7 +119,9 @@ class NativeEngine(InferenceEngine):
             )
         bad = [t for t in request.prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"request {request.request_id!r}: token ids {bad[:5]} outside vocab [0, {self.vocab_size})")
+            raise ValueError(
+                f"request {request.request_id!r}: token ids {bad[:5]} outside vocab [0, {self.vocab_size})"
+            )
         self._waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -121,9 +140,13 @@ class NativeEngine(InferenceEngine):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """HF names; per-expert MoE weights (``...mlp.experts.{e}.{gate,up,down}_proj.weight``) are
+        copied into the slices of a model that stacks its experts (``prime_spmd.models.qwen3``)."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
         for name, tensor in weights:
             p = params.get(name)
+            if p is None and _EXPERT.match(name):
+                p = _expert_slice(params, name)
             if p is None:
                 close = [k for k in params if k.split(".")[-1] == name.split(".")[-1]][:3]
                 raise ValueError(f"load_weights: unknown parameter {name!r} (similar names: {close})")

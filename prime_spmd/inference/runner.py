@@ -27,7 +27,10 @@ LLAMA_STYLE = {"qwen3", "qwen2", "llama", "mistral"}
 
 
 def is_llama_style(model: torch.nn.Module) -> bool:
-    """True when ``LlamaStyleRunner`` supports ``model`` (full attention, standard RoPE blocks)."""
+    """True when ``LlamaStyleRunner`` supports ``model``: HF Llama-style with full attention, or our
+    own Qwen3 / Qwen3-MoE (``prime_spmd.models.qwen3``, which has ``args`` instead of ``config``)."""
+    if _is_custom(model):
+        return True
     cfg = getattr(model, "config", None)
     if getattr(cfg, "model_type", None) not in LLAMA_STYLE:
         return False
@@ -40,6 +43,10 @@ def is_llama_style(model: torch.nn.Module) -> bool:
     return all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb"))
 
 
+def _is_custom(model: torch.nn.Module) -> bool:
+    return hasattr(model, "args") and hasattr(model, "lm_head_weight") and hasattr(model, "model")
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -49,7 +56,8 @@ class LlamaStyleRunner:
     """Prefill and decode for HF Llama-style decoders with a ``SlotKVCache``."""
 
     def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, device: torch.device) -> None:
-        cfg = model.config
+        self.custom = _is_custom(model)
+        cfg = model.args if self.custom else model.config
         self.model, self.inner = model, model.model
         self.num_layers = cfg.num_hidden_layers
         self.num_heads = cfg.num_attention_heads
@@ -74,8 +82,19 @@ class LlamaStyleRunner:
         pos = torch.arange(self.cache.max_len, device=self.device)[None]
         probe = torch.zeros(1, device=self.device, dtype=self.dtype)
         with torch.no_grad():
-            cos, sin = self.inner.rotary_emb(probe, pos)
+            if self.custom:
+                cos, sin = self.inner.rotary_emb(pos, self.dtype)
+            else:
+                cos, sin = self.inner.rotary_emb(probe, pos)
         self.cos_LD, self.sin_LD = cos[0].contiguous(), sin[0].contiguous()
+
+    def _lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        if self.custom:
+            return F.linear(x, self.model.lm_head_weight()).float()
+        return self.model.lm_head(x).float()
+
+    def _scale(self, attn: torch.nn.Module) -> float:
+        return getattr(attn, "scaling", self.head_dim**-0.5)
 
     def _qkv(self, attn: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Projections (+ Qwen3's per-head q/k RMSNorm) -> q [..., H, D], k and v [..., Hkv, D]."""
@@ -106,18 +125,18 @@ class LlamaStyleRunner:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             self.cache.write_prefill(li, slots_N, k, v)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=True)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self._scale(attn), enable_gqa=True)
             x = x + attn.o_proj(o.transpose(1, 2).reshape(n, t, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         x_ND = x[torch.arange(n, device=x.device), last_N]
-        return self.model.lm_head(self.inner.norm(x_ND)).float()
+        return self._lm_head(self.inner.norm(x_ND))
 
     @torch.no_grad()
     def decode(self, ids_B: torch.Tensor, pos_B: torch.Tensor, kv_len: int) -> torch.Tensor:
         """One token for each of slots 0..B-1 at ``pos_B``; attends positions [0, kv_len); float logits [B, V]."""
         b = ids_B.shape[0]
         g = self.num_heads // self.num_kv_heads
-        x = self.inner.embed_tokens(ids_B)  # [B, hidden]
+        x = self.inner.embed_tokens(ids_B)[:, None]  # [B, 1, hidden]: MoE blocks want 3-D input
         cos = self.cos_LD[pos_B][:, None]  # [B, 1, D]
         sin = self.sin_LD[pos_B][:, None]
         # attend to positions <= pos; additive mask [B, 1, 1, Lb] in float32
@@ -125,19 +144,19 @@ class LlamaStyleRunner:
         mask = torch.zeros(visible.shape, device=ids_B.device).masked_fill(~visible, float("-inf"))[:, None, None]
         for li, layer in enumerate(self.inner.layers):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
+            h = layer.input_layernorm(x)[:, 0]
             q, k, v = self._qkv(attn, h)  # [B, H, D], [B, Hkv, D]
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             self.cache.write_decode(li, pos_B, k, v)
             kc, vc = self.cache.read(li, b, kv_len)  # [B, Hkv, Lb, D]
             q = q.view(b, self.num_kv_heads, g, self.head_dim)
-            scores = torch.matmul(q, kc.transpose(-1, -2)).float() * attn.scaling + mask  # [B, Hkv, G, Lb]
+            scores = torch.matmul(q, kc.transpose(-1, -2)).float() * self._scale(attn) + mask  # [B, Hkv, G, Lb]
             p = torch.softmax(scores, dim=-1).to(vc.dtype)
             o = torch.matmul(p, vc)  # [B, Hkv, G, D]
-            x = x + attn.o_proj(o.reshape(b, -1))
+            x = x + attn.o_proj(o.reshape(b, 1, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.model.lm_head(self.inner.norm(x)).float()
+        return self._lm_head(self.inner.norm(x[:, 0]))
 
 
 class GenericRunner:

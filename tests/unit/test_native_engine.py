@@ -80,7 +80,9 @@ def test_sampled_logprobs_match_teacher_forced(model_dir, temperature):
     eng, model, tok = _engine(model_dir, max_batch_size=4)
     reqs = _reqs(tok, SamplingParams(temperature=temperature, max_tokens=32, ignore_eos=True), seed0=100)
     outs = eng.generate(reqs)
-    trainer = torch.cat([teacher_forced_logprobs(model, r.prompt_ids, o.token_ids, temperature) for r, o in zip(reqs, outs)])
+    trainer = torch.cat(
+        [teacher_forced_logprobs(model, r.prompt_ids, o.token_ids, temperature) for r, o in zip(reqs, outs)]
+    )
     inference = torch.cat([torch.tensor(o.logprobs) for o in outs])
     stats = mismatch_stats(trainer, inference)
     # measured on CPU fp32: mean |diff| ~1e-7, KL ~1e-14
@@ -171,3 +173,20 @@ def test_async_engine_batches_concurrent_callers(model_dir):
     outs = asyncio.run(main())
     for t, o in zip(TEXTS, outs):
         assert o.token_ids == _hf_greedy(model, tok.encode(t), 6)
+
+
+def test_custom_qwen3_model_runs_on_the_fast_runner(model_dir):
+    from prime_spmd.config.sections import ModelConfig
+    from prime_spmd.models.loading import load_model
+
+    custom = load_model(ModelConfig(path=str(model_dir), impl="custom"), torch.device("cpu"))
+    hf_model, tok = _load(model_dir)
+    eng = NativeEngine(custom, tok, max_batch_size=2, max_model_len=64, device="cpu")
+    assert isinstance(eng.runner, runner_mod.LlamaStyleRunner)
+    reqs = _reqs(tok, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), TEXTS[:3])
+    for r, o in zip(reqs, eng.generate(reqs)):
+        assert o.token_ids == _hf_greedy(hf_model, r.prompt_ids, 10)
+    sampled = eng.generate(_reqs(tok, SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True), seed0=3))
+    trainer = torch.cat([teacher_forced_logprobs(custom, o.prompt_ids, o.token_ids, 1.0) for o in sampled])
+    stats = mismatch_stats(trainer, torch.cat([torch.tensor(o.logprobs) for o in sampled]))
+    assert stats["mean_abs_diff"] < 1e-5 and stats["mismatch_kl"] < 1e-5, stats
