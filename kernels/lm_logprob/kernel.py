@@ -42,6 +42,7 @@ def _logits_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -50,19 +51,18 @@ def _logits_tile(
     Row offsets go to int64 first: V * H passes 2**31 for large vocabularies with H >= 8192.
     """
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    h_rows = h_ptr + offs_n.to(tl.int64)[:, None] * stride_hn
+    w_rows = w_ptr + offs_v.to(tl.int64)[None, :] * stride_wv
     for k0 in range(0, H, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < H
-        h = tl.load(
-            h_ptr + offs_n.to(tl.int64)[:, None] * stride_hn + offs_k[None, :],
-            mask=mask_n[:, None] & mask_k[None, :],
-            other=0.0,
-        )
-        w = tl.load(
-            w_ptr + offs_v.to(tl.int64)[None, :] * stride_wv + offs_k[:, None],
-            mask=mask_v[None, :] & mask_k[:, None],
-            other=0.0,
-        )
+        # Without a mask along K Triton (3.9, sm_90) pipelines these loads; with one it does not.
+        if EVEN_K:
+            h = tl.load(h_rows + offs_k[None, :], mask=mask_n[:, None], other=0.0)
+            w = tl.load(w_rows + offs_k[:, None], mask=mask_v[None, :], other=0.0)
+        else:
+            mask_k = offs_k < H
+            h = tl.load(h_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+            w = tl.load(w_rows + offs_k[:, None], mask=mask_v[None, :] & mask_k[:, None], other=0.0)
         if UPCAST:
             h = h.to(tl.float32)
             w = w.to(tl.float32)
@@ -89,6 +89,7 @@ def _fwd_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -121,6 +122,7 @@ def _fwd_kernel(
                 BLOCK_N,
                 BLOCK_V,
                 BLOCK_K,
+                EVEN_K,
                 UPCAST,
                 PRECISION,
             )
@@ -163,6 +165,7 @@ def _grad_logits_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
     GROUP_N: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -197,6 +200,7 @@ def _grad_logits_kernel(
             BLOCK_N,
             BLOCK_V,
             BLOCK_K,
+            EVEN_K,
             UPCAST,
             PRECISION,
         )
@@ -242,8 +246,9 @@ def _cuda_configs() -> list[triton.Config]:
 
 
 _KEY = ["N", "H", "V"]
-_fwd_tuned = triton.autotune(_cuda_configs(), key=_KEY)(_fwd_kernel)
-_grad_tuned = triton.autotune(_cuda_configs(), key=_KEY)(_grad_logits_kernel)
+_EVEN_K = triton.heuristics({"EVEN_K": lambda args: args["H"] % args["BLOCK_K"] == 0})
+_fwd_tuned = triton.autotune(_cuda_configs(), key=_KEY)(_EVEN_K(_fwd_kernel))
+_grad_tuned = triton.autotune(_cuda_configs(), key=_KEY)(_EVEN_K(_grad_logits_kernel))
 # One fixed config for the CPU interpreter (small tiles keep it fast; 16 is tl.dot's minimum).
 _CPU_META = {"BLOCK_N": 16, "BLOCK_V": 32, "BLOCK_K": 32}
 
@@ -298,7 +303,7 @@ def forward(hidden_NH: Tensor, weight_VH: Tensor, targets_N: Tensor, temperature
     opts = _dot_options(hidden_NH)
     if opts["UPCAST"]:
         grid = (triton.cdiv(num_tokens, _CPU_META["BLOCK_N"]), splits)
-        _fwd_kernel[grid](*args, **_CPU_META, **opts)
+        _fwd_kernel[grid](*args, **_CPU_META, EVEN_K=hidden_size % _CPU_META["BLOCK_K"] == 0, **opts)
     else:
         _fwd_tuned[lambda meta: (triton.cdiv(num_tokens, meta["BLOCK_N"]), splits)](*args, **opts)
     m_N = m_SN.max(dim=0).values
@@ -362,7 +367,8 @@ def backward(
         flags = {"HAS_GLP": grad_logprob_N is not None, "HAS_GENT": grad_entropy_N is not None, "GROUP_N": 8}
         if opts["UPCAST"]:
             grid = (triton.cdiv(rows, _CPU_META["BLOCK_N"]) * triton.cdiv(vocab, _CPU_META["BLOCK_V"]),)
-            _grad_logits_kernel[grid](*args, **flags, **_CPU_META, **opts)
+            even_k = hidden_size % _CPU_META["BLOCK_K"] == 0
+            _grad_logits_kernel[grid](*args, **flags, **_CPU_META, EVEN_K=even_k, **opts)
         else:
             _grad_tuned[_grad_grid](*args, **flags, **opts)
         torch.mm(grad_cv, weight_VH, out=grad_hidden_NH[start:end])
