@@ -81,7 +81,8 @@ class PolicyModel(nn.Module):
         hidden_NH = hidden_BTH.reshape(-1, hidden_BTH.shape[-1])
         weight_VH = lm_head_weight(self.lm)
         if self.loss_impl == "reference":
-            return reference_logprobs(hidden_NH, weight_VH, targets_N, temperature)
+            lp, ent = reference_logprobs(hidden_NH, weight_VH, targets_N, temperature)
+            return lp.clone(), ent  # a fresh tensor, not a view: FSDP2 hooks the outputs for the backward
         from kernels.lm_logprob.op import lm_head_logprobs
 
         lp, ent = lm_head_logprobs(
