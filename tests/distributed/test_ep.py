@@ -13,8 +13,9 @@ import torch.nn.functional as F
 
 from tests.dist_utils import init_default_group, run_ranks
 
-# fp32; measured max |diff|: loss 0.0-6e-8, grads (relative to max |grad|) < 3e-7
-LOSS_ATOL = 1e-6
+# fp32; measured max |diff|: loss 0.0 (2 ranks) and 4.8e-7 (4 ranks, summation order), grads (relative to
+# max |grad|) 2.3e-7 and 3.8e-7
+LOSS_ATOL = 1e-5
 GRAD_RTOL = 1e-5
 
 
@@ -78,7 +79,6 @@ def _worker(rank: int, world: int, ep: int):
 def test_ep_matches_single_process():
     for world in (2, 4):
         for rank, diffs in enumerate(run_ranks(_worker, world, 2)):
-            print(world, rank, diffs["loss"], max(v for k, v in diffs.items() if k != "loss"))
             assert diffs.pop("loss") < LOSS_ATOL, (world, rank)
             worst = max(diffs, key=diffs.get)
             assert diffs[worst] < GRAD_RTOL, (world, rank, worst, diffs[worst])
