@@ -45,7 +45,7 @@ class SlotKVCache:
         """Store one token per slot 0..B-1 at position ``pos_B[b]`` (graph-capturable index_put_)."""
         b, h, d = k_BHD.shape
         rows = torch.arange(b * h, device=pos_B.device)
-        pos = pos_B.repeat_interleave(h)
+        pos = pos_B[:, None].expand(b, h).reshape(-1)  # no host sync, unlike repeat_interleave
         kl = self.k[layer, :b].reshape(b * h, self.max_len, d)
         vl = self.v[layer, :b].reshape(b * h, self.max_len, d)
         kl.index_put_((rows, pos), k_BHD.reshape(b * h, d))

@@ -27,7 +27,7 @@ import torch
 from prime_spmd.inference.engine import Completion, InferenceEngine, Request
 from prime_spmd.inference.kv_cache import bucket_sizes, pick_bucket
 from prime_spmd.inference.runner import build_runner
-from prime_spmd.inference.sampling import SamplingTensors, sample
+from prime_spmd.inference.sampling import SamplingTensors, gumbel_noise, sample
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -79,6 +79,7 @@ class NativeEngine(InferenceEngine):
         cuda_graphs: bool = True,
         prefill_tokens: int = 16384,
         seed: int = 0,
+        compile_sampler: bool = True,
     ) -> None:
         device = torch.device(device) if device is not None else next(model.parameters()).device
         if dtype is not None:
@@ -95,6 +96,10 @@ class NativeEngine(InferenceEngine):
         # MoE expert dispatch sizes its buffers on the host (data-dependent shapes): no graphs
         has_moe = any("MoE" in type(m).__name__ for m in self.model.modules())
         self.use_graphs = cuda_graphs and device.type == "cuda" and self.runner.cache is not None and not has_moe
+        # the Gumbel noise is ~25 elementwise passes over [B, V]; compiled (CUDA only) it is one
+        self._noise_fn = gumbel_noise
+        if compile_sampler and device.type == "cuda":
+            self._noise_fn = torch.compile(gumbel_noise, dynamic=True)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self._ids_buf = torch.zeros(max_batch_size, dtype=torch.long, device=device)
@@ -251,7 +256,7 @@ class NativeEngine(InferenceEngine):
         )
 
     def _sample_and_update(self, logits_BV: torch.Tensor, seqs: list[_Seq], done: list[Completion]) -> None:
-        tokens, logprobs = sample(logits_BV, self._sampling_tensors(seqs))
+        tokens, logprobs = sample(logits_BV, self._sampling_tensors(seqs), self._noise_fn)
         both = torch.stack([tokens.double(), logprobs.double()]).cpu()  # the step's one device->host sync
         tok_list, lp_list = both[0].long().tolist(), both[1].tolist()
         self.num_generated_tokens += len(seqs)

@@ -1,0 +1,248 @@
+"""Generation throughput: the native engine vs transformers ``generate`` (and vLLM where installed).
+
+Same random-weight model, batch, prompt and new-token lengths, sampling (temperature 1, no eos:
+every sequence generates exactly --new-tokens). Prints a markdown table with tokens/s, the decode
+roofline and the fraction of it achieved; ``--out FILE.json`` keeps the numbers.
+
+Decode roofline: one decode step must read every weight once plus each sequence's KV cache, so
+tokens/s <= batch / ((weight bytes + batch * mean context * KV bytes per token) / bandwidth), with
+bandwidth measured by a large device-to-device copy. Measured tokens/s include the prefill.
+
+Needs only torch + transformers (no tyro, no verifiers):
+    python benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,64 --engine native,hf
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SHAPES = {
+    # Qwen3-0.6B: hidden 1024, 28 layers, 16 heads, 8 kv heads, head_dim 128, intermediate 3072, tied
+    "qwen3-0.6b": dict(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+    ),
+    # the qwen3-1m preset with a 4k vocab: a CPU-sized stand-in
+    "tiny": dict(
+        vocab_size=4096,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=True,
+        rope_theta=1e4,
+    ),
+}
+
+
+def build_config(shape: str, max_len: int):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**SHAPES[shape], max_position_embeddings=max(max_len, 512), eos_token_id=None, pad_token_id=0)
+
+
+def build_model(shape: str, max_len: int, device: torch.device, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with device:
+        model = AutoModelForCausalLM.from_config(build_config(shape, max_len), dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a large device-to-device copy (read + write counted)."""
+    n = (1 << 30) if device.type == "cuda" else (1 << 27)
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    sync(device)
+    reps = 10 if device.type == "cuda" else 3
+    t = time.perf_counter()
+    for _ in range(reps):
+        b.copy_(a)
+    sync(device)
+    return 2 * n * reps / (time.perf_counter() - t)
+
+
+def prompts(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, vocab, (batch, prompt_len), generator=g).tolist()
+
+
+def run_native(model, ids, new_tokens, device, cuda_graphs: bool) -> float:
+    from prime_spmd.inference.engine import Request, SamplingParams
+    from prime_spmd.inference.native import NativeEngine
+
+    max_len = len(ids[0]) + new_tokens
+    eng = NativeEngine(
+        model, None, max_batch_size=len(ids), max_model_len=max_len, device=device, cuda_graphs=cuda_graphs
+    )
+
+    def once() -> float:
+        reqs = [
+            Request(
+                prompt_ids=p,
+                sampling=SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=i),
+                request_id=i,
+            )
+            for i, p in enumerate(ids)
+        ]
+        sync(device)
+        t = time.perf_counter()
+        outs = eng.generate(reqs)
+        sync(device)
+        assert all(len(o.token_ids) == new_tokens for o in outs)
+        return time.perf_counter() - t
+
+    once()  # warm-up: captures the CUDA graphs and compiles the sampler
+    return once()
+
+
+def run_hf(model, ids, new_tokens, device) -> float:
+    x = torch.tensor(ids, device=device)
+    kw = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        model.generate(x, max_new_tokens=8, min_new_tokens=8, **kw)
+        sync(device)
+        t = time.perf_counter()
+        out = model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+        sync(device)
+    assert out.shape[1] == x.shape[1] + new_tokens
+    return time.perf_counter() - t
+
+
+def run_vllm(shape: str, ids, new_tokens, dtype: torch.dtype) -> float:
+    from vllm import LLM
+    from vllm import SamplingParams as VSP
+
+    max_len = len(ids[0]) + new_tokens
+    with tempfile.TemporaryDirectory() as d:
+        build_config(shape, max_len).save_pretrained(d)
+        llm = LLM(
+            model=d,
+            skip_tokenizer_init=True,
+            load_format="dummy",
+            dtype=str(dtype).removeprefix("torch."),
+            max_model_len=max_len,
+            max_num_seqs=len(ids),
+            gpu_memory_utilization=0.5,
+        )
+        sp = VSP(temperature=1.0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True, detokenize=False)
+        batch = [{"prompt_token_ids": p} for p in ids]
+        llm.generate(batch, sp, use_tqdm=False)
+        t = time.perf_counter()
+        llm.generate(batch, sp, use_tqdm=False)
+        return time.perf_counter() - t
+
+
+def roofline_tok_s(model, cfg, batch: int, prompt_len: int, new_tokens: int, dtype: torch.dtype, bw: float) -> float:
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+    mean_ctx = prompt_len + new_tokens / 2
+    step_bytes = weight_bytes + batch * mean_ctx * kv_per_token
+    return batch / (step_bytes / bw)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", default="native,hf", help="comma list of native, hf, vllm")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--model-shape", default="qwen3-0.6b", choices=sorted(SHAPES))
+    ap.add_argument("--batch-sizes", default="1,64")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
+        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32
+    )
+    engines = args.engine.split(",")
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    max_len = args.prompt_len + args.new_tokens
+    model = build_model(args.model_shape, max_len, device, dtype)
+    cfg = model.config
+    bw = measure_bandwidth(device)
+    rows = []
+    for bs in batch_sizes:
+        ids = prompts(bs, args.prompt_len, cfg.vocab_size)
+        roof = roofline_tok_s(model, cfg, bs, args.prompt_len, args.new_tokens, dtype, bw)
+        for name in engines:
+            if name == "native":
+                secs = run_native(model, ids, args.new_tokens, device, not args.no_cuda_graphs)
+            elif name == "hf":
+                secs = run_hf(model, ids, args.new_tokens, device)
+            elif name == "vllm":
+                secs = run_vllm(args.model_shape, ids, args.new_tokens, dtype)
+            else:
+                raise SystemExit(f"--engine: unknown {name!r}; use native, hf, vllm")
+            tok_s = bs * args.new_tokens / secs
+            rows.append(dict(engine=name, batch=bs, seconds=secs, tokens_per_s=tok_s, roofline_tok_s=roof))
+            print(f"{name:6s} batch {bs:4d}: {tok_s:10.1f} tok/s ({secs:.2f} s)", file=sys.stderr, flush=True)
+    for r in rows:
+        base = next((x for x in rows if x["engine"] == "hf" and x["batch"] == r["batch"]), None)
+        r["speedup_vs_hf"] = r["tokens_per_s"] / base["tokens_per_s"] if base else None
+        r["roofline_fraction"] = r["tokens_per_s"] / r["roofline_tok_s"]
+    meta = dict(
+        date=datetime.date.today().isoformat(),
+        commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        cpu_threads=torch.get_num_threads(),
+        torch=torch.__version__,
+        dtype=str(dtype),
+        model_shape=args.model_shape,
+        prompt_len=args.prompt_len,
+        new_tokens=args.new_tokens,
+        bandwidth_GBps=bw / 1e9,
+        command=" ".join(sys.argv),
+    )
+    print(f"\n{meta['device']}, {meta['dtype']}, torch {meta['torch']}, commit {meta['commit']}, {meta['date']}")
+    print(
+        f"shape {args.model_shape}, prompt {args.prompt_len}, new {args.new_tokens}, copy bandwidth {bw / 1e9:.0f} GB/s\n"
+    )
+    print("| engine | batch | tokens/s | vs hf | decode roofline tok/s | of roofline |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        vs = f"{r['speedup_vs_hf']:.1f}x" if r["speedup_vs_hf"] else "-"
+        print(
+            f"| {r['engine']} | {r['batch']} | {r['tokens_per_s']:.0f} | {vs} | {r['roofline_tok_s']:.0f} "
+            f"| {100 * r['roofline_fraction']:.1f}% |"
+        )
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
