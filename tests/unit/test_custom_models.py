@@ -13,7 +13,7 @@ from prime_spmd.models.qwen3.model import set_moe_impl
 from prime_spmd.models.tiny import build_tiny_model
 
 # fp32 CPU: measured max |diff| 0.0 (dense and MoE, packed and unpacked, reference and grouped_mm
-# experts; the Triton experts are within 1e-6); the issue asks < 1e-4
+# experts; Triton experts run here too under the same bound, kernel tests measure 5e-7 relative); the issue asks < 1e-4
 ATOL = 1e-4
 
 

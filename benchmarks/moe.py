@@ -1,0 +1,195 @@
+"""Benchmark a whole MoE layer (route, permute, gate/up GEMM + SwiGLU, down GEMM, weighted un-permute).
+
+GPU (H200, bf16):  python benchmarks/moe.py --out benchmarks/results/moe.json
+CPU smoke check:   python benchmarks/moe.py --device cpu --small
+
+Shapes: Qwen3-30B-A3B experts (D 2048, I 768, E 128, top-8) at 16k and 32k tokens. Routing:
+``uniform`` (random router, near-balanced) and ``skewed`` (router bias -alpha*log(1+e): a few hot
+experts, many nearly idle; max/mean expert load is reported). Impls: the per-expert loop (reference),
+``torch._grouped_mm``, and ours (Triton). FLOPs: 6*M*D*I for the experts (M = T*K rows) plus
+2*T*D*E for the router, times 3 for fwd+bwd (grads for x, router and expert weights).
+Timing: CUDA events, median of --iters after a warmup (which also runs Triton's autotuner).
+
+Legend: T tokens, K top-k, D hidden, E experts, I expert intermediate.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--small", action="store_true", help="tiny shapes (CPU check under the Triton interpreter)")
+    p.add_argument("--out", type=Path, default=None, help="write results as JSON here")
+    p.add_argument("--iters", type=int, default=10, help="timed iterations (median reported)")
+    p.add_argument("--impls", default="reference,grouped_mm,triton", help="comma-separated subset")
+    p.add_argument("--tokens", default="16384,32768", help="comma-separated token counts")
+    p.add_argument("--skew_alpha", type=float, default=2.0, help="router bias -alpha*log(1+e) for skewed routing")
+    return p.parse_args()
+
+
+ARGS = parse_args()
+if ARGS.device == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kernels.moe.op import moe_experts  # noqa: E402
+
+NAMES = {"reference": "per-expert loop", "grouped_mm": "torch._grouped_mm", "triton": "ours (triton)"}
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_ms(fn, device: str, iters: int) -> float:
+    """Median time of fn() in ms (CUDA events on GPU); one untimed warmup call first."""
+    fn()
+    sync(device)
+    times = []
+    for _ in range(iters):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def matmul_ceiling_tflops(device: str, dtype: torch.dtype) -> float:
+    size = 8192 if device == "cuda" else 512
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    ms = time_ms(lambda: a @ b, device, 20 if device == "cuda" else 3)
+    return 2 * size**3 / (ms * 1e-3) / 1e12
+
+
+def make_layer(T, D, E, inter, dtype, device, routing):
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(*shape, std):
+        return (torch.randn(*shape, generator=gen) * std).to(device=device, dtype=dtype).requires_grad_()
+
+    x = rand(T, D, std=1.0)
+    router = rand(E, D, std=D**-0.5)
+    bias = torch.zeros(E) if routing == "uniform" else -ARGS.skew_alpha * torch.log1p(torch.arange(E).float())
+    bias = bias.to(device=device, dtype=torch.float32)
+    w13 = rand(E, 2 * inter, D, std=D**-0.5)
+    w2 = rand(E, D, inter, std=inter**-0.5)
+    return x, router, bias, w13, w2
+
+
+def moe_layer(x, router, bias, w13, w2, top_k, impl):
+    """The whole layer: router softmax/top-k (norm_topk_prob) then the experts."""
+    probs = torch.softmax(torch.nn.functional.linear(x, router).float() + bias, dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+    return moe_experts(x, ids, weights, w13, w2, impl=impl), ids
+
+
+def bench(impl, T, D, E, inter, K, routing, dtype, device, ceiling) -> dict:
+    x, router, bias, w13, w2 = make_layer(T, D, E, inter, dtype, device, routing)
+    params = (x, router, w13, w2)
+    with torch.no_grad():
+        _, ids = moe_layer(x, router, bias, w13, w2, K, impl)
+        load = torch.bincount(ids.flatten(), minlength=E).float()
+    dout = torch.randn(T, D, device=device, dtype=dtype)
+
+    def fwd():
+        with torch.no_grad():
+            moe_layer(x, router, bias, w13, w2, K, impl)
+
+    def fwd_bwd():
+        y, _ = moe_layer(x, router, bias, w13, w2, K, impl)
+        torch.autograd.grad(y, params, dout)
+
+    flops = 6 * T * K * D * inter + 2 * T * D * E
+    row = dict(impl=NAMES[impl], tokens=T, routing=routing, max_over_mean_load=(load.max() / load.mean()).item())
+    row["fwd_ms"] = time_ms(fwd, device, ARGS.iters)
+    row["fwd_bwd_ms"] = time_ms(fwd_bwd, device, ARGS.iters)
+    row["fwd_tflops"] = flops / (row["fwd_ms"] * 1e-3) / 1e12
+    row["fwd_bwd_tflops"] = 3 * flops / (row["fwd_bwd_ms"] * 1e-3) / 1e12
+    row["fwd_bwd_pct_ceiling"] = 100 * row["fwd_bwd_tflops"] / ceiling
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fwd_bwd()
+        row["fwd_bwd_peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    return row
+
+
+def check_close(T, D, E, inter, K, dtype, device) -> None:
+    """Sanity: each impl's forward agrees with the loop on one small batch before timing."""
+    x, router, bias, w13, w2 = make_layer(min(T, 512), D, E, inter, dtype, device, "uniform")
+    with torch.no_grad():
+        ref = moe_layer(x, router, bias, w13, w2, K, "reference")[0].float()
+        for impl in ARGS.impls.split(","):
+            got = moe_layer(x, router, bias, w13, w2, K, impl)[0].float()
+            rel = ((got - ref).abs().max() / ref.abs().max()).item()
+            print(f"check {NAMES[impl]}: max rel diff vs loop {rel:.2e}")
+            assert rel < 5e-2, impl
+
+
+def main() -> None:
+    device = ARGS.device
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if ARGS.small:
+        D, E, inter, K, token_counts = 64, 8, 32, 2, [64]
+    else:
+        D, E, inter, K, token_counts = 2048, 128, 768, 8, [int(t) for t in ARGS.tokens.split(",")]
+    ceiling = matmul_ceiling_tflops(device, dtype)
+    print(f"matmul ceiling ({'8192' if device == 'cuda' else '512'}^3, {dtype}): {ceiling:.1f} TFLOP/s")
+    check_close(token_counts[0], D, E, inter, K, dtype, device)
+    results = []
+    for T in token_counts:
+        for routing in ("uniform", "skewed"):
+            for impl in ARGS.impls.split(","):
+                row = bench(impl, T, D, E, inter, K, routing, dtype, device, ceiling)
+                results.append(row)
+                print(json.dumps(row))
+    print(
+        f"\n| impl | tokens | routing | max/mean load | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | % of {ceiling:.0f} |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(
+            f"| {r['impl']} | {r['tokens']} | {r['routing']} | {r['max_over_mean_load']:.1f} | {r['fwd_ms']:.2f} | "
+            f"{r['fwd_tflops']:.0f} | {r['fwd_bwd_ms']:.2f} | {r['fwd_bwd_tflops']:.0f} | {r['fwd_bwd_pct_ceiling']:.0f}% |"
+        )
+    for T in token_counts:
+        for routing in ("uniform", "skewed"):
+            by = {r["impl"]: r for r in results if r["tokens"] == T and r["routing"] == routing}
+            if NAMES["triton"] in by and NAMES["grouped_mm"] in by:
+                s = by[NAMES["grouped_mm"]]["fwd_bwd_ms"] / by[NAMES["triton"]]["fwd_bwd_ms"]
+                print(f"speedup ours vs torch._grouped_mm, fwd+bwd, {T} tokens, {routing}: {s:.2f}x (goal >= 1.1x)")
+    if ARGS.out:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        meta = dict(
+            date=datetime.date.today().isoformat(), commit=commit, torch=torch.__version__,
+            device=torch.cuda.get_device_name() if device == "cuda" else "cpu", dtype=str(dtype),
+            matmul_ceiling_tflops=ceiling, shape=dict(D=D, E=E, I=inter, K=K),
+        )  # fmt: skip
+        ARGS.out.parent.mkdir(parents=True, exist_ok=True)
+        ARGS.out.write_text(json.dumps(dict(meta=meta, results=results), indent=2))
+        print(f"wrote {ARGS.out}")
+
+
+if __name__ == "__main__":
+    main()
