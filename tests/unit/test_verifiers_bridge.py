@@ -106,13 +106,15 @@ class ScriptedEngine(FakeStepEngine):
         super().__init__(tokenizer, **kw)
         self.script = script
         self.prompts: list[str] = []
+        self._planned: dict[str, list[int]] = {}
 
     def next_token(self, request: Request, generated: list[int]) -> tuple[int, float]:
+        key = str(request.request_id)
         if not generated:
             text = self.tokenizer.decode(request.prompt_ids, skip_special_tokens=False)
             self.prompts.append(text)
-            request._planned = self.tokenizer.encode(self.script(text), add_special_tokens=False)  # type: ignore[attr-defined]
-        planned = request._planned  # type: ignore[attr-defined]
+            self._planned[key] = self.tokenizer.encode(self.script(text), add_special_tokens=False)
+        planned = self._planned[key]
         return planned[len(generated)], -0.1 * (len(generated) + 1)
 
 

@@ -1,0 +1,314 @@
+"""Run ``verifiers`` environments (classic API, verifiers>=0.3.1,<0.4) in-process, token-exact.
+
+``load_verifiers_environment(cfg)`` loads an environment by id (``vf.load_environment``), by
+``module:function`` import path, or from a ``.py`` file, and wraps it as our ``Environment``.
+``VerifiersEnvironment.run_groups`` runs ``env.run_group(..., state_columns=["trajectory", ...])``
+for every example concurrently, with an ``EngineClient`` (prime_spmd/envs/vf_client.py) over one
+``AsyncEngine``, so all rollouts of the call share the engine's continuous batch. Each result
+becomes a ``Rollout`` built from the trajectory's token ids only (no re-tokenization):
+
+    prompt_ids      = turn 0's prompt ids
+    completion_ids  = turn 0 completion + (env tokens + completion) of each later turn
+    completion_mask = 1 on engine-sampled tokens, 0 on env tokens
+
+Failures never stop the run (docs/environments.md): a reward function that raises, hangs past
+``reward_timeout_s`` or returns garbage (vf_rewards.py), an environment error (a ``vf.Error`` the
+environment records in ``state["error"]``), a rollout past ``rollout_timeout_s``, or an exception
+escaping ``run_group`` (the whole group) all give reward 0 and ``metrics["failed"] = 1`` plus a
+counter naming the cause; the caller decides whether to drop failed samples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import verifiers as vf
+
+from prime_spmd.config.sections import EnvConfig
+from prime_spmd.envs.base import Environment
+from prime_spmd.envs.vf_client import (
+    SEED_KEY,
+    STATS_KEY,
+    ChatRenderer,
+    EngineClient,
+    SafeAsyncEngine,
+    to_template_message,
+)
+from prime_spmd.envs.vf_rewards import guard_rubric
+from prime_spmd.inference.engine import InferenceEngine, SamplingParams
+from prime_spmd.rl.types import Rollout
+
+logger = logging.getLogger("prime_spmd")
+COUNTERS = (
+    "reward_errors",
+    "reward_timeouts",
+    "env_errors",
+    "env_timeouts",
+    "overlong_prompts",
+    "group_errors",
+    "prefix_breaks",
+    "bridge_failures",
+    "rerender_mismatches",
+)
+"""Per-rollout counters always present in ``Rollout.metrics`` (0.0 when nothing happened)."""
+
+
+def parse_env_args(args: dict[str, str]) -> dict[str, Any]:
+    """``--env.args`` values are strings; JSON values (numbers, booleans, lists, objects) are decoded."""
+    out: dict[str, Any] = {}
+    for k, v in args.items():
+        try:
+            out[k] = json.loads(v) if isinstance(v, str) else v
+        except json.JSONDecodeError:
+            out[k] = v
+    return out
+
+
+def import_vf_environment(name: str, args: dict[str, Any]) -> Any:
+    """A classic verifiers environment object from ``name``:
+
+    - ``pkg.module:function`` or ``path/to/file.py:function``: call that function with ``args``;
+    - ``path/to/file.py``: call the file's ``load_environment``;
+    - anything else: ``vf.load_environment(name, **args)`` (an installed environment package).
+    """
+    target, _, func_name = name.partition(":")
+    if target.endswith(".py") or func_name:
+        if target.endswith(".py"):
+            path = Path(target)
+            if not path.is_file():
+                raise ValueError(f"--env.name {name!r}: no such file {path}")
+            spec = importlib.util.spec_from_file_location(f"ps_env_{path.stem}", path)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+        fn = getattr(module, func_name or "load_environment", None)
+        if fn is None:
+            raise ValueError(f"--env.name {name!r}: {target} has no function {func_name or 'load_environment'}")
+        env = fn(**args)
+    else:
+        env = vf.load_environment(name, **args)
+    if not isinstance(env, vf.Environment):
+        raise ValueError(f"--env.name {name!r} returned {type(env).__name__}, not a verifiers Environment")
+    return env
+
+
+def load_verifiers_environment(
+    cfg: EnvConfig, *, reward_timeout_s: float | None = 60.0, rollout_timeout_s: float | None = None
+) -> VerifiersEnvironment:
+    """Load ``cfg.name`` with ``cfg.args`` (see ``import_vf_environment``) and wrap it."""
+    env = import_vf_environment(cfg.name, parse_env_args(cfg.args))
+    return VerifiersEnvironment(
+        env,
+        name=cfg.name,
+        num_eval_examples=cfg.num_eval_examples,
+        seed=cfg.seed,
+        reward_timeout_s=reward_timeout_s,
+        rollout_timeout_s=rollout_timeout_s,
+    )
+
+
+class VerifiersEnvironment(Environment):
+    """Our ``Environment`` over a classic verifiers environment object (see module doc).
+
+    ``reward_timeout_s``: limit per reward-function call (None: no limit, plain functions run inline).
+    ``rollout_timeout_s``: sets the environment's ``timeout_seconds`` when it has none (a rollout
+    past it stops with ``stop_condition == "timeout_reached"``; counted as ``env_timeouts``).
+    ``check_rerender``: count turns whose stitched prompt differs from a fresh render of the messages.
+    """
+
+    def __init__(
+        self,
+        vf_env: Any,
+        *,
+        name: str = "verifiers",
+        num_eval_examples: int = 64,
+        seed: int = 0,
+        reward_timeout_s: float | None = 60.0,
+        rollout_timeout_s: float | None = None,
+        check_rerender: bool = True,
+    ) -> None:
+        self.vf_env = vf_env
+        self.name = name
+        self.num_eval_examples = num_eval_examples
+        self.seed = seed
+        self.check_rerender = check_rerender
+        guard_rubric(vf_env.rubric, reward_timeout_s)
+        if rollout_timeout_s is not None and getattr(vf_env, "timeout_seconds", None) is None:
+            vf_env.timeout_seconds = rollout_timeout_s
+        self._splits: dict[str, Any] = {}
+
+    def _split(self, split: Literal["train", "eval"]) -> Any:
+        if split not in self._splits:
+            if split == "train":
+                ds = self.vf_env.get_dataset() if self.vf_env.build_dataset() is not None else None
+                if ds is None:
+                    ds = self.vf_env.get_eval_dataset()
+            else:
+                ds = self.vf_env.get_eval_dataset(n=self.num_eval_examples)
+            self._splits[split] = ds
+        return self._splits[split]
+
+    def num_examples(self, split: Literal["train", "eval"]) -> int:
+        return len(self._split(split))
+
+    def example(self, split: Literal["train", "eval"], index: int) -> dict[str, Any]:
+        row = dict(self._split(split)[index])
+        row.setdefault("answer", "")
+        return row
+
+    def run_groups(
+        self,
+        engine: InferenceEngine,
+        split: Literal["train", "eval"],
+        example_ids: list[int],
+        group_size: int,
+        sampling: SamplingParams,
+        seed: int,
+    ) -> list[list[Rollout]]:
+        """See ``Environment.run_groups``. Runs its own event loop (``asyncio.run``): call it from sync code."""
+        return asyncio.run(self.arun_groups(engine, split, example_ids, group_size, sampling, seed))
+
+    async def arun_groups(
+        self,
+        engine: InferenceEngine,
+        split: Literal["train", "eval"],
+        example_ids: list[int],
+        group_size: int,
+        sampling: SamplingParams,
+        seed: int,
+    ) -> list[list[Rollout]]:
+        """``run_groups`` inside a running event loop; every group runs concurrently."""
+        aengine = SafeAsyncEngine(engine)
+        client = EngineClient(aengine, base=sampling, check_rerender=self.check_rerender)
+        tasks = [
+            self._run_group(client, split, eid, [self._input(split, eid, k, seed) for k in range(group_size)])
+            for eid in example_ids
+        ]
+        groups = list(await asyncio.gather(*tasks))
+        if aengine.failure is not None:
+            raise RuntimeError("the inference engine failed during verifiers rollouts") from aengine.failure
+        return groups
+
+    def _input(self, split: str, example_id: int, sample_idx: int, seed: int) -> dict[str, Any]:
+        row = self.example(split, example_id)  # type: ignore[arg-type]
+        row["example_id"] = example_id
+        # Request seeds derive from (run seed, example, sample, turn): independent of batch composition.
+        row[SEED_KEY] = (seed * 1_000_003 + example_id) * 1_009 + sample_idx
+        return row
+
+    async def _run_group(self, client: EngineClient, split: str, example_id: int, inputs: list[dict]) -> list[Rollout]:
+        try:
+            outputs = await self.vf_env.run_group(
+                inputs, client, "prime-spmd", {}, state_columns=["trajectory", STATS_KEY]
+            )
+        # An exception escaping run_group comes from environment code (env_response, setup_state,
+        # a group reward outside the guard); the run goes on with the group failed and counted.
+        except Exception as e:  # noqa: BLE001
+            logger.warning("verifiers run_group failed for example %d: %s: %s", example_id, type(e).__name__, e)
+            prompt_ids = client.renderer.render_ids(
+                [to_template_message(m) for m in vf_messages(inputs[0]["prompt"])], _tools(self.vf_env), {}
+            )
+            return [_failed_rollout(example_id, k, prompt_ids, "group_errors") for k in range(len(inputs))]
+        rollouts = []
+        for k, out in enumerate(outputs):
+            rollouts.append(output_to_rollout(out, example_id, k, client.renderer))
+        return rollouts
+
+
+def vf_messages(prompt: Any) -> list[Any]:
+    from verifiers.utils.message_utils import normalize_messages
+
+    return list(normalize_messages(prompt, field_name="prompt"))
+
+
+def _tools(vf_env: Any) -> list[dict] | None:
+    defs = getattr(vf_env, "tool_defs", None) or []
+    return [{"type": "function", "function": t.model_dump(exclude_none=True)} for t in defs] or None
+
+
+def _failed_rollout(example_id: int, sample_idx: int, prompt_ids: list[int], counter: str) -> Rollout:
+    metrics = {c: 0.0 for c in COUNTERS}
+    metrics[counter] = 1.0
+    metrics["failed"] = 1.0
+    return Rollout(
+        example_id=example_id,
+        sample_idx=sample_idx,
+        prompt_ids=prompt_ids,
+        completion_ids=[],
+        completion_mask=[],
+        inference_logprobs=[],
+        reward=0.0,
+        metrics=metrics,
+        info={"failed": counter},
+    )
+
+
+def output_to_rollout(out: dict[str, Any], example_id: int, sample_idx: int, renderer: ChatRenderer) -> Rollout:
+    """One verifiers ``RolloutOutput`` (with the ``trajectory`` state column) as a token-exact ``Rollout``.
+
+    Turn i+1's prompt ids must start with turn i's prompt + completion ids (the client builds them
+    so); the ids between are environment tokens (mask 0). A turn that does not extend the sequence
+    (the environment rewrote its history) ends the sample there: later turns are dropped and
+    counted in ``prefix_breaks``, so no token the engine did not see in that context is trained.
+    """
+    stats = dict(out.get(STATS_KEY) or {})
+    steps = [s for s in (out.get("trajectory") or []) if s.get("tokens") is not None]
+    if not steps:
+        prompt_ids = renderer.render_ids([to_template_message(m) for m in vf_messages(out["prompt"])], None, {})
+        counter = {"timeout_reached": "env_timeouts", "prompt_too_long": "overlong_prompts"}.get(
+            out.get("stop_condition") or "", "env_errors"
+        )
+        return _failed_rollout(example_id, sample_idx, prompt_ids, counter)
+    first = steps[0]["tokens"]
+    prompt_ids = list(first["prompt_ids"])
+    completion_ids = list(first["completion_ids"])
+    mask = list(first["completion_mask"])
+    logprobs = [float(x) for x in first["completion_logprobs"]]
+    for step in steps[1:]:
+        tok = step["tokens"]
+        seen = len(prompt_ids) + len(completion_ids)
+        step_prompt = list(tok["prompt_ids"])
+        if step_prompt[: len(prompt_ids)] != prompt_ids or step_prompt[len(prompt_ids) : seen] != completion_ids:
+            stats["prefix_breaks"] = stats.get("prefix_breaks", 0) + 1
+            break
+        env_ids = step_prompt[seen:]
+        completion_ids += env_ids + list(tok["completion_ids"])
+        mask += [0] * len(env_ids) + list(tok["completion_mask"])
+        logprobs += [0.0] * len(env_ids) + [float(x) for x in tok["completion_logprobs"]]
+    metrics = {c: float(stats.get(c, 0)) for c in COUNTERS}
+    if out.get("error") is not None:
+        metrics["env_errors"] += 1.0
+    if out.get("stop_condition") == "timeout_reached":
+        metrics["env_timeouts"] += 1.0
+    reward = out.get("reward")
+    if reward is None or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        metrics["reward_errors"] += 1.0
+        reward = 0.0
+    if out.get("stop_condition") == "prompt_too_long":
+        metrics["overlong_prompts"] += 1.0
+    failed = any(metrics[c] > 0 for c in ("reward_errors", "reward_timeouts", "env_errors", "env_timeouts"))
+    for key, value in (out.get("metrics") or {}).items():
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            metrics[f"env/{key}"] = float(value)
+    metrics["num_turns"] = float(len(steps))
+    metrics["failed"] = float(failed)
+    return Rollout(
+        example_id=example_id,
+        sample_idx=sample_idx,
+        prompt_ids=prompt_ids,
+        completion_ids=completion_ids,
+        completion_mask=mask,
+        inference_logprobs=logprobs,
+        reward=0.0 if failed else float(reward),
+        metrics=metrics,
+        info={"stop_condition": out.get("stop_condition"), "is_truncated": bool(out.get("is_truncated"))},
+    )

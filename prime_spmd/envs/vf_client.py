@@ -1,0 +1,352 @@
+"""An in-process ``vf.Client`` over our inference engine: chat messages in, token-exact responses out.
+
+verifiers' classic environments (``MultiTurnEnv`` and subclasses, verifiers>=0.3.1,<0.4) call
+``client.get_response(prompt_messages, model, sampling_args, tools, state=state)`` once per turn.
+``EngineClient`` answers it without HTTP: it renders the messages with the tokenizer's chat template
+(tools included), submits the ids through ``AsyncEngine`` (so concurrent rollouts share the engine's
+continuous batch), and returns a ``vf.Response`` whose ``message.tokens`` carries prompt ids,
+completion ids, masks and the per-token logprobs the engine sampled with. The environment stores
+those on each trajectory step (``state["trajectory"][i]["tokens"]``).
+
+Multi-turn token exactness (docs/environments.md): the next turn's prompt is NOT re-rendered from
+messages when it extends the previous turn's messages. It is built as
+``previous prompt ids + previous completion ids + bridge ids``, where the bridge is the rendered
+text between the assistant message's content and the new messages' generation prompt (the
+template's assistant "close" the engine did not sample, e.g. ``"\\n"`` after a sampled
+``<|im_end|>``, then the new user/tool turns). So the trained sequence is the engine's token
+stream. A full re-render would differ wherever the template rewrites history (Qwen3 strips earlier
+``<think>`` blocks) or BPE merges differ; such differences are detected and counted per rollout
+(``rerender_mismatches``), never used. When the environment rewrites the message history itself
+(the new prompt does not extend the previous messages), the prompt is rendered afresh and the
+break is counted (``prefix_breaks``); the Rollout conversion then stops at the break.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import verifiers as vf
+from verifiers.types import (
+    Messages,
+    Response,
+    ResponseMessage,
+    ResponseTokens,
+    SamplingArgs,
+    Tool,
+    ToolCall,
+    Usage,
+)
+
+from prime_spmd.inference.engine import AsyncEngine, Completion, SamplingParams
+
+STATS_KEY = "ps_bridge"
+"""State key of the per-rollout bridge counters (a JSON-able dict of ints, returned as a state column)."""
+SEED_KEY = "ps_seed"
+"""RolloutInput key carrying the per-sample seed; request seeds derive from it and the turn index."""
+_MARK = "\x1fPS_BRIDGE_MARK\x1f"
+"""Placeholder assistant content used to find where the template closes an assistant turn."""
+_TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+class SafeAsyncEngine(AsyncEngine):
+    """``AsyncEngine`` whose driver hands an engine exception to every waiting request.
+
+    The base driver dies with the exception and its futures never resolve, so every rollout
+    awaiting them hangs forever (seen with a faulty engine in tests). Here they raise instead, and
+    ``failure`` keeps the exception so the caller can fail loudly (verifiers would record it as a
+    per-rollout ``ModelError`` and carry on).
+    """
+
+    failure: BaseException | None = None
+
+    async def _drive(self) -> None:
+        try:
+            await super()._drive()
+        except Exception as e:  # noqa: BLE001 - re-raised in every waiting coroutine
+            self.failure = e
+            futures, self._futures = self._futures, {}
+            for fut in futures.values():
+                if not fut.done():
+                    fut.set_exception(e)
+            raise
+
+
+def bump_stat(state: Any, key: str, n: int = 1) -> None:
+    """Add ``n`` to the rollout counter ``key`` in ``state[STATS_KEY]`` (created on first use)."""
+    stats = state.get(STATS_KEY)
+    if stats is None:
+        stats = {}
+        state[STATS_KEY] = stats
+    stats[key] = stats.get(key, 0) + n
+
+
+def parse_hermes_tool_calls(text: str, turn: int) -> tuple[str, list[ToolCall]]:
+    """Split Hermes/Qwen-style ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks out of ``text``.
+
+    Returns (content without the parsed blocks, tool calls). A block whose JSON does not parse or has
+    no ``name`` stays in the content (the environment sees the raw text; no call is made).
+    """
+    calls: list[ToolCall] = []
+    kept: list[str] = []
+    pos = 0
+    for m in _TOOL_CALL_RE.finditer(text):
+        try:
+            obj = json.loads(m.group(1))
+            name = obj["name"]
+            args = obj.get("arguments", {})
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            continue
+        if not isinstance(name, str):
+            continue
+        kept.append(text[pos : m.start()])
+        pos = m.end()
+        arguments = args if isinstance(args, str) else json.dumps(args)
+        calls.append(ToolCall(id=f"call_{turn}_{len(calls)}", name=name, arguments=arguments))
+    kept.append(text[pos:])
+    return ("".join(kept).strip() if calls else text), calls
+
+
+def to_template_message(message: Any) -> dict[str, Any]:
+    """A verifiers message (pydantic or dict) as the plain dict HF chat templates expect."""
+    d = message.model_dump(exclude_none=True) if hasattr(message, "model_dump") else dict(message)
+    role = "user" if d.get("role") == "text" else d["role"]
+    content = d.get("content")
+    if isinstance(content, list):  # text parts only: templates here take strings
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    out: dict[str, Any] = {"role": role, "content": content if content is not None else ""}
+    if d.get("reasoning_content") is not None:
+        out["reasoning_content"] = d["reasoning_content"]
+    if d.get("tool_calls"):
+        out["tool_calls"] = [
+            {"type": "function", "id": tc["id"], "function": {"name": tc["name"], "arguments": _args(tc["arguments"])}}
+            for tc in d["tool_calls"]
+        ]
+    if role == "tool":
+        out["tool_call_id"] = d.get("tool_call_id", "")
+    return out
+
+
+def _args(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except (json.JSONDecodeError, TypeError):
+        return arguments
+
+
+@dataclass(slots=True)
+class EngineResponse:
+    """What ``get_native_response`` returns: the exact ids the engine saw and sampled."""
+
+    prompt_ids: list[int]
+    completion: Completion
+    text: str
+    turn: int
+
+
+class ChatRenderer:
+    """Chat-template rendering and the multi-turn bridge for one tokenizer (see module doc)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("the tokenizer has no chat_template; verifiers environments need one")
+        self.tokenizer = tokenizer
+        self._close_cache: dict[str, str] = {}
+
+    def render_text(self, messages: list[dict], tools: list[dict] | None, gen: bool, kwargs: dict) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=gen, tokenize=False, **kwargs
+        )
+
+    def encode(self, text: str) -> list[int]:
+        # The template's text already holds any BOS; add_special_tokens=False avoids a second one.
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def render_ids(self, messages: list[dict], tools: list[dict] | None, kwargs: dict) -> list[int]:
+        return self.encode(self.render_text(messages, tools, True, kwargs))
+
+    def assistant_close(self, kwargs: dict) -> str:
+        """The text a template appends after an assistant message's content (Qwen: ``<|im_end|>\\n``)."""
+        key = json.dumps(kwargs, sort_keys=True)
+        if key not in self._close_cache:
+            msgs = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}]
+            text = self.render_text(msgs, None, False, kwargs)
+            idx = text.rfind(_MARK)
+            if idx < 0:
+                raise ValueError("the chat template drops assistant content; multi-turn bridging needs it rendered")
+            self._close_cache[key] = text[idx + len(_MARK) :]
+        return self._close_cache[key]
+
+    def bridge_ids(
+        self, completion_ids: list[int], tail: list[dict], tools: list[dict] | None, kwargs: dict
+    ) -> list[int] | None:
+        """Environment token ids between a sampled completion and the next generation prompt.
+
+        = the part of the assistant close the engine did not sample (all of it when the completion
+        did not end with the close's first token, e.g. truncated) + the ``tail`` messages rendered
+        after an assistant turn + the generation prompt. None when the template renders the tail in
+        a way that cannot be cut out (then the caller re-renders the whole prompt).
+        """
+        close = self.assistant_close(kwargs)
+        last = self.tokenizer.decode(completion_ids[-1:], skip_special_tokens=False) if completion_ids else ""
+        remainder = close[len(last) :] if last and close.startswith(last) else close
+        dummy = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}]
+        text = self.render_text(dummy + tail, tools, True, kwargs)
+        idx = text.find(_MARK)
+        after = text[idx + len(_MARK) :] if idx >= 0 else ""
+        if idx < 0 or not after.startswith(close):
+            return None
+        return self.encode(remainder + after[len(close) :])
+
+
+class EngineClient(vf.Client):
+    """``vf.Client`` answering chat requests with the in-process engine, token-exact (see module doc).
+
+    ``base`` holds the sampling parameters of the run (the policy being trained); keys present in a
+    request's ``sampling_args`` override them (``temperature``, ``top_p``, ``max_tokens`` /
+    ``max_completion_tokens``, ``stop``, ``seed``; ``top_k``, ``min_p``, ``chat_template_kwargs`` in
+    ``extra_body`` too). ``check_rerender`` also renders each stitched prompt from messages and counts
+    disagreements (``rerender_mismatches``); it costs one template render per turn.
+    Runs inside one event loop (the ``AsyncEngine``'s); not thread-safe.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        base: SamplingParams | None = None,
+        check_rerender: bool = True,
+        tool_parser: Any = None,
+    ) -> None:
+        super().__init__(engine)
+        self.engine = engine
+        self.base = base or SamplingParams()
+        self.check_rerender = check_rerender
+        self.renderer = ChatRenderer(engine.engine.tokenizer)
+        self.tokenizer = engine.engine.tokenizer
+        self.tool_parser = tool_parser or parse_hermes_tool_calls
+        self.max_model_len: int | None = getattr(engine.engine, "max_model_len", None)
+
+    def setup_client(self, config: Any) -> Any:
+        raise ValueError("EngineClient wraps an in-process engine; it cannot be built from a ClientConfig")
+
+    async def close(self) -> None:
+        return None
+
+    async def to_native_tool(self, tool: Tool) -> dict:
+        return {
+            "type": "function",
+            "function": {"name": tool.name, "description": tool.description, "parameters": tool.parameters},
+        }
+
+    async def to_native_prompt(self, messages: Messages) -> tuple[list[dict], dict]:
+        return [to_template_message(m) for m in messages], {}
+
+    async def get_native_response(
+        self,
+        prompt: list[dict],
+        model: str,
+        sampling_args: SamplingArgs,
+        tools: list[dict] | None = None,
+        **kwargs: Any,
+    ) -> EngineResponse:
+        state = kwargs.get("state")
+        extra = dict((sampling_args or {}).get("extra_body") or {})
+        template_kwargs = dict(extra.get("chat_template_kwargs") or {})
+        turn = len(state["trajectory"]) if state is not None else 0
+        prompt_ids = self._prompt_ids(prompt, tools, state, template_kwargs)
+        if self.max_model_len is not None and len(prompt_ids) >= self.max_model_len:
+            raise vf.OverlongPromptError(f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len}")
+        sampling = self.sampling_for(sampling_args, state, turn, len(prompt_ids))
+        completion = await self.engine.generate(prompt_ids, sampling)
+        text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        return EngineResponse(prompt_ids=prompt_ids, completion=completion, text=text, turn=turn)
+
+    def _prompt_ids(self, prompt: list[dict], tools: list[dict] | None, state: Any, kwargs: dict) -> list[int]:
+        """Stitch onto the previous turn's ids when ``prompt`` extends its messages; else render afresh."""
+        step = _last_step_with_tokens(state)
+        if step is None:
+            return self.renderer.render_ids(prompt, tools, kwargs)
+        previous = [to_template_message(m) for m in list(step["prompt"]) + list(step["completion"])]
+        n = len(previous)
+        tokens = step["tokens"]
+        if len(prompt) > n and prompt[:n] == previous:
+            bridge = self.renderer.bridge_ids(list(tokens["completion_ids"]), prompt[n:], tools, kwargs)
+            if bridge is not None:
+                ids = list(tokens["prompt_ids"]) + list(tokens["completion_ids"]) + bridge
+                if self.check_rerender and ids != self.renderer.render_ids(prompt, tools, kwargs):
+                    bump_stat(state, "rerender_mismatches")
+                return ids
+            bump_stat(state, "bridge_failures")
+        else:
+            bump_stat(state, "prefix_breaks")
+        return self.renderer.render_ids(prompt, tools, kwargs)
+
+    def sampling_for(self, args: SamplingArgs | None, state: Any, turn: int, prompt_len: int) -> SamplingParams:
+        """The request's ``SamplingParams``: ``base`` overridden by ``args``; seed derived per sample and turn."""
+        args = dict(args or {})
+        extra = dict(args.pop("extra_body", None) or {})
+        merged = {**extra, **args}
+        sp = dataclasses.replace(self.base, stop=list(self.base.stop), stop_token_ids=list(self.base.stop_token_ids))
+        if merged.get("n", 1) not in (1, None):
+            raise ValueError(f"sampling_args n={merged['n']}: the engine client returns one completion per request")
+        for key in ("temperature", "top_p", "top_k", "min_p"):
+            if merged.get(key) is not None:
+                setattr(sp, key, type(getattr(sp, key))(merged[key]))
+        max_tokens = merged.get("max_tokens") or merged.get("max_completion_tokens")
+        if max_tokens is not None:
+            sp.max_tokens = int(max_tokens)
+        stop = merged.get("stop")
+        if stop:
+            sp.stop = sp.stop + ([stop] if isinstance(stop, str) else list(stop))
+        if self.max_model_len is not None:
+            sp.max_tokens = max(1, min(sp.max_tokens, self.max_model_len - prompt_len))
+        base_seed = None
+        if state is not None:
+            base_seed = (state.get("input") or {}).get(SEED_KEY)
+        if base_seed is None:
+            base_seed = merged.get("seed", self.base.seed)
+        sp.seed = None if base_seed is None else (int(base_seed) * 1_000_003 + turn) % (2**63)
+        return sp
+
+    async def raise_from_native_response(self, response: EngineResponse) -> None:
+        # An empty completion is a legitimate sample (reward it, train on it): not an error here.
+        return None
+
+    async def from_native_response(self, response: EngineResponse) -> Response:
+        c = response.completion
+        content, tool_calls = self.tool_parser(response.text, response.turn)
+        finish = "tool_calls" if tool_calls else c.finish_reason
+        tokens = ResponseTokens(
+            prompt_ids=list(response.prompt_ids),
+            prompt_mask=[0] * len(response.prompt_ids),
+            completion_ids=list(c.token_ids),
+            completion_mask=[1] * len(c.token_ids),
+            completion_logprobs=[float(x) for x in c.logprobs],
+        )
+        n_p, n_c = len(response.prompt_ids), len(c.token_ids)
+        return Response(
+            id=str(c.request_id),
+            created=0,
+            model="prime-spmd",
+            usage=Usage(prompt_tokens=n_p, reasoning_tokens=0, completion_tokens=n_c, total_tokens=n_p + n_c),
+            message=ResponseMessage(
+                content=content,
+                finish_reason=finish,
+                is_truncated=c.finish_reason == "length",
+                tokens=tokens,
+                tool_calls=tool_calls or None,
+            ),
+        )
+
+
+def _last_step_with_tokens(state: Any) -> dict | None:
+    if state is None:
+        return None
+    for step in reversed(state.get("trajectory") or []):
+        if step.get("tokens") is not None:
+            return step
+    return None

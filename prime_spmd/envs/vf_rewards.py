@@ -1,0 +1,126 @@
+"""Reward-function guards for verifiers rubrics: errors and timeouts are counted, never fatal.
+
+verifiers' ``Rubric`` already turns a raising reward function into 0.0 (with a log line), but it
+does not count it anywhere and it has no timeout: one hanging reward function stalls the whole
+group, and with it the RL step. ``guard_rubric`` wraps every reward function and metric of a
+rubric (recursively through ``RubricGroup``) so that each call
+- runs under a timeout: coroutine functions via ``asyncio.wait_for``; plain functions in a daemon
+  thread (a hung one is abandoned: the thread leaks until the function returns, and being a daemon
+  it never blocks interpreter exit);
+- on an exception, a timeout, or a garbage result (not a finite float, or a group function's list
+  of the wrong length) counts ``reward_errors`` / ``reward_timeouts`` in the rollout's
+  ``state["ps_bridge"]`` and returns 0.0. The bridge then gives the whole rollout reward 0.
+
+The wrapper keeps the function's ``__name__`` (metric keys) and its signature (verifiers passes
+arguments by parameter name and detects group functions by their plural parameter names), adding a
+``state`` / ``states`` keyword so it can record the failure on the right rollout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import verifiers as vf
+
+from prime_spmd.envs.vf_client import bump_stat
+
+logger = logging.getLogger("prime_spmd")
+_GUARDED = "__ps_guarded__"
+
+
+def guard_rubric(rubric: Any, timeout_s: float | None) -> None:
+    """Wrap every function of ``rubric`` (and of nested rubrics) in place; idempotent."""
+    if isinstance(rubric, vf.RubricGroup):
+        for child in rubric.rubrics:
+            guard_rubric(child, timeout_s)
+    rubric.funcs = [f if getattr(f, _GUARDED, False) else _guard(rubric, f, timeout_s) for f in rubric.funcs]
+
+
+def _guard(rubric: Any, func: Callable, timeout_s: float | None) -> Callable:
+    is_group = rubric._is_group_func(func)
+    key = "states" if is_group else "state"
+    sig = inspect.signature(func)
+    params = list(sig.parameters.values())
+    passes_key = key in sig.parameters or any(p.kind is p.VAR_KEYWORD for p in params)
+    if not passes_key:
+        extra = inspect.Parameter(key, inspect.Parameter.KEYWORD_ONLY, default=None)
+        params.append(extra)
+        sig = sig.replace(parameters=params)
+    name = getattr(func, "__name__", type(func).__name__)
+
+    async def guarded(**kwargs: Any) -> Any:
+        target = kwargs.get(key) if passes_key else kwargs.pop(key, None)
+        states = list(target or []) if is_group else [target]
+        try:
+            value = await _call(func, kwargs, timeout_s)
+            return _check(value, len(states) if is_group else None)
+        except TimeoutError:
+            counter, detail = "reward_timeouts", f"timed out after {timeout_s} s"
+        # Any exception from user code: the point of the guard is that the run goes on (counted below).
+        except Exception as e:  # noqa: BLE001
+            counter, detail = "reward_errors", f"{type(e).__name__}: {e}"
+        logger.warning("reward function %s failed (%s); the rollout gets reward 0", name, detail)
+        for st in states:
+            if st is not None:
+                bump_stat(st, counter)
+        return [0.0] * len(states) if is_group else 0.0
+
+    guarded.__name__ = name
+    guarded.__qualname__ = getattr(func, "__qualname__", name)
+    guarded.__doc__ = getattr(func, "__doc__", None)
+    guarded.__signature__ = sig  # type: ignore[attr-defined]
+    setattr(guarded, _GUARDED, True)
+    return guarded
+
+
+def _check(value: Any, group_len: int | None) -> Any:
+    if group_len is None:
+        x = float(value)
+        if not math.isfinite(x):
+            raise ValueError(f"reward {value!r} is not finite")
+        return x
+    values = [float(v) for v in value]
+    if len(values) != group_len or not all(math.isfinite(v) for v in values):
+        raise ValueError(f"group reward {value!r}: expected {group_len} finite floats")
+    return values
+
+
+async def _call(func: Callable, kwargs: dict, timeout_s: float | None) -> Any:
+    if inspect.iscoroutinefunction(func):
+        return await asyncio.wait_for(func(**kwargs), timeout_s)
+    if timeout_s is None:
+        result = func(**kwargs)
+    else:
+        result = await asyncio.wait_for(_in_daemon_thread(func, kwargs), timeout_s)
+    if inspect.isawaitable(result):
+        result = await asyncio.wait_for(result, timeout_s)
+    return result
+
+
+def _in_daemon_thread(func: Callable, kwargs: dict) -> asyncio.Future:
+    """Run ``func(**kwargs)`` in a daemon thread; the future resolves in the calling loop."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not fut.done():
+            fut.set_result(value) if ok else fut.set_exception(value)
+
+    def run() -> None:
+        try:
+            out = (True, func(**kwargs))
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            out = (False, e)
+        try:
+            loop.call_soon_threadsafe(settle, *out)
+        except RuntimeError:  # the loop has closed: the call timed out and nobody awaits it
+            pass
+
+    threading.Thread(target=run, name="ps-reward-fn", daemon=True).start()
+    return fut
