@@ -219,10 +219,13 @@ class InferenceConfig:
     """Capture the decode step in CUDA graphs (CUDA only)."""
     gpu_memory_utilization: float = 0.3
     """vLLM: fraction of GPU memory for the engine."""
+    weight_bucket_mb: int = 256
+    """Weight sync: largest bucket broadcast at once (bounds the extra memory of a sync)."""
 
     def __post_init__(self) -> None:
         _check(self.max_batch_size >= 1, "inference.max_batch_size", self.max_batch_size, "must be >= 1")
         _check(self.max_model_len >= 0, "inference.max_model_len", self.max_model_len, "must be >= 0")
+        _check(self.weight_bucket_mb >= 1, "inference.weight_bucket_mb", self.weight_bucket_mb, "must be >= 1")
         _check(
             0 < self.gpu_memory_utilization <= 1,
             "inference.gpu_memory_utilization",

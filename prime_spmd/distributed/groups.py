@@ -86,6 +86,19 @@ class Bridge:
         payload = self.recv(torch.empty(int(size.item()), dtype=torch.uint8), src)
         return pickle.loads(payload.numpy().tobytes())
 
+    def broadcast_object(self, obj: object, src: int, device: torch.device) -> object:
+        """Broadcast a picklable object from global rank ``src`` (blocking; all members call it)."""
+        if self.rank == src:
+            payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+            size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+        else:
+            size = torch.zeros(1, dtype=torch.int64, device=device)
+        self.broadcast(size, src)
+        if self.rank != src:
+            payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        self.broadcast(payload, src)
+        return obj if self.rank == src else pickle.loads(payload.cpu().numpy().tobytes())
+
     def wait_sends(self) -> None:
         for work, _ in self._pending:
             work.wait()

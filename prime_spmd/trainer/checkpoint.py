@@ -76,11 +76,18 @@ class Checkpointer:
         return sorted((p for p in dirs if (p / "state.json").is_file()), key=lambda p: int(p.name[5:]))
 
     def latest(self) -> Path | None:
-        done = self.complete()
-        return done[-1] if done else None
+        return latest_checkpoint(self.root.parent)
 
-    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> Path:
-        """Write checkpoint ``step`` (the number of optimizer steps taken). ``state`` is JSON-able, rank 0's."""
+    def save(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state: dict[str, Any],
+        blobs: dict[str, bytes] | None = None,
+    ) -> Path:
+        """Write checkpoint ``step`` (the number of optimizer steps taken). ``state`` is JSON-able and
+        ``blobs`` (file name -> bytes, e.g. the controller's rollout buffer) are rank 0's."""
         final = self.root / f"step_{step:06d}"
         tmp = self.root / f"step_{step:06d}.tmp"
         if self.rank == 0:
@@ -92,6 +99,8 @@ class Checkpointer:
         torch.save(rng_state(), tmp / f"rng_rank{self.rank}.pt")
         _barrier()
         if self.rank == 0:
+            for name, data in (blobs or {}).items():
+                (tmp / name).write_bytes(data)
             (tmp / "state.json").write_text(json.dumps(state, indent=1))
             if final.exists():
                 shutil.rmtree(final)
@@ -115,6 +124,15 @@ class Checkpointer:
         return json.loads((path / "state.json").read_text())
 
 
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint of a run directory (any rank may call it; no collectives)."""
+    root = Path(output_dir) / "checkpoints"
+    if not root.is_dir():
+        return None
+    done = [p for p in root.glob("step_*") if p.is_dir() and p.suffix != ".tmp" and (p / "state.json").is_file()]
+    return max(done, key=lambda p: int(p.name[5:]), default=None)
+
+
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Full (unsharded) CPU state dict; collective over the trainer role, result on every rank."""
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -129,8 +147,17 @@ def save_hf(lm: nn.Module, state_dict: dict[str, torch.Tensor], out_dir: str | P
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    if hasattr(lm, "save_hf"):
-        lm.save_hf(tmp, state_dict)
+    if hasattr(lm, "hf_config"):  # our own model code: HF names via the family's mapping (experts split)
+        from safetensors.torch import save_file
+
+        from prime_spmd.models.qwen3.hf import to_hf
+
+        tmp.mkdir(parents=True)
+        if lm.hf_config.get("tie_word_embeddings"):
+            state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
+        tensors = {n: t.detach().cpu().clone().contiguous() for n, t in to_hf(state_dict.items())}
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(lm.hf_config, indent=2))
     else:
         from transformers import AutoModelForCausalLM
 

@@ -46,8 +46,8 @@ def train_step(
 
     Every trainer rank calls it with the same number of micro-batches (packing pads with dummies).
     Returns global sums of the loss_fn stats plus ``loss`` (per trained token), ``grad_norm``,
-    ``lr``, ``trained_tokens`` and ``skipped`` (1.0 when the step was skipped for a non-finite
-    loss or gradient; the parameters are then unchanged).
+    ``lr``, ``trained_tokens``, ``nonfinite`` (non-finite loss or gradient), ``empty_batch`` (no
+    trained token anywhere) and ``skipped`` (either: the parameters are then unchanged).
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     n_local = sum(int(mb.loss_mask.sum()) for mb in micro_batches)
@@ -69,7 +69,9 @@ def train_step(
         norm = norm.full_tensor()  # DTensor norm -> replicated scalar (no grad flows through it)
     grad_norm = float(norm)
     loss = totals.get("loss_sum", 0.0) / max(n_global, 1.0)
-    skipped = not (math.isfinite(grad_norm) and math.isfinite(loss))
+    nonfinite = not (math.isfinite(grad_norm) and math.isfinite(loss))
+    empty = n_global == 0  # e.g. every group filtered out: nothing to learn, keep the optimizer state as is
+    skipped = nonfinite or empty
     lr = optimizer.param_groups[0]["lr"]
     if skipped:
         optimizer.zero_grad(set_to_none=True)
@@ -77,5 +79,13 @@ def train_step(
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
-    totals.update(loss=loss, grad_norm=grad_norm, lr=lr, trained_tokens=n_global, skipped=float(skipped))
+    totals.update(
+        loss=loss,
+        grad_norm=grad_norm,
+        lr=lr,
+        trained_tokens=n_global,
+        skipped=float(skipped),
+        nonfinite=float(nonfinite),
+        empty_batch=float(empty),
+    )
     return totals

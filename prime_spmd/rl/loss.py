@@ -1,0 +1,60 @@
+"""Policy-gradient losses with importance-ratio correction against the inference logprobs.
+
+Per token t with trainer logprob lp, inference logprob lq and advantage A:
+log r = clamp(lp - lq, -max_log_ratio, max_log_ratio) (so exp cannot overflow), r = exp(log r).
+
+- ``dppo`` (PRIME-RL's default): tokens are masked (keep = 0) where the probability moved too far
+  in the direction of the advantage: p - q > prob_delta_high with A > 0, q - p > prob_delta_low with
+  A < 0; loss_t = -A r keep + kl_coef (log r)^2.
+- ``ppo``: loss_t = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A) + kl_coef (log r)^2;
+  "masked" counts the clipped tokens.
+
+Both are summed over trained tokens; the step divides by the global number of trained tokens.
+Stats (sums): mismatch KL exp(d) - d - 1 with d = lp - lq, masked tokens, tokens, entropy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prime_spmd.config.rl_sections import LossConfig
+from prime_spmd.trainer.packing import MicroBatch
+
+
+def token_loss(
+    lp: torch.Tensor, lq: torch.Tensor, adv: torch.Tensor, cfg: LossConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token loss [L] and the bool mask of masked/clipped tokens [L] (fp32 inputs)."""
+    log_r = torch.clamp(lp - lq, -cfg.max_log_ratio, cfg.max_log_ratio)
+    r = torch.exp(log_r)
+    kl = cfg.kl_coef * log_r.pow(2)
+    if cfg.type == "dppo":
+        delta = torch.exp(lp.detach()) - torch.exp(lq)
+        masked = ((adv > 0) & (delta > cfg.prob_delta_high)) | ((adv < 0) & (delta < -cfg.prob_delta_low))
+        return -adv * r * (~masked).to(r.dtype) + kl, masked
+    clipped = torch.clamp(r, 1 - cfg.clip_low, 1 + cfg.clip_high)
+    surrogate = torch.minimum(r * adv, clipped * adv)
+    masked = (r * adv).detach() > (clipped * adv).detach()
+    return -surrogate + kl, masked
+
+
+def make_rl_loss(cfg: LossConfig):
+    """The ``LossFn`` for ``train_step``: micro-batches carry ``advantages`` and ``inference_logprobs`` fields."""
+
+    def loss_fn(logprob_L: torch.Tensor, entropy_L: torch.Tensor, mb: MicroBatch):
+        mask = mb.loss_mask
+        lq = mb.fields["inference_logprobs"]
+        adv = mb.fields["advantages"]
+        per_tok, masked = token_loss(logprob_L, lq, adv, cfg)
+        m = mask.to(per_tok.dtype)
+        d = (logprob_L.detach() - lq).clamp(-cfg.max_log_ratio, cfg.max_log_ratio)
+        stats = {
+            "tokens": m.sum(),
+            "masked_tokens": (masked & mask).to(m.dtype).sum(),
+            "mismatch_kl_sum": ((torch.exp(d) - d - 1) * m).sum(),
+            "abs_log_ratio_sum": (d.abs() * m).sum(),
+            "entropy_sum": (entropy_L.detach() * m).sum(),
+        }
+        return (per_tok * m).sum(), stats
+
+    return loss_fn

@@ -1,0 +1,335 @@
+"""The `rl` subcommand: asynchronous RL in one SPMD job.
+
+Every rank runs ``run_rl``; its role decides which loop it runs. The schedule (rl/schedule.py) is
+the same on every rank, so each knows the next collective:
+
+- trainer ranks (``_TrainerLoop``; trainer rank 0 is also the controller): initial weight sync,
+  then per step j: [controller] take batch j (buffered or received over the data bridge),
+  advantages, packing; scatter micro-batches over the trainer group; one optimizer step; if a
+  later batch needs w_(j+1), send it (bucketed broadcast over the weight bridge);
+- inference ranks (``_InferenceLoop``, disjoint mode): receive weights, generate the batch the
+  schedule says, send rollouts to the controller (asynchronously), repeat;
+- colocated mode: every rank runs the trainer loop and generates its share of each batch itself
+  (weights copied in-process, rollouts gathered to the controller over the default group).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from prime_spmd.config import RLJobConfig, to_json
+from prime_spmd.distributed.groups import DistContext, init_distributed
+from prime_spmd.distributed.topology import CONTROLLER_RANK
+from prime_spmd.envs.base import Environment
+from prime_spmd.envs.loader import load_environment
+from prime_spmd.inference.engine import InferenceEngine, SamplingParams
+from prime_spmd.log import logger
+from prime_spmd.models.loading import resolve_dtype
+from prime_spmd.rl.loss import make_rl_loss
+from prime_spmd.rl.schedule import batch_after_step, pregenerated_batches, restored_batches, version_of_batch
+from prime_spmd.trainer.build import build_trainer, prepare_model_dir, set_threads, strip_prefix
+from prime_spmd.trainer.checkpoint import Checkpointer, full_state_dict, latest_checkpoint, save_hf
+from prime_spmd.trainer.packing import pack
+from prime_spmd.trainer.rl_data import Batch, rollouts_to_samples
+from prime_spmd.trainer.step import train_step
+from prime_spmd.weights import WeightReceiver, WeightSender
+
+BUFFER_FILE = "rollout_buffer.pkl"
+
+
+def sampling_params(cfg: RLJobConfig) -> SamplingParams:
+    s = cfg.sampling
+    return SamplingParams(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, max_tokens=s.max_tokens
+    )
+
+
+def batch_example_ids(cfg: RLJobConfig, env: Environment, b: int, engine_index: int, num_engines: int) -> list[int]:
+    """Prompts of batch b served by one engine: a contiguous share of the batch's prompt ids."""
+    p = cfg.rollout.prompts_per_step
+    n = env.num_examples("train")
+    ids = [(b * p + i) % n for i in range(p)]
+    return ids[engine_index * p // num_engines : (engine_index + 1) * p // num_engines]
+
+
+def generate_share(
+    cfg: RLJobConfig, env: Environment, engine: InferenceEngine, b: int, version: int, engine_index: int, num_engines: int
+) -> Batch:
+    """Generate and score this engine's share of batch b with weights version ``version``."""
+    assert version == version_of_batch(b, cfg.rollout.max_async), (b, version)
+    t0 = time.perf_counter()
+    ids = batch_example_ids(cfg, env, b, engine_index, num_engines)
+    groups = env.run_groups(engine, "train", ids, cfg.rollout.group_size, sampling_params(cfg), cfg.trainer.seed)
+    for g in groups:
+        for r in g:
+            r.policy_version = version
+    return Batch(index=b, groups=groups, gen_time_s=time.perf_counter() - t0)
+
+
+def merge(parts: list[Batch]) -> Batch:
+    assert len({p.index for p in parts}) == 1, [p.index for p in parts]
+    return Batch(
+        index=parts[0].index,
+        groups=[g for p in parts for g in p.groups],
+        gen_time_s=max(p.gen_time_s for p in parts),
+    )
+
+
+def _start_step(ctx: DistContext, cfg: RLJobConfig) -> int:
+    """Global rank 0 decides where the run starts; everyone reads it from the TCPStore."""
+    key = "rl/start_step"
+    if ctx.topo.rank == 0:
+        latest = latest_checkpoint(cfg.output_dir) if cfg.ckpt.resume else None
+        if cfg.ckpt.resume and latest is None:
+            logger.warning(f"--ckpt.resume: no complete checkpoint in {cfg.output_dir}/checkpoints; starting at 0")
+        ctx.store.set(key, str(json.loads((latest / "state.json").read_text())["step"] if latest else 0))
+    return int(ctx.store.get(key).decode())
+
+
+class _InferenceLoop:
+    """Disjoint-mode inference rank: receive weights, generate, send rollouts (engine leader)."""
+
+    def __init__(self, cfg: RLJobConfig, ctx: DistContext, env: Environment, engine: InferenceEngine) -> None:
+        self.cfg, self.ctx, self.env, self.engine = cfg, ctx, env, engine
+
+    def run(self, start: int) -> None:
+        cfg, ctx, topo = self.cfg, self.ctx, self.ctx.topo
+        k, n = cfg.rollout.max_async, cfg.trainer.max_steps
+        bridge = ctx.weight_bridge
+        assert bridge is not None
+        spec = bridge.broadcast_object(None, src=CONTROLLER_RANK, device=ctx.device)
+        receiver = WeightReceiver(spec, cfg.inference.weight_bucket_mb << 20, self.engine, ctx.device)
+        receiver.recv(bridge)  # w_start
+        for b in pregenerated_batches(start, k, n):
+            self._generate_and_send(b, version_of_batch(b, k))
+        for j in range(start, n):
+            b = batch_after_step(j, k, n)
+            if b is None:
+                continue
+            receiver.recv(bridge)  # w_(j+1)
+            self._generate_and_send(b, j + 1)
+        if ctx.data_bridge is not None:
+            ctx.data_bridge.wait_sends()
+
+    def _generate_and_send(self, b: int, version: int) -> None:
+        topo = self.ctx.topo
+        batch = generate_share(self.cfg, self.env, self.engine, b, version, topo.engine_index, topo.num_engines)
+        if topo.is_engine_leader:
+            assert self.ctx.data_bridge is not None
+            self.ctx.data_bridge.isend_object(batch, dst=CONTROLLER_RANK)
+
+
+class _TrainerLoop:
+    """Trainer rank (and, on global rank 0, the controller); in colocated mode also an inference rank."""
+
+    def __init__(self, cfg: RLJobConfig, ctx: DistContext, env: Environment, engine: InferenceEngine | None) -> None:
+        self.cfg, self.ctx, self.env, self.engine = cfg, ctx, env, engine
+        self.topo = ctx.topo
+        self.colocated = self.topo.mode == "colocated"
+        self.out = Path(cfg.output_dir)
+        self.parts = build_trainer(cfg.model, cfg.trainer, cfg.optim, ctx)
+        wire = resolve_dtype(cfg.model.dtype, ctx.device)
+        self.sender = WeightSender(self.parts.policy.lm, wire, cfg.inference.weight_bucket_mb << 20, self.topo.rank)
+        self.ckpt = Checkpointer(self.out, cfg.ckpt.keep_last, self.topo.trainer_rank)
+        self.loss_fn = make_rl_loss(cfg.loss)
+        self.buffer: dict[int, Batch] = {}
+        self.sink = None
+        if self.topo.is_controller:
+            from prime_spmd.metrics import MetricsSink
+
+            self.sink = MetricsSink(self.out, cfg.log, enabled=True, run_name=self.out.name, config=json.loads(to_json(cfg)))
+
+    # ---- weights and batches ----------------------------------------------------------------
+    def sync_weights(self) -> float:
+        """Collective over trainer ranks (+ the weight bridge in disjoint mode)."""
+        if self.colocated:
+            assert self.engine is not None
+            return self.sender.copy_to(self.engine)
+        return self.sender.send(self.ctx.weight_bridge, self.ctx.device)
+
+    def generate_colocated(self, b: int, version: int) -> None:
+        """Every rank generates its share of batch b; the controller gathers them (default group)."""
+        assert self.engine is not None
+        share = generate_share(self.cfg, self.env, self.engine, b, version, self.topo.rank, self.topo.world_size)
+        parts = [None] * self.topo.world_size if self.topo.is_controller else None
+        dist.gather_object(share, parts, dst=CONTROLLER_RANK)
+        if self.topo.is_controller:
+            self.buffer[b] = merge(parts)  # type: ignore[arg-type]
+
+    def take_batch(self, j: int) -> tuple[Batch, float]:
+        """Controller: batch j from the buffer, else received from every engine leader. Returns (batch, wait s)."""
+        t0 = time.perf_counter()
+        while j not in self.buffer:
+            self._receive_next()
+        return self.buffer.pop(j), time.perf_counter() - t0
+
+    def _receive_next(self) -> None:
+        bridge = self.ctx.data_bridge
+        assert bridge is not None and not self.colocated
+        parts = [bridge.recv_object(src) for src in self.topo.engine_leaders]
+        batch = merge(parts)
+        self.buffer[batch.index] = batch
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def run(self, start: int) -> dict[str, float]:
+        cfg, topo = self.cfg, self.topo
+        k, n = cfg.rollout.max_async, cfg.trainer.max_steps
+        if start:
+            self._restore(start)
+        if self.sink is not None:
+            self.sink.truncate_from(start)
+        if not self.colocated and topo.is_controller:
+            assert self.ctx.weight_bridge is not None
+            self.ctx.weight_bridge.broadcast_object(self.sender.spec, src=CONTROLLER_RANK, device=self.ctx.device)
+        self.sync_weights()  # w_start
+        if self.colocated:
+            for b in pregenerated_batches(start, k, n):
+                self.generate_colocated(b, version_of_batch(b, k))
+        from prime_spmd.progress import Progress
+
+        bar = Progress(total=n - start, desc="rl", enabled=topo.is_controller and cfg.log.progress)
+        last: dict[str, float] = {}
+        for j in range(start, n):
+            last = self.step(j)
+            bar.update(1, reward=last.get("reward_mean", 0.0))
+            done = j + 1
+            if cfg.ckpt.interval_steps and done % cfg.ckpt.interval_steps == 0 and done < n:
+                self.save(done)
+        bar.close()
+        if start < n:
+            self.save(n)
+        self.finish()
+        return last
+
+    def step(self, j: int) -> dict[str, float]:
+        cfg, topo = self.cfg, self.topo
+        k, n = cfg.rollout.max_async, cfg.trainer.max_steps
+        t_step = time.perf_counter()
+        per_rank, bm, wait = None, {}, 0.0
+        if topo.is_controller:
+            batch, wait = self.take_batch(j)
+            samples, bm = rollouts_to_samples(batch, cfg.rollout, cfg.sampling.max_tokens, cfg.trainer.seq_len)
+            bm["policy_lag_mean"] = float(j) - sum(
+                r.policy_version for g in batch.groups for r in g
+            ) / max(1, sum(len(g) for g in batch.groups))
+            bm["policy_lag_max"] = float(j) - bm.pop("policy_version_min")
+            per_rank = pack(samples, cfg.trainer.micro_batch_tokens, topo.num_trainer_ranks)
+        mine = [None]
+        dist.scatter_object_list(mine, per_rank, src=CONTROLLER_RANK)
+        t_train = time.perf_counter()
+        stats = train_step(
+            self.parts.policy,
+            self.parts.optimizer,
+            self.parts.scheduler,
+            mine[0],
+            self.loss_fn,
+            device=self.ctx.device,
+            temperature=max(cfg.sampling.temperature, 1e-6) if cfg.sampling.temperature > 0 else 1.0,
+            max_grad_norm=cfg.optim.max_grad_norm,
+        )
+        train_s = time.perf_counter() - t_train
+        sync_s, gen_s = 0.0, 0.0
+        b = batch_after_step(j, k, n)
+        if b is not None:
+            sync_s = self.sync_weights()
+            if self.colocated:
+                t0 = time.perf_counter()
+                self.generate_colocated(b, j + 1)
+                gen_s = time.perf_counter() - t0
+        if not topo.is_controller:
+            return {}
+        step_s = time.perf_counter() - t_step
+        tokens = max(stats.get("tokens", 0.0), 1.0)
+        m = {
+            **bm,
+            "loss": stats["loss"],
+            "grad_norm": stats["grad_norm"],
+            "lr": stats["lr"],
+            "mismatch_kl": stats.get("mismatch_kl_sum", 0.0) / tokens,
+            "masked_frac": stats.get("masked_tokens", 0.0) / tokens,
+            "entropy": stats.get("entropy_sum", 0.0) / tokens,
+            "trained_tokens": stats["trained_tokens"],
+            "skipped_steps": stats["skipped"],
+            "empty_batch": stats["empty_batch"],
+            "train_time_s": train_s,
+            "weight_sync_s": sync_s,
+            "wait_s": wait,
+            "step_time_s": step_s,
+            "gen_tokens_per_s": bm["generated_tokens"] / step_s,
+        }
+        if self.colocated:
+            m["gen_time_s"] = gen_s or bm["gen_time_s"]
+        assert self.sink is not None
+        if self.sink.should_log(j, last=j == n - 1):
+            keys = ["reward_mean", "policy_lag_mean", "mismatch_kl", "loss", "step_time_s"]
+            self.sink.log(j, m, console_keys=keys)
+        return m
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def save(self, step: int) -> None:
+        """Checkpoint after ``step`` optimizer steps. The controller first holds every batch that was
+        generated with weights older than w_step (steps step..step+k-1), so a resume reproduces them."""
+        blobs = None
+        if self.topo.is_controller:
+            need = restored_batches(step, self.cfg.rollout.max_async, self.cfg.trainer.max_steps)
+            while not all(b in self.buffer for b in need):
+                self._receive_next()
+            blobs = {BUFFER_FILE: pickle.dumps({b: self.buffer[b] for b in need})}
+        state = {"step": step, "scheduler": self.parts.scheduler.state_dict()}
+        self.ckpt.save(step, self.parts.policy, self.parts.optimizer, state, blobs)
+
+    def _restore(self, start: int) -> None:
+        path = self.ckpt.latest()
+        assert path is not None and int(path.name[5:]) == start, (path, start)
+        state = self.ckpt.load(path, self.parts.policy, self.parts.optimizer)
+        self.parts.scheduler.load_state_dict(state["scheduler"])
+        if self.topo.is_controller:
+            self.buffer.update(pickle.loads((path / BUFFER_FILE).read_bytes()))
+
+    def finish(self) -> None:
+        if self.cfg.ckpt.save_hf:
+            sd = strip_prefix(full_state_dict(self.parts.policy))
+            if self.topo.is_controller:
+                hf = save_hf(self.parts.policy.lm, sd, self.out / "hf", self.parts.tokenizer)
+                logger.info(f"HF-format weights written to {hf}")
+        if self.sink is not None:
+            self.sink.close()
+            if self.cfg.log.plots:
+                from prime_spmd.plots import plot_run
+
+                plot_run(self.out)
+
+
+def run_rl(cfg: RLJobConfig) -> dict[str, float]:
+    """Run the RL job on every rank; returns the last step's metrics on the controller ({} elsewhere)."""
+    set_threads(cfg.trainer.num_threads)
+    ctx = init_distributed(cfg.topology)
+    topo = ctx.topo
+    out = Path(cfg.output_dir)
+    if topo.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(to_json(cfg))
+    prepare_model_dir(cfg.model, ctx, cfg.trainer.seed)
+    env = load_environment(cfg.env)
+    engine = None
+    if topo.is_inference:
+        from prime_spmd.inference.factory import build_engine
+
+        if cfg.inference.engine == "native" and topo.engine_tp > 1:
+            raise ValueError("--topology.engine_tp > 1 needs --inference.engine=vllm (the native engine runs tp 1)")
+        engine = build_engine(cfg.inference, cfg.model, ctx.device, cfg.trainer.seq_len)
+    start = _start_step(ctx, cfg)
+    result: dict[str, float] = {}
+    if topo.is_trainer:
+        result = _TrainerLoop(cfg, ctx, env, engine).run(start)
+    else:
+        assert engine is not None
+        _InferenceLoop(cfg, ctx, env, engine).run(start)
+    ctx.close()
+    return result

@@ -1,0 +1,69 @@
+"""Controller-side turning of rollout groups into packed training micro-batches, and batch metrics."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from prime_spmd.config.rl_sections import RolloutConfig
+from prime_spmd.rl.advantages import compute_advantages
+from prime_spmd.rl.types import Rollout
+from prime_spmd.trainer.packing import Sample
+
+
+@dataclass(kw_only=True)
+class Batch:
+    """One generated batch j as the controller holds it."""
+
+    index: int
+    groups: list[list[Rollout]]
+    gen_time_s: float = 0.0
+    info: dict[str, float] = field(default_factory=dict)
+
+
+def rollouts_to_samples(
+    batch: Batch, cfg: RolloutConfig, max_tokens: int, seq_len: int
+) -> tuple[list[Sample], dict[str, float]]:
+    """Advantages, filtering and token layout; returns training samples and batch metrics."""
+    for group in batch.groups:
+        for r in group:
+            r.validate()
+    adv = compute_advantages(batch.groups, cfg, max_tokens)
+    samples: list[Sample] = []
+    too_long = 0
+    for r, a in adv.kept:
+        ids = r.prompt_ids + r.completion_ids
+        if len(ids) > seq_len:
+            too_long += 1
+            continue
+        n_p = len(r.prompt_ids)
+        samples.append(
+            Sample(
+                input_ids=ids,
+                loss_mask=[0] * n_p + list(r.completion_mask),
+                fields={
+                    "advantages": [a] * len(ids),
+                    "inference_logprobs": [0.0] * n_p + [float(x) for x in r.inference_logprobs],
+                },
+            )
+        )
+    flat = [r for g in batch.groups for r in g]
+    versions = [r.policy_version for r in flat]
+    env_metrics: dict[str, list[float]] = {}
+    for r in flat:
+        for k, v in r.metrics.items():
+            env_metrics.setdefault(k, []).append(float(v))
+    metrics = {
+        "reward_mean": statistics.fmean(r.reward for r in flat) if flat else 0.0,
+        "reward_std": statistics.pstdev([r.reward for r in flat]) if len(flat) > 1 else 0.0,
+        "policy_version_min": float(min(versions, default=0)),
+        "groups": float(adv.num_groups),
+        "dropped_groups": float(adv.num_dropped_groups),
+        "too_long_samples": float(too_long),
+        "train_samples": float(len(samples)),
+        "generated_tokens": float(sum(sum(r.completion_mask) for r in flat)),
+        "completion_len_mean": statistics.fmean(len(r.completion_ids) for r in flat) if flat else 0.0,
+        "gen_time_s": batch.gen_time_s,
+    }
+    metrics.update({f"env/{k}": statistics.fmean(v) for k, v in env_metrics.items()})
+    return samples, metrics
