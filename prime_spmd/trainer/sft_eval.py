@@ -10,35 +10,37 @@ from prime_spmd.config import SFTJobConfig
 from prime_spmd.config.sections import ModelConfig
 from prime_spmd.data.reverse_text import example_rng, lcs_ratio, reverse_text_example
 from prime_spmd.data.sft import render_prompt
+from prime_spmd.inference.engine import Request, SamplingParams
+from prime_spmd.inference.native import NativeEngine
 from prime_spmd.models.loading import load_model, load_tokenizer
 
 
 @torch.no_grad()
 def eval_reverse_text(model_dir: Path, cfg: SFTJobConfig, device: torch.device) -> dict[str, float]:
-    """Greedy completions for ``cfg.eval_examples`` held-out strings; one process, no collectives."""
+    """Greedy completions (native engine) for ``cfg.eval_examples`` held-out strings; one process."""
     mcfg = ModelConfig(path=str(model_dir), impl=cfg.model.impl, dtype=cfg.model.dtype)
     tok = load_tokenizer(mcfg)
-    lm = load_model(mcfg, device).eval()
+    engine = NativeEngine(
+        load_model(mcfg, device),
+        tok,
+        max_batch_size=min(cfg.eval_examples, 256),
+        max_model_len=cfg.trainer.seq_len,
+        device=device,
+    )
     texts = [
-        reverse_text_example(example_rng(cfg.trainer.seed, "eval", i), cfg.data.min_chars, cfg.data.max_chars, cfg.data.alphabet)
+        reverse_text_example(
+            example_rng(cfg.trainer.seed, "eval", i), cfg.data.min_chars, cfg.data.max_chars, cfg.data.alphabet
+        )
         for i in range(cfg.eval_examples)
     ]
-    prompts = [render_prompt(tok, [{"role": "user", "content": t}]) for t, _ in texts]
-    width = max(map(len, prompts))
-    pad = tok.pad_token_id
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
-    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    out = lm.generate(
-        input_ids=ids,
-        attention_mask=attn,
-        max_new_tokens=cfg.data.max_chars + 2,
-        do_sample=False,
-        pad_token_id=pad,
-        eos_token_id=tok.eos_token_id,
-    )
+    greedy = SamplingParams(temperature=0.0, max_tokens=cfg.data.max_chars + 2)
+    requests = [
+        Request(prompt_ids=render_prompt(tok, [{"role": "user", "content": t}]), sampling=greedy, request_id=i)
+        for i, (t, _) in enumerate(texts)
+    ]
     exact, score = 0, 0.0
-    for (_, answer), row in zip(texts, out[:, width:].tolist()):
-        completion = tok.decode(row, skip_special_tokens=True)
+    for (_, answer), c in zip(texts, engine.generate(requests)):
+        completion = tok.decode(c.token_ids, skip_special_tokens=True)
         exact += int(completion == answer)
         score += lcs_ratio(answer, completion)
     n = max(len(texts), 1)
