@@ -155,6 +155,7 @@ class ChatRenderer:
             raise ValueError("the tokenizer has no chat_template; verifiers environments need one")
         self.tokenizer = tokenizer
         self._close_cache: dict[str, str] = {}
+        self._ids_cache: dict[str, list[int]] = {}
 
     def render_text(self, messages: list[dict], tools: list[dict] | None, gen: bool, kwargs: dict) -> str:
         return self.tokenizer.apply_chat_template(
@@ -166,7 +167,14 @@ class ChatRenderer:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def render_ids(self, messages: list[dict], tools: list[dict] | None, kwargs: dict) -> list[int]:
-        return self.encode(self.render_text(messages, tools, True, kwargs))
+        # The samples of a group share their first prompt: render + encode once (~0.6 ms each, measured).
+        key = json.dumps([messages, tools, kwargs], sort_keys=True, default=str)
+        ids = self._ids_cache.get(key)
+        if ids is None:
+            if len(self._ids_cache) >= 4096:
+                self._ids_cache.clear()
+            ids = self._ids_cache[key] = self.encode(self.render_text(messages, tools, True, kwargs))
+        return list(ids)
 
     def assistant_close(self, kwargs: dict) -> str:
         """The text a template appends after an assistant message's content (Qwen: ``<|im_end|>\\n``)."""
