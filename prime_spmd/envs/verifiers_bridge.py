@@ -263,7 +263,7 @@ def output_to_rollout(out: dict[str, Any], example_id: int, sample_idx: int, ren
     Turn i+1's prompt ids must start with turn i's prompt + completion ids (the client builds them
     so); the ids between are environment tokens (mask 0). A turn that does not extend the sequence
     (the environment rewrote its history) ends the sample there: later turns are dropped and
-    counted in ``prefix_breaks``, so no token the engine did not see in that context is trained.
+    counted in ``turns_dropped``, so no token the engine did not see in that context is trained.
     """
     stats = dict(out.get(STATS_KEY) or {})
     steps = [s for s in (out.get("trajectory") or []) if s.get("tokens") is not None]
@@ -278,13 +278,14 @@ def output_to_rollout(out: dict[str, Any], example_id: int, sample_idx: int, ren
     completion_ids = list(first["completion_ids"])
     mask = list(first["completion_mask"])
     logprobs = [float(x) for x in first["completion_logprobs"]]
+    used = 1
     for step in steps[1:]:
         tok = step["tokens"]
         seen = len(prompt_ids) + len(completion_ids)
         step_prompt = list(tok["prompt_ids"])
         if step_prompt[: len(prompt_ids)] != prompt_ids or step_prompt[len(prompt_ids) : seen] != completion_ids:
-            stats["prefix_breaks"] = stats.get("prefix_breaks", 0) + 1
             break
+        used += 1
         env_ids = step_prompt[seen:]
         completion_ids += env_ids + list(tok["completion_ids"])
         mask += [0] * len(env_ids) + list(tok["completion_mask"])
@@ -305,6 +306,7 @@ def output_to_rollout(out: dict[str, Any], example_id: int, sample_idx: int, ren
         if isinstance(value, (int, float)) and math.isfinite(value):
             metrics[f"env/{key}"] = float(value)
     metrics["num_turns"] = float(len(steps))
+    metrics["turns_dropped"] = float(len(steps) - used)
     metrics["failed"] = float(failed)
     return Rollout(
         example_id=example_id,
