@@ -109,8 +109,8 @@ class TrainerConfig:
     """Recompute each transformer block in the backward to save activation memory."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after the forward (ZeRO-3) instead of keeping them for the backward."""
-    loss_impl: Literal["auto", "reference", "chunked", "triton"] = "auto"
-    """Log-prob/entropy computation: auto is the Triton kernel on CUDA and the reference on CPU."""
+    loss_impl: Literal["auto", "reference", "chunked", "triton", "fused"] = "auto"
+    """LM-head logprob/entropy + loss: auto is fused (Triton, gradients in the forward) on CUDA, reference on CPU."""
     seed: int = 0
     """Seed of model init, data order and sampling."""
     num_threads: int = 0

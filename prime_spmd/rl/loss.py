@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from prime_spmd.config.rl_sections import LossConfig
-from prime_spmd.trainer.packing import MicroBatch
+from prime_spmd.trainer.policy import TokenLoss
 
 
 def token_loss(
@@ -38,23 +38,29 @@ def token_loss(
     return -surrogate + kl, masked
 
 
-def make_rl_loss(cfg: LossConfig):
-    """The ``LossFn`` for ``train_step``: micro-batches carry ``advantages`` and ``inference_logprobs`` fields."""
+class RLLoss(TokenLoss):
+    """The configured policy-gradient loss over micro-batches carrying ``advantages`` and
+    ``inference_logprobs`` fields."""
 
-    def loss_fn(logprob_L: torch.Tensor, entropy_L: torch.Tensor, mb: MicroBatch):
-        mask = mb.loss_mask
-        lq = mb.fields["inference_logprobs"]
-        adv = mb.fields["advantages"]
-        per_tok, masked = token_loss(logprob_L, lq, adv, cfg)
-        m = mask.to(per_tok.dtype)
-        d = (logprob_L.detach() - lq).clamp(-cfg.max_log_ratio, cfg.max_log_ratio)
-        stats = {
+    def __init__(self, cfg: LossConfig) -> None:
+        self.cfg = cfg
+
+    def token_loss(self, lp: torch.Tensor, ent: torch.Tensor, fields: dict[str, torch.Tensor]) -> torch.Tensor:
+        per_tok, _ = token_loss(lp, fields["inference_logprobs"], fields["advantages"], self.cfg)
+        return per_tok * fields["loss_mask"]
+
+    def stats(self, lp: torch.Tensor, ent: torch.Tensor, fields: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        m, lq = fields["loss_mask"], fields["inference_logprobs"]
+        _, masked = token_loss(lp, lq, fields["advantages"], self.cfg)
+        d = (lp - lq).clamp(-self.cfg.max_log_ratio, self.cfg.max_log_ratio)
+        return {
             "tokens": m.sum(),
-            "masked_tokens": (masked & mask).to(m.dtype).sum(),
+            "masked_tokens": (masked.to(m.dtype) * m).sum(),
             "mismatch_kl_sum": ((torch.exp(d) - d - 1) * m).sum(),
             "abs_log_ratio_sum": (d.abs() * m).sum(),
-            "entropy_sum": (entropy_L.detach() * m).sum(),
+            "entropy_sum": (ent * m).sum(),
         }
-        return (per_tok * m).sum(), stats
 
-    return loss_fn
+
+def make_rl_loss(cfg: LossConfig) -> RLLoss:
+    return RLLoss(cfg)

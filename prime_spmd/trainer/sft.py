@@ -22,14 +22,23 @@ from prime_spmd.metrics import MetricsSink
 from prime_spmd.progress import Progress
 from prime_spmd.trainer.build import build_trainer, prepare_model_dir, set_threads, strip_prefix
 from prime_spmd.trainer.checkpoint import Checkpointer, full_state_dict, save_hf
-from prime_spmd.trainer.packing import MicroBatch, pack
+from prime_spmd.trainer.packing import pack
+from prime_spmd.trainer.policy import TokenLoss
 from prime_spmd.trainer.step import train_step
 
 
-def sft_loss(logprob_L: torch.Tensor, entropy_L: torch.Tensor, mb: MicroBatch):
-    """Negative log-likelihood summed over completion tokens, plus entropy and token sums."""
-    mask = mb.loss_mask.to(logprob_L.dtype)
-    return -(logprob_L * mask).sum(), {"entropy_sum": (entropy_L.detach() * mask).sum(), "tokens": mask.sum()}
+class SFTLoss(TokenLoss):
+    """Negative log-likelihood of completion tokens."""
+
+    def token_loss(self, lp: torch.Tensor, ent: torch.Tensor, fields: dict[str, torch.Tensor]) -> torch.Tensor:
+        return -lp * fields["loss_mask"]
+
+    def stats(self, lp: torch.Tensor, ent: torch.Tensor, fields: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        mask = fields["loss_mask"]
+        return {"entropy_sum": (ent * mask).sum(), "tokens": mask.sum()}
+
+
+sft_loss = SFTLoss()
 
 
 def write_resolved_config(cfg, output_dir: Path) -> None:

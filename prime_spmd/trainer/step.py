@@ -8,16 +8,12 @@ FSDP2 averages gradients over the trainer ranks, hence the factor ``world_size``
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from prime_spmd.trainer.packing import MicroBatch
-
-# loss_fn(logprob [L], entropy [L], micro_batch) -> (loss summed over trained tokens, {stat: summed tensor})
-LossFn = Callable[[torch.Tensor, torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+from prime_spmd.trainer.policy import TokenLoss
 
 
 def _all_reduce_sum(values: dict[str, torch.Tensor], device: torch.device) -> dict[str, float]:
@@ -36,7 +32,7 @@ def train_step(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     micro_batches: list[MicroBatch],
-    loss_fn: LossFn,
+    loss_fn: TokenLoss,
     *,
     device: torch.device,
     temperature: float = 1.0,
@@ -56,9 +52,10 @@ def train_step(
     sums: dict[str, torch.Tensor] = {}
     for mb in micro_batches:
         mb = mb.to(device)
-        logprob_L, entropy_L = policy(mb.input_ids, mb.position_ids, mb.targets, temperature)
-        loss_sum, stats = loss_fn(logprob_L, entropy_L, mb)
+        fields = {**mb.fields, "loss_mask": mb.loss_mask.float()}
+        loss_sum, logprob_L, entropy_L = policy(mb.input_ids, mb.position_ids, mb.targets, temperature, loss_fn, fields)
         (loss_sum * scale).backward()
+        stats = loss_fn.stats(logprob_L, entropy_L, fields)
         stats = {"loss_sum": loss_sum, **stats}
         for k, v in stats.items():
             sums[k] = sums.get(k, torch.zeros((), dtype=torch.float64, device=device)) + v.detach().double()

@@ -49,9 +49,9 @@ def test_packed_logprobs_equal_unpacked(tmp_path, impl: str) -> None:
     samples = _samples([11, 7, 13])
     (mb,) = pack(samples, micro_batch_tokens=64, num_ranks=1)[0]
     with torch.no_grad():
-        packed, _ = policy(mb.input_ids, mb.position_ids, mb.targets)
+        packed, _ = policy.logprobs(mb.input_ids, mb.position_ids, mb.targets, 1.0)
         starts = (mb.position_ids[0] == 0).nonzero().flatten().tolist()
         for s, e in zip(starts, starts[1:] + [mb.num_tokens]):
             ids = mb.input_ids[:, s:e]
-            alone, _ = policy(ids, torch.arange(e - s)[None], mb.targets[s:e])
+            alone, _ = policy.logprobs(ids, torch.arange(e - s)[None], mb.targets[s:e], 1.0)
             torch.testing.assert_close(packed[s : e - 1], alone[:-1], atol=1e-5, rtol=1e-5)

@@ -1,0 +1,53 @@
+"""An RL step's loss and gradients are the same with every logprob/loss implementation
+(reference, chunked, Triton under the interpreter, loss-fused) on a tiny model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from prime_spmd.config.rl_sections import LossConfig
+from prime_spmd.rl.loss import RLLoss
+from prime_spmd.trainer.packing import Sample, pack
+from prime_spmd.trainer.policy import PolicyModel
+
+
+def _loss_and_grads(lm, impl: str, mb, loss) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    policy = PolicyModel(copy.deepcopy(lm), impl)
+    fields = {**mb.fields, "loss_mask": mb.loss_mask.float()}
+    loss_sum, lp, ent = policy(mb.input_ids, mb.position_ids, mb.targets, 0.8, loss, fields)
+    loss_sum.backward()
+    return loss_sum.detach(), {n: p.grad.clone() for n, p in policy.named_parameters()}
+
+
+@pytest.mark.parametrize("impl", ["chunked", "triton", "fused"])
+def test_rl_step_matches_reference(tmp_path, impl: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from prime_spmd.models.tiny import build_tiny_model
+
+    lm = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path, "qwen3-nano", initializer_range=0.3))
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for n in (9, 14, 6):
+        ids = torch.randint(5, 100, (n,), generator=g).tolist()
+        samples.append(
+            Sample(
+                input_ids=ids,
+                loss_mask=[0, 0] + [1] * (n - 2),
+                fields={
+                    "advantages": [float(torch.randn(1, generator=g))] * n,
+                    "inference_logprobs": (-torch.rand(n, generator=g) * 4).tolist(),
+                },
+            )
+        )
+    (mb,) = pack(samples, 64, 1)[0]
+    loss = RLLoss(LossConfig())
+    ref_loss, ref_grads = _loss_and_grads(lm, "reference", mb, loss)
+    got_loss, got_grads = _loss_and_grads(lm, impl, mb, loss)
+    # fp32 everywhere: measured max relative error (loss and grads) 6.7e-7 (2026-12-02); 1e-4 leaves margin.
+    torch.testing.assert_close(got_loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for name, ref in ref_grads.items():
+        torch.testing.assert_close(got_grads[name], ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item(), msg=name)
