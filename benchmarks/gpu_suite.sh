@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# GPU runs recorded in docs/benchmarks.md, in parts that fit one device call each.
+#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | loss | moe | trainer | rl
+# Each step has its own time limit so that one slow step does not lose the others' results.
+set -uo pipefail
+PART=$1; OUT=${2:-/tmp/gpu_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+run() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date +%T))"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$? $name"; tail -n 25 "$OUT/$name.log"; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+case $PART in
+  tests)
+    run tests_gpu 240 python3 -m pytest -q -x -p no:cacheprovider tests/kernels tests/unit/test_loss_impls.py tests/unit/test_native_engine.py -o addopts="" ;;
+  engine)
+    run engine 300 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,64 --prompt-len 128 --new-tokens 256 --engine native,hf --out "$OUT/engine.json"
+    run mismatch 120 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --out "$OUT/mismatch.json" ;;
+  loss)
+    run loss 420 python3 benchmarks/loss_kernel.py --out "$OUT/loss_kernel.json" ;;
+  moe)
+    run moe 300 python3 benchmarks/moe.py --impls grouped_mm,triton --out "$OUT/moe.json" ;;
+  trainer)
+    run trainer_dense 240 python3 benchmarks/trainer.py --flavor qwen3-0.6b --impls custom,hf --out "$OUT/trainer_dense.json"
+    run trainer_moe 240 python3 benchmarks/trainer.py --flavor qwen3-moe-8l --impls custom --out "$OUT/trainer_moe.json" ;;
+  rl)
+    run rl_colocated 300 python3 -m prime_spmd rl --config configs/reverse_text/rl.toml --output_dir "$OUT/rl" --model.path /tmp/rlmodel --model.init_tiny qwen3-1m --trainer.max_steps 20 --log.no_progress ;;
+esac
