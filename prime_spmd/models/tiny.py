@@ -82,7 +82,10 @@ def build_tiny_model(path: str | Path, preset: str = "qwen3-nano", seed: int = 0
 
     path = Path(path)
     tokenizer = build_char_tokenizer()
-    config = tiny_qwen3_config(preset, vocab_size=len(tokenizer), **overrides)
+    overrides.setdefault("vocab_size", len(tokenizer))  # a larger vocab (benchmark shapes) is allowed
+    if overrides["vocab_size"] < len(tokenizer):
+        raise ValueError(f"vocab_size={overrides['vocab_size']} is smaller than the tokenizer's {len(tokenizer)}")
+    config = tiny_qwen3_config(preset, **overrides)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
