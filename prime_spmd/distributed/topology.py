@@ -3,6 +3,11 @@
 World of W ranks. Disjoint mode: the first T = W - I ranks train (global rank 0 is also the
 controller), the last I ranks run E = I / tp inference engines of ``tp`` consecutive ranks each.
 Colocated mode: every rank trains and runs its own engine (tp = 1).
+
+Across nodes (torchrun numbers ranks node by node, ``ranks_per_node`` = LOCAL_WORLD_SIZE each) this
+puts trainer ranks on the first nodes and inference ranks on the last ones. A tp group never spans
+two nodes (error); a node holding both roles is allowed (one node disjoint is the common case) and
+noted once on rank 0 when the job has several nodes.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from prime_spmd.config.sections import TopologyConfig
+from prime_spmd.log import global_rank, warn_once
 
 CONTROLLER_RANK = 0
 
@@ -24,6 +30,8 @@ class Topology:
     num_inference_ranks: int
     engine_tp: int
     ep: int
+    ranks_per_node: int | None = None
+    """torchrun's LOCAL_WORLD_SIZE when every node has that many ranks; None when unknown or unequal."""
 
     @property
     def trainer_ranks(self) -> list[int]:
@@ -75,6 +83,31 @@ class Topology:
     def engine_leaders(self) -> list[int]:
         return self.inference_ranks[:: self.engine_tp]
 
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.ranks_per_node if self.ranks_per_node else 1
+
+    def node_roles(self) -> list[str]:
+        """One line per node, e.g. ``node 1: trainer ranks 8..11, inference ranks 12..15``."""
+        per = self.ranks_per_node or self.world_size
+        lines = []
+        for node in range(self.world_size // per):
+            ranks = range(node * per, (node + 1) * per)
+            parts = []
+            for role, members in (("trainer", self.trainer_ranks), ("inference", self.inference_ranks)):
+                mine = [r for r in ranks if r in members]
+                if mine:
+                    parts.append(f"{role} ranks {mine[0]}..{mine[-1]}" if len(mine) > 1 else f"{role} rank {mine[0]}")
+            lines.append(f"node {node}: " + ", ".join(parts))
+        return lines
+
+    def mixed_nodes(self) -> list[int]:
+        """Nodes that hold both trainer and inference ranks (disjoint mode only)."""
+        if self.mode == "colocated" or not self.ranks_per_node:
+            return []
+        per, t = self.ranks_per_node, self.num_trainer_ranks
+        return [t // per] if t % per else []
+
 
 def plan_topology(cfg: TopologyConfig, world_size: int, rank: int, local_world_size: int | None = None) -> Topology:
     """Place roles on ranks; raise ``ValueError`` saying what would fit when the layout does not.
@@ -125,7 +158,7 @@ def plan_topology(cfg: TopologyConfig, world_size: int, rank: int, local_world_s
     if trainers % cfg.ep:
         fits = [d for d in range(1, trainers + 1) if trainers % d == 0]
         raise ValueError(f"--topology.ep={cfg.ep} does not divide the {trainers} trainer ranks; would fit: {fits}")
-    return Topology(
+    topo = Topology(
         world_size=world_size,
         rank=rank,
         mode=mode,
@@ -133,4 +166,13 @@ def plan_topology(cfg: TopologyConfig, world_size: int, rank: int, local_world_s
         num_inference_ranks=infer,
         engine_tp=cfg.engine_tp,
         ep=cfg.ep,
+        # Nodes of unequal size (agents with different --nproc-per-node): no per-node placement.
+        ranks_per_node=local_world_size if local_world_size and world_size % local_world_size == 0 else None,
     )
+    if topo.num_nodes > 1 and topo.mixed_nodes() and global_rank() == 0:
+        per = topo.ranks_per_node
+        warn_once(
+            f"{topo.node_roles()[topo.mixed_nodes()[0]]}: this node holds both roles. It works; to give each role "
+            f"whole nodes make --topology.num_inference_ranks a multiple of {per} (ranks per node)"
+        )
+    return topo
