@@ -28,7 +28,7 @@ SHAPES = {
         preset="qwen3-1m",
         overrides=dict(
             hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-            num_key_value_heads=8, head_dim=128, vocab_size=151936, initializer_range=0.05,
+            num_key_value_heads=8, head_dim=128, vocab_size=151936,
         ),
     ),
 }  # fmt: skip
@@ -44,6 +44,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--init-std", type=float, default=0.0, help="initializer_range of the random model (0: shape default)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
 
@@ -57,6 +58,8 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     shape = SHAPES[args.model_shape]
+    if args.init_std:
+        shape = {**shape, "overrides": {**shape["overrides"], "initializer_range": args.init_std}}
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_model(Path(tmp) / "m", shape["preset"], seed=0, **shape["overrides"])
         mcfg = ModelConfig(path=str(path), impl="hf")
@@ -97,6 +100,7 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "",
         "dtype": str(dtype),
         "model_shape": args.model_shape,
+        "init_std": shape["overrides"].get("initializer_range", 0.02),
         "loss_impl": policy.loss_impl,
         "tokens": d.numel(),
         "mean_abs_diff": d.abs().mean().item(),
