@@ -97,3 +97,22 @@ def load_tool_env(num_examples: int = 2, max_turns: int = 3) -> vf.Environment:
 
     ds = _dataset(num_examples)
     return vf.ToolEnv(dataset=ds, tools=[add], rubric=vf.Rubric(funcs=[correct]), max_turns=max_turns)
+
+
+class ForgetfulEnv(vf.MultiTurnEnv):
+    """Rewrites its history each turn (keeps only the original prompt + a fresh hint), as summarising or
+    context-trimming environments do: turn 2's prompt does not extend turn 1's prompt + completion."""
+
+    async def env_response(self, messages, state, **kwargs):
+        return [vf.UserMessage(content="Try again.")]
+
+    async def get_prompt_messages(self, state):
+        if not state["trajectory"]:
+            return state["prompt"]
+        n = len(state["trajectory"])
+        return list(state["prompt"]) + [vf.UserMessage(content=f"Attempt {n + 1}; earlier answers were wrong.")]
+
+
+def load_forgetful_env(num_examples: int = 1, max_turns: int = 2) -> vf.Environment:
+    ds = Dataset.from_list([{"question": "Guess my number (0-9).", "answer": str(i)} for i in range(num_examples)])
+    return ForgetfulEnv(dataset=ds, rubric=vf.Rubric(funcs=[lambda completion: 0.5]), max_turns=max_turns)

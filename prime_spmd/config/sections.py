@@ -237,10 +237,18 @@ class InferenceConfig:
 @dataclass(kw_only=True, slots=True)
 class EnvConfig:
     name: str = "reverse_text"
-    """Environment: a built-in name (reverse_text) or an installed verifiers environment id."""
+    """Built-in name (reverse_text), or a verifiers env: installed id, pkg.module:function or path/to/env.py."""
     args: dict[str, str] = field(default_factory=dict)
     """Keyword arguments for the environment's loader."""
     num_eval_examples: int = 64
     """Examples in the eval split."""
     seed: int = 0
     """Seed of the environment's dataset."""
+    reward_timeout_s: float = 60.0
+    """verifiers envs: limit per reward-function call (past it: reward_timeouts, rollout failed). 0: none."""
+    rollout_timeout_s: float = 0.0
+    """verifiers envs without their own timeout_seconds: limit per rollout (past it: env_timeouts). 0: none."""
+
+    def __post_init__(self) -> None:
+        _check(self.reward_timeout_s >= 0, "env.reward_timeout_s", self.reward_timeout_s, "must be >= 0 (0: no limit)")
+        _check(self.rollout_timeout_s >= 0, "env.rollout_timeout_s", self.rollout_timeout_s, "must be >= 0 (0: none)")

@@ -13,6 +13,22 @@ from typing import Any, Literal
 from prime_spmd.inference.engine import InferenceEngine, SamplingParams
 from prime_spmd.rl.types import Rollout
 
+END_MARKERS = ("<|im_end|>", "<|endoftext|>")
+"""Special tokens that end a turn wherever the tokenizer has them (besides its eos)."""
+
+
+def completion_text(tokenizer: Any, token_ids: list[int]) -> str:
+    """Decoded completion cut at the first eos / end-of-turn token (special tokens dropped).
+
+    The text environments score: the built-ins and the verifiers bridge (message content) alike.
+    """
+    vocab = tokenizer.get_vocab()
+    ends = {vocab[m] for m in END_MARKERS if m in vocab}
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ends.add(tokenizer.eos_token_id)
+    cut = next((i for i, t in enumerate(token_ids) if t in ends), len(token_ids))
+    return tokenizer.decode(token_ids[:cut], skip_special_tokens=True)
+
 
 class Environment(abc.ABC):
     name: str

@@ -11,29 +11,16 @@ import hashlib
 from typing import Any, Literal
 
 from prime_spmd.data.reverse_text import example_rng, lcs_ratio, reverse_text_example
-from prime_spmd.envs.base import Environment
+from prime_spmd.envs.base import END_MARKERS, Environment, completion_text
 from prime_spmd.inference.engine import InferenceEngine, Request, SamplingParams
 from prime_spmd.rl.types import Rollout
 
-__all__ = ["ReverseTextEnv", "reverse_text_example", "lcs_ratio", "request_seed", "completion_text"]
-
-END_MARKERS = ("<|im_end|>", "<|endoftext|>")
-
+__all__ = ["ReverseTextEnv", "reverse_text_example", "lcs_ratio", "request_seed", "completion_text", "END_MARKERS"]
 
 def request_seed(seed: int, split: str, example_id: int, sample_idx: int) -> int:
     """A 63-bit sampling seed from (seed, split, example id, sample index): stable across runs and batches."""
     digest = hashlib.blake2b(f"{seed}/{split}/{example_id}/{sample_idx}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
-
-
-def completion_text(tokenizer, token_ids: list[int]) -> str:
-    """Decoded completion cut at the first eos / end-of-turn token (special tokens dropped)."""
-    vocab = tokenizer.get_vocab()
-    ends = {vocab[m] for m in END_MARKERS if m in vocab}
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ends.add(tokenizer.eos_token_id)
-    cut = next((i for i, t in enumerate(token_ids) if t in ends), len(token_ids))
-    return tokenizer.decode(token_ids[:cut], skip_special_tokens=True)
 
 
 class ReverseTextEnv(Environment):

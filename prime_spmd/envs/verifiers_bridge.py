@@ -39,11 +39,10 @@ from prime_spmd.envs.vf_client import (
     STATS_KEY,
     ChatRenderer,
     EngineClient,
-    SafeAsyncEngine,
     to_template_message,
 )
 from prime_spmd.envs.vf_rewards import guard_rubric
-from prime_spmd.inference.engine import InferenceEngine, SamplingParams
+from prime_spmd.inference.engine import AsyncEngine, InferenceEngine, SamplingParams
 from prime_spmd.rl.types import Rollout
 
 logger = logging.getLogger("prime_spmd")
@@ -102,18 +101,19 @@ def import_vf_environment(name: str, args: dict[str, Any]) -> Any:
     return env
 
 
-def load_verifiers_environment(
-    cfg: EnvConfig, *, reward_timeout_s: float | None = 60.0, rollout_timeout_s: float | None = None
-) -> VerifiersEnvironment:
-    """Load ``cfg.name`` with ``cfg.args`` (see ``import_vf_environment``) and wrap it."""
+def load_verifiers_environment(cfg: EnvConfig) -> VerifiersEnvironment:
+    """Load ``cfg.name`` with ``cfg.args`` (see ``import_vf_environment``) and wrap it.
+
+    ``cfg.reward_timeout_s`` and ``cfg.rollout_timeout_s`` (0: no limit) go to ``VerifiersEnvironment``.
+    """
     env = import_vf_environment(cfg.name, parse_env_args(cfg.args))
     return VerifiersEnvironment(
         env,
         name=cfg.name,
         num_eval_examples=cfg.num_eval_examples,
         seed=cfg.seed,
-        reward_timeout_s=reward_timeout_s,
-        rollout_timeout_s=rollout_timeout_s,
+        reward_timeout_s=cfg.reward_timeout_s or None,
+        rollout_timeout_s=cfg.rollout_timeout_s or None,
     )
 
 
@@ -192,7 +192,7 @@ class VerifiersEnvironment(Environment):
         seed: int,
     ) -> list[list[Rollout]]:
         """``run_groups`` inside a running event loop; every group runs concurrently."""
-        aengine = SafeAsyncEngine(engine)
+        aengine = AsyncEngine(engine)
         client = EngineClient(aengine, base=sampling, check_rerender=self.check_rerender)
         tasks = [
             self._run_group(client, split, eid, [self._input(split, eid, k, seed) for k in range(group_size)])

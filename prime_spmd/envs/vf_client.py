@@ -41,6 +41,7 @@ from verifiers.types import (
     Usage,
 )
 
+from prime_spmd.envs.base import completion_text
 from prime_spmd.inference.engine import AsyncEngine, Completion, SamplingParams
 
 STATS_KEY = "ps_bridge"
@@ -50,29 +51,6 @@ SEED_KEY = "ps_seed"
 _MARK = "\x1fPS_BRIDGE_MARK\x1f"
 """Placeholder assistant content used to find where the template closes an assistant turn."""
 _TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
-
-
-class SafeAsyncEngine(AsyncEngine):
-    """``AsyncEngine`` whose driver hands an engine exception to every waiting request.
-
-    The base driver dies with the exception and its futures never resolve, so every rollout
-    awaiting them hangs forever (seen with a faulty engine in tests). Here they raise instead, and
-    ``failure`` keeps the exception so the caller can fail loudly (verifiers would record it as a
-    per-rollout ``ModelError`` and carry on).
-    """
-
-    failure: BaseException | None = None
-
-    async def _drive(self) -> None:
-        try:
-            await super()._drive()
-        except Exception as e:  # noqa: BLE001 - re-raised in every waiting coroutine
-            self.failure = e
-            futures, self._futures = self._futures, {}
-            for fut in futures.values():
-                if not fut.done():
-                    fut.set_exception(e)
-            raise
 
 
 def bump_stat(state: Any, key: str, n: int = 1) -> None:
@@ -270,7 +248,8 @@ class EngineClient(vf.Client):
             raise vf.OverlongPromptError(f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len}")
         sampling = self.sampling_for(sampling_args, state, turn, len(prompt_ids))
         completion = await self.engine.generate(prompt_ids, sampling)
-        text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        # Content ends at the first end-of-turn token, as the built-in envs score it (the ids keep all).
+        text = completion_text(self.tokenizer, completion.token_ids)
         return EngineResponse(prompt_ids=prompt_ids, completion=completion, text=text, turn=turn)
 
     def _prompt_ids(self, prompt: list[dict], tools: list[dict] | None, state: Any, kwargs: dict) -> list[int]:

@@ -147,15 +147,25 @@ class AsyncEngine:
     """asyncio front of a step-wise engine: many coroutines ``await generate(request)`` at once and
     their requests share the engine's continuous batch. One driver task steps the engine while any
     request is pending. Single-threaded: the engine runs inside the event loop between awaits.
+
+    If ``engine.step()`` raises, the driver hands that exception to every pending ``generate`` (a
+    dead driver would otherwise leave them awaiting forever), keeps it in ``failure`` and refuses
+    later requests: the engine's state after a failed step is unknown. Callers that swallow per-call
+    errors (verifiers records them per rollout) check ``failure`` to fail loudly.
     """
 
     def __init__(self, engine: InferenceEngine) -> None:
         self.engine = engine
+        self.failure: BaseException | None = None
+        """The exception that stopped the driver, if any."""
         self._futures: dict[str, asyncio.Future] = {}
         self._driver: asyncio.Task | None = None
         self._next_id = 0
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Completion:
+        """Submit one request and await its completion. Raises the engine's exception if a step failed."""
+        if self.failure is not None:
+            raise RuntimeError("the inference engine failed earlier; no new requests") from self.failure
         rid = f"async-{self._next_id}"
         self._next_id += 1
         fut = asyncio.get_running_loop().create_future()
@@ -168,9 +178,17 @@ class AsyncEngine:
     async def _drive(self) -> None:
         # Yield once so that coroutines started together submit before the first step (one batch).
         await asyncio.sleep(0)
-        while self.engine.has_unfinished():
-            for c in self.engine.step():
-                fut = self._futures.pop(str(c.request_id))
+        try:
+            while self.engine.has_unfinished():
+                for c in self.engine.step():
+                    fut = self._futures.pop(str(c.request_id))
+                    if not fut.done():
+                        fut.set_result(c)
+                await asyncio.sleep(0)
+        # Any engine error: delivered to every waiter (each re-raises it), not lost in a dead task.
+        except Exception as e:  # noqa: BLE001
+            self.failure = e
+            futures, self._futures = self._futures, {}
+            for fut in futures.values():
                 if not fut.done():
-                    fut.set_result(c)
-            await asyncio.sleep(0)
+                    fut.set_exception(e)

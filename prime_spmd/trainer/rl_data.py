@@ -21,14 +21,33 @@ class Batch:
     info: dict[str, float] = field(default_factory=dict)
 
 
+def is_failed(r: Rollout) -> bool:
+    """A rollout the environment marked failed (``metrics["failed"]``), or one with no completion tokens.
+
+    Environments give failed rollouts reward 0 and (after a group error) empty completions: neither
+    is the policy's score, so they must not enter group means or the loss.
+    """
+    return r.metrics.get("failed", 0.0) > 0 or not r.completion_ids
+
+
 def rollouts_to_samples(
     batch: Batch, cfg: RolloutConfig, max_tokens: int, seq_len: int
 ) -> tuple[list[Sample], dict[str, float]]:
-    """Advantages, filtering and token layout; returns training samples and batch metrics."""
+    """Advantages, filtering and token layout; returns training samples and batch metrics.
+
+    Failed rollouts (``is_failed``) are dropped before advantages: a group's mean is over its
+    surviving samples, a group with none left is dropped. Counted as ``failed_rollouts`` and
+    ``failed_groups``; ``reward_mean`` / ``reward_std`` are over the surviving rollouts.
+    """
     for group in batch.groups:
         for r in group:
             r.validate()
-    adv = compute_advantages(batch.groups, cfg, max_tokens)
+    flat = [r for g in batch.groups for r in g]
+    ok_groups = [[r for r in g if not is_failed(r)] for g in batch.groups]
+    num_failed_groups = sum(1 for g in ok_groups if not g)
+    ok_groups = [g for g in ok_groups if g]
+    ok = [r for g in ok_groups for r in g]
+    adv = compute_advantages(ok_groups, cfg, max_tokens)
     samples: list[Sample] = []
     too_long = 0
     for r, a in adv.kept:
@@ -47,23 +66,25 @@ def rollouts_to_samples(
                 },
             )
         )
-    flat = [r for g in batch.groups for r in g]
     versions = [r.policy_version for r in flat]
     env_metrics: dict[str, list[float]] = {}
     for r in flat:
         for k, v in r.metrics.items():
-            env_metrics.setdefault(k, []).append(float(v))
+            # The verifiers bridge already prefixes rubric metrics with env/; don't double it.
+            env_metrics.setdefault(k if k.startswith("env/") else f"env/{k}", []).append(float(v))
     metrics = {
-        "reward_mean": statistics.fmean(r.reward for r in flat) if flat else 0.0,
-        "reward_std": statistics.pstdev([r.reward for r in flat]) if len(flat) > 1 else 0.0,
+        "reward_mean": statistics.fmean(r.reward for r in ok) if ok else 0.0,
+        "reward_std": statistics.pstdev([r.reward for r in ok]) if len(ok) > 1 else 0.0,
         "policy_version_min": float(min(versions, default=0)),
-        "groups": float(adv.num_groups),
+        "groups": float(len(batch.groups)),
         "dropped_groups": float(adv.num_dropped_groups),
+        "failed_rollouts": float(len(flat) - len(ok)),
+        "failed_groups": float(num_failed_groups),
         "too_long_samples": float(too_long),
         "train_samples": float(len(samples)),
         "generated_tokens": float(sum(sum(r.completion_mask) for r in flat)),
         "completion_len_mean": statistics.fmean(len(r.completion_ids) for r in flat) if flat else 0.0,
         "gen_time_s": batch.gen_time_s,
     }
-    metrics.update({f"env/{k}": statistics.fmean(v) for k, v in env_metrics.items()})
+    metrics.update({k: statistics.fmean(v) for k, v in env_metrics.items()})
     return samples, metrics

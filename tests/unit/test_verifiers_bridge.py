@@ -171,8 +171,12 @@ def qwen3_model(qwen3_tokenizer):
 
 def _env(name: str, **args) -> object:
     return load_verifiers_environment(
-        EnvConfig(name=f"tests.envs_for_tests:{name}", args={k: str(v) for k, v in args.items()}, num_eval_examples=4),
-        reward_timeout_s=0.5,
+        EnvConfig(
+            name=f"tests.envs_for_tests:{name}",
+            args={k: str(v) for k, v in args.items()},
+            num_eval_examples=4,
+            reward_timeout_s=0.5,
+        )
     )
 
 
@@ -352,3 +356,143 @@ def test_eval_subcommand_runs_test_defined_env(tmp_path):
         )
         assert r["answer"] == str(2 * r["example_id"] + 1) and 1 <= r["completion_tokens"] <= 6
     assert json.loads((out / "summary.json").read_text())["num_examples"] == 3
+
+
+def test_history_break_ends_sample_at_the_break(qwen3_tokenizer):
+    """An env that rewrites its history (turn 2 does not extend turn 1): counted, and the sample keeps only turn 1."""
+    env = _env("load_forgetful_env", num_examples=1, max_turns=3)
+    engine = ScriptedEngine(qwen3_tokenizer, lambda p: "4<|im_end|>")
+    ((r,),) = env.run_groups(engine, "train", [0], 1, SamplingParams(max_tokens=8), seed=0)
+    assert len(engine.log) == 3  # the env still ran all its turns
+    first = engine.log[0]
+    assert "Attempt 2" in engine.prompts[1] and "4<|im_end|>" not in engine.prompts[1]  # history rewritten
+    assert r.metrics["prefix_breaks"] == 2.0 and r.metrics["turns_dropped"] == 2.0
+    assert r.metrics["num_turns"] == 3.0 and r.metrics["failed"] == 0.0 and r.reward == 0.5
+    assert r.prompt_ids == first.prompt_ids and r.completion_ids == first.token_ids
+    assert r.completion_mask == [1] * len(first.token_ids)
+
+
+class FailingEngine(FakeStepEngine):
+    """Emits one token per step, then raises on the third step (an engine bug, a CUDA error)."""
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__(tokenizer)
+        self.steps = 0
+
+    def step(self) -> list[Completion]:
+        self.steps += 1
+        if self.steps == 3:
+            raise RuntimeError("engine step failed")
+        return super().step()
+
+    def next_token(self, request: Request, generated: list[int]) -> tuple[int, float]:
+        return 100, -1.0
+
+
+def test_async_engine_failure_reaches_every_waiter(qwen3_tokenizer):
+    """``engine.step()`` raising: every pending ``generate`` raises it (none hangs), later ones refuse."""
+    import asyncio
+
+    from prime_spmd.inference.engine import AsyncEngine
+
+    async def main() -> tuple[list, AsyncEngine]:
+        front = AsyncEngine(FailingEngine(qwen3_tokenizer))
+        calls = [front.generate([1, 2, 3], SamplingParams(max_tokens=10, seed=i)) for i in range(4)]
+        results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), timeout=10)
+        with pytest.raises(RuntimeError, match="failed earlier"):
+            await front.generate([1], SamplingParams(max_tokens=2))
+        return results, front
+
+    results, front = asyncio.run(main())
+    assert all(isinstance(r, RuntimeError) and str(r) == "engine step failed" for r in results)
+    assert front.failure is results[0]
+    # Through the bridge (verifiers records model errors per rollout): the call fails loudly, no hang.
+    env = _env("load_single_turn_env", num_examples=2)
+    with pytest.raises(RuntimeError, match="inference engine failed"):
+        env.run_groups(FailingEngine(qwen3_tokenizer), "train", [0, 1], 2, SamplingParams(max_tokens=8), seed=0)
+
+
+def test_env_config_timeouts_reach_the_environment():
+    """--env.reward_timeout_s / --env.rollout_timeout_s: validated, passed to the rubric guard and the env."""
+    from prime_spmd.envs import vf_rewards
+
+    env = load_verifiers_environment(
+        EnvConfig(name="tests.envs_for_tests:load_single_turn_env", reward_timeout_s=0.25, rollout_timeout_s=7)
+    )
+    assert env.vf_env.timeout_seconds == 7
+    assert all(getattr(f, vf_rewards._GUARDED) for f in env.vf_env.rubric.funcs)
+    env0 = load_verifiers_environment(EnvConfig(name="tests.envs_for_tests:load_single_turn_env"))
+    assert env0.vf_env.timeout_seconds is None  # 0: no rollout limit
+    with pytest.raises(ValueError, match="env.reward_timeout_s"):
+        EnvConfig(reward_timeout_s=-1)
+
+
+def _rollout(eid: int, k: int, reward: float, failed: bool = False, empty: bool = False) -> object:
+    from prime_spmd.rl.types import Rollout
+
+    n = 0 if empty else 3
+    return Rollout(
+        example_id=eid,
+        sample_idx=k,
+        prompt_ids=[1, 2],
+        completion_ids=[5] * n,
+        completion_mask=[1] * n,
+        inference_logprobs=[-1.0] * n,
+        reward=reward,
+        metrics={"failed": float(failed), "reward_errors": float(failed), "env/exact": reward},
+    )
+
+
+def test_failed_rollouts_are_dropped_from_training():
+    """rollouts_to_samples: failed rollouts leave their group's mean and the batch; counted in the metrics."""
+    from prime_spmd.config.rl_sections import RolloutConfig
+    from prime_spmd.trainer.rl_data import Batch, rollouts_to_samples
+
+    groups = [
+        [_rollout(0, 0, 1.0), _rollout(0, 1, 0.0, failed=True), _rollout(0, 2, 0.0)],  # one failure
+        [_rollout(1, k, 0.0, failed=True, empty=True) for k in range(3)],  # a group error: all failed, empty
+        [_rollout(2, 0, 0.5), _rollout(2, 1, 0.0, empty=True)],  # empty completion, not marked: dropped too
+    ]
+    samples, m = rollouts_to_samples(Batch(index=0, groups=groups), RolloutConfig(group_size=3), 8, 64)
+    assert m["failed_rollouts"] == 5.0 and m["failed_groups"] == 1.0 and m["groups"] == 3.0
+    # Group 0 keeps rewards (1, 0): mean 0.5, advantages +-0.5; group 2 keeps one sample: zero advantage, dropped.
+    assert [s.fields["advantages"][0] for s in samples] == [0.5, -0.5]
+    assert m["dropped_groups"] == 1.0 and m["train_samples"] == 2.0
+    assert m["reward_mean"] == pytest.approx(0.5)  # over the 3 surviving rollouts (1, 0, 0.5)
+    assert m["env/reward_errors"] == pytest.approx(4 / 8) and m["env/exact"] == pytest.approx(1.5 / 8)
+
+
+def test_vf_reverse_text_matches_builtin(tmp_path):
+    """prime_spmd/envs/vf_reverse_text.py (a vf.SingleTurnEnv) vs the built-in reverse_text: same prompts,
+    same answers, and, for the same completions, the same rewards."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from prime_spmd.envs.base import completion_text
+    from prime_spmd.envs.reverse_text import ReverseTextEnv, lcs_ratio
+    from prime_spmd.models.tiny import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "m", "qwen3-nano", seed=0, initializer_range=0.3)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    args = {"seed": "3", "num_train_examples": "20", "max_chars": "6"}
+    vf_env = load_verifiers_environment(EnvConfig(name="prime_spmd.envs.vf_reverse_text:load_environment", args=args))
+    builtin = ReverseTextEnv(seed=3, args={"num_train_examples": "20", "max_chars": "6"})
+    ids = [0, 7, 19]
+    for i in ids:
+        a, b = vf_env.example("train", i), builtin.example("train", i)
+        assert a["prompt"] == b["prompt"] and a["answer"] == b["answer"]
+    # Greedy: both envs make the same requests, so the whole rollouts agree, rewards included.
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    got = vf_env.run_groups(native_engine(model, tok), "train", ids, 1, greedy, seed=0)
+    ref = builtin.run_groups(native_engine(model, tok), "train", ids, 1, greedy, seed=0)
+    for (x,), (y,) in zip(got, ref):
+        assert (x.prompt_ids, x.completion_ids, x.reward) == (y.prompt_ids, y.completion_ids, y.reward)
+    # Sampled: the bridge's completions, rescored the built-in way, give the bridge's rewards.
+    sampled = vf_env.run_groups(native_engine(model, tok), "train", ids, 4, SamplingParams(max_tokens=8), seed=1)
+    rewards = [r.reward for g in sampled for r in g]
+    assert len(set(rewards)) > 1  # a random model: the rewards vary
+    for i, g in zip(ids, sampled):
+        answer = builtin.example("train", i)["answer"]
+        for r in g:
+            assert r.reward == lcs_ratio(answer, completion_text(tok, r.completion_ids))
+            assert r.metrics["env/exact_match"] == float(r.reward == 1.0)
