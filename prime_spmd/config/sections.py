@@ -115,9 +115,12 @@ class TrainerConfig:
     """Seed of model init, data order and sampling."""
     num_threads: int = 0
     """torch CPU threads per process (0: torch's default)."""
+    max_skipped_steps: int = 5
+    """Stop the run after this many optimizer steps in a row were skipped for a non-finite loss or gradient (0: never)."""
 
     def __post_init__(self) -> None:
         _check(self.max_steps >= 1, "trainer.max_steps", self.max_steps, "must be >= 1")
+        _check(self.max_skipped_steps >= 0, "trainer.max_skipped_steps", self.max_skipped_steps, "must be >= 0")
         _check(self.batch_size >= 1, "trainer.batch_size", self.batch_size, "must be >= 1")
         _check(self.micro_batch_tokens >= 1, "trainer.micro_batch_tokens", self.micro_batch_tokens, "must be >= 1")
         _check(self.seq_len >= 2, "trainer.seq_len", self.seq_len, "must be >= 2")

@@ -36,6 +36,17 @@ def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
     return list(out)
 
 
+def _check_prompt_messages(msgs: list[dict], field: str) -> list[dict]:
+    """The prompt messages, or ValueError: each needs a string role and content, and some text."""
+    for i, m in enumerate(msgs):
+        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            got = {k: type(v).__name__ for k, v in m.items()}
+            raise ValueError(f"'{field}' message {i} needs a string 'role' and 'content'; got {got}")
+    if not any(m["content"].strip() for m in msgs):
+        raise ValueError("empty prompt")
+    return msgs
+
+
 def _row_to_chat(row: Any) -> tuple[list[dict], str]:
     """(prompt messages, completion text) of a row, or ValueError saying what is wrong."""
     if not isinstance(row, dict):
@@ -47,7 +58,7 @@ def _row_to_chat(row: Any) -> tuple[list[dict], str]:
         last = msgs[-1]
         if last.get("role") != "assistant" or not isinstance(last.get("content"), str):
             raise ValueError("the last message must be {'role': 'assistant', 'content': str}")
-        return msgs[:-1], last["content"]
+        return _check_prompt_messages(msgs[:-1], "messages"), last["content"]
     if "prompt" not in row or "completion" not in row:
         raise ValueError(f"missing field(s): need 'prompt' and 'completion' or 'messages'; got keys {sorted(row)}")
     prompt, completion = row["prompt"], row["completion"]
@@ -55,8 +66,10 @@ def _row_to_chat(row: Any) -> tuple[list[dict], str]:
         if not prompt.strip():
             raise ValueError("empty prompt")
         prompt = [{"role": "user", "content": prompt}]
-    elif not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "content" in m for m in prompt)):
-        raise ValueError("'prompt' must be a non-empty string or a list of messages")
+    elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+        prompt = _check_prompt_messages(prompt, "prompt")
+    else:
+        raise ValueError(f"'prompt' must be a non-empty string or a list of messages, got {type(prompt).__name__}")
     if isinstance(completion, list) and len(completion) == 1 and isinstance(completion[0], dict):
         completion = completion[0].get("content")
     if not isinstance(completion, str):
@@ -121,7 +134,10 @@ class SFTDataset:
             raise ValueError(f"{self.cfg.path}: row {index}: {err}") from err
         self.num_bad_rows += 1
         if self.num_bad_rows <= _SHOWN_BAD_ROWS:
-            logger.warning(f"skipping bad row {index} of {self.cfg.path}: {err}")
+            more = (
+                " (further bad rows are only counted: metric bad_rows)" if self.num_bad_rows == _SHOWN_BAD_ROWS else ""
+            )
+            logger.warning(f"skipping bad row {index} of {self.cfg.path}: {err}{more}")
 
     def row_index(self, global_index: int) -> int:
         n = len(self)
@@ -145,7 +161,10 @@ class SFTDataset:
             sample = self.tokenize(prompt, completion)
             if len(sample.input_ids) > self.seq_len:
                 self.num_too_long += 1
-                self._bad(idx, ValueError(f"{len(sample.input_ids)} tokens > --trainer.seq_len={self.seq_len}"))
+                n_prompt = sample.loss_mask.count(0)
+                what = f"prompt alone has {n_prompt} tokens" if n_prompt >= self.seq_len else "prompt + completion"
+                err = f"{what} ({len(sample.input_ids)} tokens in all) > --trainer.seq_len={self.seq_len}"
+                self._bad(idx, ValueError(err + "; raise --trainer.seq_len or shorten the row"))
                 continue
             out.append(sample)
         return out

@@ -38,6 +38,12 @@ def token_loss(
     return -surrogate + kl, masked
 
 
+def _field(fields: dict[str, torch.Tensor], name: str, like: torch.Tensor) -> torch.Tensor:
+    """A per-token field, or zeros for the dummy micro-batches of a batch that filtering emptied
+    (no sample, so packing knows no field names; the loss mask is all zero there anyway)."""
+    return fields[name] if name in fields else torch.zeros_like(like)
+
+
 class RLLoss(TokenLoss):
     """The configured policy-gradient loss over micro-batches carrying ``advantages`` and
     ``inference_logprobs`` fields."""
@@ -46,12 +52,14 @@ class RLLoss(TokenLoss):
         self.cfg = cfg
 
     def token_loss(self, lp: torch.Tensor, ent: torch.Tensor, fields: dict[str, torch.Tensor]) -> torch.Tensor:
-        per_tok, _ = token_loss(lp, fields["inference_logprobs"], fields["advantages"], self.cfg)
+        per_tok, _ = token_loss(
+            lp, _field(fields, "inference_logprobs", lp), _field(fields, "advantages", lp), self.cfg
+        )
         return per_tok * fields["loss_mask"]
 
     def stats(self, lp: torch.Tensor, ent: torch.Tensor, fields: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        m, lq = fields["loss_mask"], fields["inference_logprobs"]
-        _, masked = token_loss(lp, lq, fields["advantages"], self.cfg)
+        m, lq = fields["loss_mask"], _field(fields, "inference_logprobs", lp)
+        _, masked = token_loss(lp, lq, _field(fields, "advantages", lp), self.cfg)
         d = (lp - lq).clamp(-self.cfg.max_log_ratio, self.cfg.max_log_ratio)
         return {
             "tokens": m.sum(),

@@ -16,6 +16,7 @@ import json
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,7 @@ class Checkpointer:
             for name, data in (blobs or {}).items():
                 (tmp / name).write_bytes(data)
             (tmp / "state.json").write_text(json.dumps(state, indent=1))
+            _test_pause_before_rename(tmp)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -122,6 +124,16 @@ class Checkpointer:
             set_rng_state(torch.load(rng_file, weights_only=False))
         logger.info(f"resumed from {path}")
         return json.loads((path / "state.json").read_text())
+
+
+def _test_pause_before_rename(tmp: Path) -> None:
+    """Test hook (tests/distributed/test_kill_resume.py): with PRIME_SPMD_TEST_CKPT_PAUSE_S set, every
+    shard and state.json are written, a PAUSED marker appears and the writer sleeps before the rename,
+    so the test can SIGKILL it mid-write. Unset in real runs."""
+    pause_s = float(os.environ.get("PRIME_SPMD_TEST_CKPT_PAUSE_S", "0"))
+    if pause_s > 0:
+        (tmp / "PAUSED").touch()
+        time.sleep(pause_s)
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:

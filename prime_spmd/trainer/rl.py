@@ -11,16 +11,23 @@ the same on every rank, so each knows the next collective:
   schedule says, send rollouts to the controller (asynchronously), repeat;
 - colocated mode: every rank runs the trainer loop and generates its share of each batch itself
   (weights copied in-process, rollouts gathered to the controller over the default group).
+
+Stopping on SIGTERM/SIGINT: trainer ranks agree at step j through train_step's all-reduce (an
+inference rank's signal reaches the controller through the store key ``_stop_request_key``). In
+disjoint mode the controller writes ``_go_key(j)`` ("go"/"stop") after every step that would send
+weights, and the inference ranks read it before they wait for those weights: on "stop" they flush
+their rollouts and leave. The trainer then saves w_(j+1) with batches j+1..j+k (already generated)
+and every rank returns; the job exits 0.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from prime_spmd.config import RLJobConfig, to_json
@@ -38,6 +45,7 @@ from prime_spmd.trainer.checkpoint import Checkpointer, full_state_dict, latest_
 from prime_spmd.trainer.packing import pack
 from prime_spmd.trainer.rl_data import Batch, rollouts_to_samples
 from prime_spmd.trainer.step import train_step
+from prime_spmd.trainer.stop import SkipGuard, StopSignal
 from prime_spmd.weights import WeightReceiver, WeightSender
 
 BUFFER_FILE = "rollout_buffer.pkl"
@@ -59,7 +67,13 @@ def batch_example_ids(cfg: RLJobConfig, env: Environment, b: int, engine_index: 
 
 
 def generate_share(
-    cfg: RLJobConfig, env: Environment, engine: InferenceEngine, b: int, version: int, engine_index: int, num_engines: int
+    cfg: RLJobConfig,
+    env: Environment,
+    engine: InferenceEngine,
+    b: int,
+    version: int,
+    engine_index: int,
+    num_engines: int,
 ) -> Batch:
     """Generate and score this engine's share of batch b with weights version ``version``."""
     assert version == version_of_batch(b, cfg.rollout.max_async), (b, version)
@@ -81,6 +95,21 @@ def merge(parts: list[Batch]) -> Batch:
     )
 
 
+def _attempt() -> str:
+    # torchrun's agent store outlives a worker restart: key the per-run flags by attempt
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+def _go_key(j: int) -> str:
+    """Store key the controller sets after step j in disjoint mode: b"go" or b"stop"."""
+    return f"rl/{_attempt()}/go/{j}"
+
+
+def _stop_request_key() -> str:
+    """Store key an inference rank sets when it got SIGTERM/SIGINT (the controller checks it each step)."""
+    return f"rl/{_attempt()}/stop_request"
+
+
 def _start_step(ctx: DistContext, cfg: RLJobConfig) -> int:
     """Global rank 0 decides where the run starts; everyone reads it from the TCPStore."""
     key = "rl/start_step"
@@ -95,8 +124,11 @@ def _start_step(ctx: DistContext, cfg: RLJobConfig) -> int:
 class _InferenceLoop:
     """Disjoint-mode inference rank: receive weights, generate, send rollouts (engine leader)."""
 
-    def __init__(self, cfg: RLJobConfig, ctx: DistContext, env: Environment, engine: InferenceEngine) -> None:
-        self.cfg, self.ctx, self.env, self.engine = cfg, ctx, env, engine
+    def __init__(
+        self, cfg: RLJobConfig, ctx: DistContext, env: Environment, engine: InferenceEngine, stop: StopSignal
+    ) -> None:
+        self.cfg, self.ctx, self.env, self.engine, self.stop = cfg, ctx, env, engine, stop
+        self.stop_posted = False
 
     def run(self, start: int) -> None:
         cfg, ctx, topo = self.cfg, self.ctx, self.ctx.topo
@@ -112,6 +144,12 @@ class _InferenceLoop:
             b = batch_after_step(j, k, n)
             if b is None:
                 continue
+            if self.stop.requested and not self.stop_posted:
+                ctx.store.set(_stop_request_key(), "1")
+                self.stop_posted = True
+            if ctx.store.get(_go_key(j)) == b"stop":  # blocks until the controller finished step j
+                logger.info(f"[rank {topo.rank}] the controller stopped the run after step {j}; leaving")
+                break
             receiver.recv(bridge)  # w_(j+1)
             self._generate_and_send(b, j + 1)
         if ctx.data_bridge is not None:
@@ -128,8 +166,12 @@ class _InferenceLoop:
 class _TrainerLoop:
     """Trainer rank (and, on global rank 0, the controller); in colocated mode also an inference rank."""
 
-    def __init__(self, cfg: RLJobConfig, ctx: DistContext, env: Environment, engine: InferenceEngine | None) -> None:
-        self.cfg, self.ctx, self.env, self.engine = cfg, ctx, env, engine
+    def __init__(
+        self, cfg: RLJobConfig, ctx: DistContext, env: Environment, engine: InferenceEngine | None, stop: StopSignal
+    ) -> None:
+        self.cfg, self.ctx, self.env, self.engine, self.stop = cfg, ctx, env, engine, stop
+        self.guard = SkipGuard(cfg.trainer.max_skipped_steps)
+        self.stop_agreed = False
         self.topo = ctx.topo
         self.colocated = self.topo.mode == "colocated"
         self.out = Path(cfg.output_dir)
@@ -143,7 +185,9 @@ class _TrainerLoop:
         if self.topo.is_controller:
             from prime_spmd.metrics import MetricsSink
 
-            self.sink = MetricsSink(self.out, cfg.log, enabled=True, run_name=self.out.name, config=json.loads(to_json(cfg)))
+            self.sink = MetricsSink(
+                self.out, cfg.log, enabled=True, run_name=self.out.name, config=json.loads(to_json(cfg))
+            )
 
     # ---- weights and batches ----------------------------------------------------------------
     def sync_weights(self) -> float:
@@ -199,6 +243,16 @@ class _TrainerLoop:
             last = self.step(j)
             bar.update(1, reward=last.get("reward_mean", 0.0))
             done = j + 1
+            if self.stop_agreed and done < n:
+                path = self.save(done)
+                bar.close()
+                logger.info(
+                    f"stopped by {self.stop.signal_name or 'a signal on another rank'} after {done} steps: "
+                    f"checkpoint saved to {path}; continue with --ckpt.resume"
+                )
+                if self.sink is not None:
+                    self.sink.close()
+                return last
             if cfg.ckpt.interval_steps and done % cfg.ckpt.interval_steps == 0 and done < n:
                 self.save(done)
         bar.close()
@@ -215,13 +269,16 @@ class _TrainerLoop:
         if topo.is_controller:
             batch, wait = self.take_batch(j)
             samples, bm = rollouts_to_samples(batch, cfg.rollout, cfg.sampling.max_tokens, cfg.trainer.seq_len)
-            bm["policy_lag_mean"] = float(j) - sum(
-                r.policy_version for g in batch.groups for r in g
-            ) / max(1, sum(len(g) for g in batch.groups))
+            bm["policy_lag_mean"] = float(j) - sum(r.policy_version for g in batch.groups for r in g) / max(
+                1, sum(len(g) for g in batch.groups)
+            )
             bm["policy_lag_max"] = float(j) - bm.pop("policy_version_min")
             per_rank = pack(samples, cfg.trainer.micro_batch_tokens, topo.num_trainer_ranks)
         mine = [None]
         dist.scatter_object_list(mine, per_rank, src=CONTROLLER_RANK)
+        stop_requested = self.stop.requested
+        if topo.is_controller and not self.colocated:
+            stop_requested = stop_requested or self.ctx.store.check([_stop_request_key()])
         t_train = time.perf_counter()
         stats = train_step(
             self.parts.policy,
@@ -232,11 +289,19 @@ class _TrainerLoop:
             device=self.ctx.device,
             temperature=max(cfg.sampling.temperature, 1e-6) if cfg.sampling.temperature > 0 else 1.0,
             max_grad_norm=cfg.optim.max_grad_norm,
+            stop_requested=stop_requested,
         )
+        self.stop_agreed = stats["stop"] > 0 and j + 1 < n
         train_s = time.perf_counter() - t_train
         sync_s, gen_s = 0.0, 0.0
         b = batch_after_step(j, k, n)
-        if b is not None:
+        try:
+            self.guard.update(j, stats["nonfinite"] > 0)
+        finally:  # on a guard failure too, the inference ranks leave instead of waiting for weights
+            if b is not None and topo.is_controller and not self.colocated:
+                failed = self.guard.max_skipped_steps and self.guard.in_a_row >= self.guard.max_skipped_steps
+                self.ctx.store.set(_go_key(j), "stop" if self.stop_agreed or failed else "go")
+        if b is not None and not self.stop_agreed:
             sync_s = self.sync_weights()
             if self.colocated:
                 t0 = time.perf_counter()
@@ -256,6 +321,7 @@ class _TrainerLoop:
             "entropy": stats.get("entropy_sum", 0.0) / tokens,
             "trained_tokens": stats["trained_tokens"],
             "skipped_steps": stats["skipped"],
+            "nonfinite_steps": stats["nonfinite"],
             "empty_batch": stats["empty_batch"],
             "train_time_s": train_s,
             "weight_sync_s": sync_s,
@@ -266,13 +332,13 @@ class _TrainerLoop:
         if self.colocated:
             m["gen_time_s"] = gen_s or bm["gen_time_s"]
         assert self.sink is not None
-        if self.sink.should_log(j, last=j == n - 1):
+        if self.sink.should_log(j, last=j == n - 1 or self.stop_agreed):
             keys = ["reward_mean", "policy_lag_mean", "mismatch_kl", "loss", "step_time_s"]
             self.sink.log(j, m, console_keys=keys)
         return m
 
     # ---- checkpoints ------------------------------------------------------------------------
-    def save(self, step: int) -> None:
+    def save(self, step: int) -> Path:
         """Checkpoint after ``step`` optimizer steps. The controller first holds every batch that was
         generated with weights older than w_step (steps step..step+k-1), so a resume reproduces them."""
         blobs = None
@@ -282,7 +348,7 @@ class _TrainerLoop:
                 self._receive_next()
             blobs = {BUFFER_FILE: pickle.dumps({b: self.buffer[b] for b in need})}
         state = {"step": step, "scheduler": self.parts.scheduler.state_dict()}
-        self.ckpt.save(step, self.parts.policy, self.parts.optimizer, state, blobs)
+        return self.ckpt.save(step, self.parts.policy, self.parts.optimizer, state, blobs)
 
     def _restore(self, start: int) -> None:
         path = self.ckpt.latest()
@@ -307,7 +373,15 @@ class _TrainerLoop:
 
 
 def run_rl(cfg: RLJobConfig) -> dict[str, float]:
-    """Run the RL job on every rank; returns the last step's metrics on the controller ({} elsewhere)."""
+    """Run the RL job on every rank; returns the last step's metrics on the controller ({} elsewhere).
+
+    SIGTERM/SIGINT: every rank finishes the current step, the trainer saves a checkpoint, all return.
+    """
+    with StopSignal() as stop:
+        return _run_rl(cfg, stop)
+
+
+def _run_rl(cfg: RLJobConfig, stop: StopSignal) -> dict[str, float]:
     set_threads(cfg.trainer.num_threads)
     ctx = init_distributed(cfg.topology)
     topo = ctx.topo
@@ -327,9 +401,9 @@ def run_rl(cfg: RLJobConfig) -> dict[str, float]:
     start = _start_step(ctx, cfg)
     result: dict[str, float] = {}
     if topo.is_trainer:
-        result = _TrainerLoop(cfg, ctx, env, engine).run(start)
+        result = _TrainerLoop(cfg, ctx, env, engine, stop).run(start)
     else:
         assert engine is not None
-        _InferenceLoop(cfg, ctx, env, engine).run(start)
+        _InferenceLoop(cfg, ctx, env, engine, stop).run(start)
     ctx.close()
     return result

@@ -25,6 +25,7 @@ from prime_spmd.trainer.checkpoint import Checkpointer, full_state_dict, save_hf
 from prime_spmd.trainer.packing import pack
 from prime_spmd.trainer.policy import TokenLoss
 from prime_spmd.trainer.step import train_step
+from prime_spmd.trainer.stop import SkipGuard, StopSignal
 
 
 class SFTLoss(TokenLoss):
@@ -47,7 +48,15 @@ def write_resolved_config(cfg, output_dir: Path) -> None:
 
 
 def run_sft(cfg: SFTJobConfig) -> dict[str, float]:
-    """Run SFT on every rank of the job; returns the final metrics (rank 0's view)."""
+    """Run SFT on every rank of the job; returns the final metrics (rank 0's view).
+
+    SIGTERM/SIGINT: every rank finishes the current step, saves a checkpoint and returns (exit 0).
+    """
+    with StopSignal() as stop:
+        return _run_sft(cfg, stop)
+
+
+def _run_sft(cfg: SFTJobConfig, stop: StopSignal) -> dict[str, float]:
     set_threads(cfg.trainer.num_threads)
     ctx = init_distributed(cfg.topology)
     topo = ctx.topo
@@ -73,6 +82,9 @@ def run_sft(cfg: SFTJobConfig) -> dict[str, float]:
     world = topo.num_trainer_ranks
     bar = Progress(total=cfg.trainer.max_steps - start, desc="sft", enabled=topo.rank == 0 and cfg.log.progress)
     last: dict[str, float] = {}
+    guard = SkipGuard(cfg.trainer.max_skipped_steps)
+    stopped_at: Path | None = None
+    done = start
 
     def state_dict(step: int) -> dict:
         return {"step": step, "scheduler": parts.scheduler.state_dict(), "num_bad_rows": data.num_bad_rows}
@@ -89,6 +101,7 @@ def run_sft(cfg: SFTJobConfig) -> dict[str, float]:
             sft_loss,
             device=ctx.device,
             max_grad_norm=cfg.optim.max_grad_norm,
+            stop_requested=stop.requested,
         )
         dt = time.perf_counter() - t0
         tokens = sum(len(s.input_ids) for s in samples)
@@ -98,18 +111,31 @@ def run_sft(cfg: SFTJobConfig) -> dict[str, float]:
             "grad_norm": stats["grad_norm"],
             "lr": stats["lr"],
             "skipped_steps": stats["skipped"],
+            "nonfinite_steps": stats["nonfinite"],
             "samples": float(len(samples)),
             "bad_rows": float(data.num_bad_rows),
             "step_time_s": dt,
             "train_tokens_per_s": tokens / dt,
         }
-        if sink.should_log(step, last=step == cfg.trainer.max_steps - 1):
+        if sink.should_log(step, last=step == cfg.trainer.max_steps - 1 or stats["stop"] > 0):
             sink.log(step, last, console_keys=["loss", "grad_norm", "lr", "train_tokens_per_s"])
         bar.update(1, loss=stats["loss"])
+        guard.update(step, stats["nonfinite"] > 0)
         done = step + 1
+        if stats["stop"] and done < cfg.trainer.max_steps:
+            stopped_at = ckpt.save(done, parts.policy, parts.optimizer, state_dict(done))
+            break
         if cfg.ckpt.interval_steps and done % cfg.ckpt.interval_steps == 0 and done < cfg.trainer.max_steps:
             ckpt.save(done, parts.policy, parts.optimizer, state_dict(done))
     bar.close()
+    if stopped_at is not None:
+        logger.info(
+            f"stopped by {stop.signal_name or 'a signal on another rank'} after {done} steps: "
+            f"checkpoint saved to {stopped_at}; continue with --ckpt.resume"
+        )
+        sink.close()
+        ctx.close()
+        return last
     if start < cfg.trainer.max_steps:
         ckpt.save(cfg.trainer.max_steps, parts.policy, parts.optimizer, state_dict(cfg.trainer.max_steps))
     if cfg.ckpt.save_hf:

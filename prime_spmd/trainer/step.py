@@ -8,6 +8,8 @@ FSDP2 averages gradients over the trainer ranks, hence the factor ``world_size``
 from __future__ import annotations
 
 import math
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -37,17 +39,21 @@ def train_step(
     device: torch.device,
     temperature: float = 1.0,
     max_grad_norm: float = 1.0,
+    stop_requested: bool = False,
 ) -> dict[str, float]:
     """Forward/backward every micro-batch, clip, step. Collective over the trainer role.
 
     Every trainer rank calls it with the same number of micro-batches (packing pads with dummies).
     Returns global sums of the loss_fn stats plus ``loss`` (per trained token), ``grad_norm``,
     ``lr``, ``trained_tokens``, ``nonfinite`` (non-finite loss or gradient), ``empty_batch`` (no
-    trained token anywhere) and ``skipped`` (either: the parameters are then unchanged).
+    trained token anywhere), ``skipped`` (either: the parameters are then unchanged) and ``stop``
+    (1.0 when any trainer rank passed ``stop_requested``, e.g. after a SIGTERM: the flag rides on the
+    token-count all-reduce, so every rank takes the same stop decision at the same step).
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     n_local = sum(int(mb.loss_mask.sum()) for mb in micro_batches)
-    n_global = _all_reduce_sum({"n": torch.tensor(float(n_local))}, device)["n"]
+    agreed = _all_reduce_sum({"n": torch.tensor(float(n_local)), "stop": torch.tensor(float(stop_requested))}, device)
+    n_global = agreed["n"]
     scale = world / max(n_global, 1.0)
     sums: dict[str, torch.Tensor] = {}
     for mb in micro_batches:
@@ -75,7 +81,9 @@ def train_step(
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
+    with warnings.catch_warnings():  # a skipped step still advances the schedule: steps and LRs stay aligned
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+        scheduler.step()
     totals.update(
         loss=loss,
         grad_norm=grad_norm,
@@ -84,5 +92,6 @@ def train_step(
         skipped=float(skipped),
         nonfinite=float(nonfinite),
         empty_batch=float(empty),
+        stop=float(agreed["stop"] > 0),
     )
     return totals
