@@ -1,11 +1,15 @@
 """Expert parallelism: experts sharded over the ``ep`` mesh axis, tokens moved by all-to-all.
 
-``apply_ep(experts_module, ep_group)`` keeps rank r's slice [r*El, (r+1)*El) of every stacked expert
-weight (dim 0 = expert, El = E / ep) and wraps the module's forward:
+``apply_ep(experts_module, ep_mesh)`` turns every stacked expert weight (dim 0 = expert) into a DTensor
+on the 1-D ``ep`` mesh with placement Shard(0): rank r holds experts [r*El, (r+1)*El), El = E / ep.
+``full_tensor()`` then returns the full stacked experts (weight sync, HF export), and FSDP2 composes
+with it: ``fully_shard(experts, mesh=mesh["dp_shard"])`` shards the local experts further over the
+axis orthogonal to ``ep`` (a 2-D DTensor over (dp_shard, ep)). The forward is wrapped:
 
     dispatch: sort the T*K (token, slot) assignments by expert (= by owning rank), exchange per-expert
               counts, all-to-all the token rows;
-    compute:  the module's own forward on the received rows (each routed to one local expert, weight 1);
+    compute:  the module's ``compute`` on the received rows with its local expert shards (each row to
+              one local expert, weight 1);
     combine:  all-to-all the results back, scale by the routing weights, un-permute, sum the K slots.
 
 The routing weights are applied on the sending rank, so router grads never cross ranks. Model code
@@ -14,7 +18,9 @@ stays single-device: the wrapped module keeps its signature ``(x_TD, ids_TK, wei
 Grad placement: the token all-to-alls are differentiable (torch.distributed.nn), so backward runs
 the reverse all-to-all and each rank's local expert weights get the full gradient from the tokens of
 every rank in its ep group. Expert grads still need a reduction over the data-parallel axes outside
-``ep`` (FSDP or an all-reduce); non-expert grads over all data-parallel ranks, as usual.
+``ep`` (FSDP over ``dp_shard`` or an all-reduce); non-expert grads over all data-parallel ranks.
+With FSDP2 the expert grads are reduced over ``dp_shard`` only, so their divide factor must be the
+dense one (see ``distributed/fsdp.py``).
 
 Legend: T tokens, K top-k, D hidden, E experts, El local experts, M = T*K, R received rows.
 """
@@ -27,34 +33,47 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
 
-def apply_ep(experts: nn.Module, ep_group: dist.ProcessGroup, param_names: tuple[str, ...] = EXPERT_PARAMS) -> None:
-    """Shard ``experts``' stacked weights over ``ep_group`` and route its forward through all-to-all.
+def apply_ep(experts: nn.Module, ep_mesh: DeviceMesh, param_names: tuple[str, ...] = EXPERT_PARAMS) -> None:
+    """Shard ``experts``' stacked weights over the ``ep`` axis and route its forward through all-to-all.
 
-    In place. Every rank of ``ep_group`` must call it (same module structure, same full weights) and
-    then run every forward/backward of the module together (each forward does collectives, even
-    with zero local tokens).
+    In place; before FSDP. ``experts`` must have ``compute(x_TD, ids_TK, weights_TK, *weights)`` (the
+    experts math with explicit weights, in ``param_names`` order). Every rank of the ``ep`` axis
+    must call it (same module structure, same full weights: no communication, each rank keeps its
+    slice) and then run every forward/backward of the module together (each forward does
+    collectives, even with zero local tokens).
     """
-    ep, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+    assert ep_mesh.ndim == 1 and ep_mesh.mesh_dim_names == ("ep",), f"apply_ep needs the 1-D ep axis, got {ep_mesh}"
+    ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     num_experts = getattr(experts, param_names[0]).shape[0]
     if num_experts % ep:
         raise ValueError(f"--topology.ep={ep} must divide the number of experts ({num_experts})")
     local = num_experts // ep
     for name in param_names:
-        full = getattr(experts, name)
-        setattr(experts, name, nn.Parameter(full.detach()[rank * local : (rank + 1) * local].clone()))
+        full = getattr(experts, name).detach()
+        shard = full[rank * local : (rank + 1) * local].clone()
+        setattr(experts, name, nn.Parameter(DTensor.from_local(shard, ep_mesh, [Shard(0)], run_check=False)))
     experts.num_experts = local
-    experts.ep_group, experts.ep_rank, experts.num_global_experts = ep_group, rank, num_experts
-    local_forward = experts.forward
-    experts.forward = types.MethodType(
-        lambda self, x_TD, ids_TK, weights_TK: ep_forward(
-            local_forward, x_TD, ids_TK, weights_TK, ep_group, num_experts
-        ),
-        experts,
-    )
+    experts.ep_group, experts.ep_rank, experts.num_global_experts = ep_mesh.get_group(), rank, num_experts
+
+    def forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        # to_local: this rank's experts (all-gathered over dp_shard by FSDP when composed). Grad
+        # placement: the local grad becomes the DTensor grad with the same Shard(0) over ep.
+        weights = [_local(getattr(self, n)) for n in param_names]
+        return ep_forward(
+            lambda x, ids, w: self.compute(x, ids, w, *weights), x_TD, ids_TK, weights_TK, self.ep_group, num_experts
+        )
+
+    experts.forward = types.MethodType(forward, experts)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def ep_forward(

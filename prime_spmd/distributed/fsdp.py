@@ -1,7 +1,18 @@
-"""FSDP2 and activation checkpointing, applied in one fixed order.
+"""FSDP2, EP and activation checkpointing, applied by ``parallelize`` in one fixed order.
 
-Order: (TP: not yet) -> EP (models with experts, distributed/ep.py) -> activation checkpointing
--> FSDP2 per transformer block -> FSDP2 on the root. The model's forward stays single-device code.
+Order: (TP: not yet) -> EP (models with experts and an ``ep`` axis, distributed/ep.py) ->
+activation checkpointing -> FSDP2 per transformer block (the experts of a block first, as their own
+FSDP unit) -> FSDP2 on the root. The model's forward stays single-device code.
+
+Sharding with ep > 1 (trainer mesh ("dp_shard", "ep"), world W = dp_shard * ep): expert weights are
+Shard(0) over ``ep`` (EP) and FSDP-sharded over ``dp_shard``; every other parameter is FSDP-sharded
+over the flattened ``dp_shard_ep`` (all W ranks).
+
+Gradient scaling: the step scales the loss by W (see trainer/step.py) because FSDP2 averages dense
+grads over its W ranks, so a dense grad ends up as the sum over all ranks. An expert grad is already
+summed over its ``ep`` group by the backward all-to-all and then reduced over ``dp_shard`` only;
+FSDP2's default divide factor there is ``dp_shard``, which would leave expert grads ``ep`` times too
+large. The experts' FSDP units therefore divide by W, like the dense ones.
 """
 
 from __future__ import annotations
@@ -10,8 +21,52 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
+from prime_spmd.distributed.ep import apply_ep
 from prime_spmd.distributed.mesh import fsdp_axis
+
+
+def expert_modules(module: nn.Module) -> list[nn.Module]:
+    """Stacked-experts modules (our ``GroupedExperts``) inside ``module``, in module order."""
+    from prime_spmd.models.common.moe import GroupedExperts
+
+    return [m for m in module.modules() if isinstance(m, GroupedExperts)]
+
+
+def parallelize(
+    root: nn.Module,
+    layer_lists: list[nn.ModuleList],
+    mesh: DeviceMesh,
+    param_dtype: torch.dtype,
+    activation_checkpointing: bool,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Apply EP (when the mesh has an ``ep`` axis), activation checkpointing and FSDP2, in that order.
+
+    ``layer_lists``: the ModuleLists holding the transformer blocks (AC replaces their entries).
+    Collective over the trainer role: every trainer rank calls it with the same model structure
+    and the same full weights.
+    """
+    names = mesh.mesh_dim_names or ()
+    experts = []
+    if "ep" in names:
+        assert names == ("dp_shard", "ep"), f"EP expects the trainer mesh axes (dp_shard, ep), got {names}"
+        experts = expert_modules(root)
+        if not experts:
+            raise ValueError("--topology.ep > 1 needs a model with experts in our code (--model.impl custom)")
+        for m in experts:
+            apply_ep(m, mesh["ep"])
+    if activation_checkpointing:
+        apply_activation_checkpointing([b for layers in layer_lists for b in layers], layer_lists)
+    return apply_fsdp(
+        root,
+        [b for layers in layer_lists for b in layers],
+        mesh,
+        param_dtype,
+        reshard_after_forward=reshard_after_forward,
+        experts=experts,
+    )
 
 
 def apply_activation_checkpointing(blocks: list[nn.Module], parent_lists: list[nn.ModuleList]) -> None:
@@ -30,17 +85,55 @@ def apply_fsdp(
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True,
+    experts: list[nn.Module] = (),
 ) -> nn.Module:
     """``fully_shard`` each block, then the root (embeddings, final norm, LM head, wrapper).
 
     Collective over the trainer role: every trainer rank calls it with the same model structure.
     Parameters become DTensors sharded on dim 0 over the FSDP axis; gradients are reduce-scattered
-    in ``reduce_dtype`` and averaged over the FSDP axis.
+    in ``reduce_dtype`` and averaged over the FSDP axis. ``experts`` (EP already applied, weights
+    Shard(0) over ``ep``) become their own FSDP units over ``dp_shard`` with the dense divide factor
+    (module docstring).
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     axis = fsdp_axis(mesh)
+    for m in experts:
+        assert mesh.mesh_dim_names == ("dp_shard", "ep"), mesh.mesh_dim_names
+        fully_shard(m, mesh=mesh["dp_shard"], mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        m.set_gradient_divide_factor(float(axis.size()))
+        # A custom factor means a PREMUL_SUM reduce-scatter, which gloo lacks: sum, then divide. Not
+        # on a 1-rank dp_shard axis, where torch (2.13) would then divide twice (no comm there anyway).
+        m.set_force_sum_reduction_for_comms(mesh["dp_shard"].size() > 1)
     for block in blocks:
         fully_shard(block, mesh=axis, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     # The root keeps its parameters gathered after the forward: the backward needs them at once.
     fully_shard(root, mesh=axis, mp_policy=mp, reshard_after_forward=False)
     return root
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for grads on several meshes (EP: expert grads live on the
+    (dp_shard, ep) mesh, the rest on dp_shard_ep; torch's version stacks norms across meshes and
+    fails). Returns the total L2 norm as a plain tensor, equal on every rank.
+
+    Collective over the trainer role: every trainer rank calls it with the same parameters.
+    """
+    assert norm_type == 2.0, "only the L2 norm"
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in parameters:
+        if p.grad is not None:  # insertion order = parameter order: the same on every rank
+            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
+    total_sq = None
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()  # partial norm -> reduced over its mesh; no grad flows (no_grad)
+        sq = norm.float() ** 2
+        total_sq = sq if total_sq is None else total_sq + sq
+    total = total_sq.sqrt() if total_sq is not None else torch.zeros(())
+    coef = max_norm / (float(total) + 1e-6)
+    if coef < 1.0:
+        for grads in groups.values():
+            torch._foreach_mul_(grads, coef)
+    return total

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from prime_spmd.config.sections import ModelConfig, OptimConfig, TrainerConfig
-from prime_spmd.distributed.fsdp import apply_activation_checkpointing, apply_fsdp
+from prime_spmd.distributed.fsdp import parallelize
 from prime_spmd.distributed.groups import DistContext
 from prime_spmd.distributed.mesh import build_trainer_mesh
 from prime_spmd.models.loading import load_model, load_tokenizer, maybe_build_tiny, resolve_dtype
@@ -50,7 +50,7 @@ def set_threads(num_threads: int) -> None:
 def build_trainer(
     model_cfg: ModelConfig, trainer_cfg: TrainerConfig, optim_cfg: OptimConfig, ctx: DistContext
 ) -> TrainerParts:
-    """Load the LM (fp32 master weights), apply AC and FSDP2, build AdamW + schedule.
+    """Load the LM (fp32 master weights), apply EP (ep > 1), AC and FSDP2, build AdamW + schedule.
 
     Collective over the trainer role: every trainer rank calls it.
     """
@@ -61,12 +61,16 @@ def build_trainer(
     if getattr(lm, "config", None) is not None:
         lm.config.use_cache = False
     policy = PolicyModel(lm, resolve_loss_impl(trainer_cfg.loss_impl, device))
-    blocks = policy.blocks()
-    if trainer_cfg.activation_checkpointing:
-        apply_activation_checkpointing(blocks, decoder_layer_lists(lm))
-        blocks = policy.blocks()
     mesh = build_trainer_mesh(ctx.topo, device)
-    apply_fsdp(policy, blocks, mesh, param_dtype=compute_dtype, reshard_after_forward=trainer_cfg.reshard_after_forward)
+    # EP (mesh with an ep axis) -> activation checkpointing -> FSDP2 per block -> root
+    parallelize(
+        policy,
+        decoder_layer_lists(lm),
+        mesh,
+        param_dtype=compute_dtype,
+        activation_checkpointing=trainer_cfg.activation_checkpointing,
+        reshard_after_forward=trainer_cfg.reshard_after_forward,
+    )
     optimizer = build_optimizer(policy, optim_cfg)
     scheduler = build_scheduler(optimizer, optim_cfg, trainer_cfg.max_steps)
     return TrainerParts(

@@ -55,7 +55,7 @@ def _worker(rank: int, world: int, ep: int):
     model = _model()
     experts = {f"{name}.experts": m.experts for name, m in model.named_modules() if isinstance(m, MoEBlock)}
     for m in experts.values():
-        apply_ep(m, mesh.get_group("ep"))
+        apply_ep(m, mesh["ep"])
     per_rank = ids.shape[0] // world
     loss = _loss(model, ids[rank * per_rank : (rank + 1) * per_rank], num_tokens)
     loss.backward()
@@ -68,8 +68,10 @@ def _worker(rank: int, world: int, ep: int):
     for name, p in model.named_parameters():
         g, g_ref = p.grad, ref_params[name].grad
         if name.rsplit(".", 1)[0] in experts:
+            assert p.full_tensor().shape == g_ref.shape  # DTensor over ep: full stacked experts
+            g = g.to_local()
             dist.all_reduce(g, group=mesh.get_group("dp_shard"))
-            g_ref = g_ref[ep_rank * p.shape[0] : (ep_rank + 1) * p.shape[0]]
+            g_ref = g_ref[ep_rank * g.shape[0] : (ep_rank + 1) * g.shape[0]]
         else:
             dist.all_reduce(g)
         diffs[name] = ((g - g_ref).abs().max() / g_ref.abs().max().clamp_min(1e-12)).item()

@@ -51,7 +51,18 @@ class GroupedExperts(nn.Module):
         self.impl: MoeImpl = impl
 
     def forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        return moe_experts(x_TD, ids_TK, weights_TK, self.gate_up_proj, self.down_proj, impl=self.impl)
+        return self.compute(x_TD, ids_TK, weights_TK, self.gate_up_proj, self.down_proj)
+
+    def compute(
+        self,
+        x_TD: torch.Tensor,
+        ids_TK: torch.Tensor,
+        weights_TK: torch.Tensor,
+        w13_EFD: torch.Tensor,
+        w2_EDI: torch.Tensor,
+    ) -> torch.Tensor:
+        """The experts math with explicit weights (EP passes its local shards of the stacked weights)."""
+        return moe_experts(x_TD, ids_TK, weights_TK, w13_EFD, w2_EDI, impl=self.impl)
 
 
 class MoEBlock(nn.Module):
