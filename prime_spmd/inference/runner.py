@@ -106,7 +106,15 @@ class LlamaStyleRunner:
                 cos, sin = self.inner.rotary_emb(pos, self.dtype)
             else:
                 cos, sin = self.inner.rotary_emb(probe, pos)
-        self.cos_LD, self.sin_LD = cos[0].contiguous(), sin[0].contiguous()
+        cos_LD, sin_LD = cos[0].contiguous(), sin[0].contiguous()
+        old = getattr(self, "cos_LD", None)
+        if old is not None and old.shape == cos_LD.shape and old.device == cos_LD.device and old.dtype == cos_LD.dtype:
+            # In place: captured CUDA graphs read these exact buffers. Replacing them after a weight
+            # update left the graphs reading freed memory (NaN rollouts on the H200, 2026-12-02).
+            self.cos_LD.copy_(cos_LD)
+            self.sin_LD.copy_(sin_LD)
+        else:
+            self.cos_LD, self.sin_LD = cos_LD, sin_LD
 
     def _lm_head(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 logits. With bf16 weights the GEMM accumulates and writes in fp32 (as the trainer's
