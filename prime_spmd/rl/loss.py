@@ -60,7 +60,8 @@ class RLLoss(TokenLoss):
     def stats(self, lp: torch.Tensor, ent: torch.Tensor, fields: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         m, lq = fields["loss_mask"], _field(fields, "inference_logprobs", lp)
         _, masked = token_loss(lp, lq, _field(fields, "advantages", lp), self.cfg)
-        d = (lp - lq).clamp(-self.cfg.max_log_ratio, self.cfg.max_log_ratio)
+        # float64: exp(d) - d - 1 cancels catastrophically in fp32 for |d| ~ 1e-6 (it went negative)
+        d = (lp - lq).clamp(-self.cfg.max_log_ratio, self.cfg.max_log_ratio).double()
         return {
             "tokens": m.sum(),
             "masked_tokens": (masked.to(m.dtype) * m).sum(),

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from prime_spmd.distributed.fsdp import clip_grad_norm_
 from prime_spmd.trainer.packing import MicroBatch
 from prime_spmd.trainer.policy import TokenLoss
 
@@ -67,7 +68,7 @@ def train_step(
             sums[k] = sums.get(k, torch.zeros((), dtype=torch.float64, device=device)) + v.detach().double()
     totals = _all_reduce_sum(sums, device)
     params = [p for p in policy.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+    norm = clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()  # DTensor norm -> replicated scalar (no grad flows through it)
     grad_norm = float(norm)

@@ -70,13 +70,7 @@ def _cfg(out: Path, model: Path, ep: int) -> SFTJobConfig:
 
 
 def _sft(rank: int, world: int, cfg: SFTJobConfig) -> None:
-    from prime_spmd.distributed.fsdp import clip_grad_norm_
     from prime_spmd.trainer.sft import run_sft
-
-    # TODO(step.py owner): trainer/step.py calls torch.nn.utils.clip_grad_norm_, which cannot stack the
-    # norms of grads on two meshes (EP); it should call prime_spmd.distributed.fsdp.clip_grad_norm_.
-    # Until then the workers route torch's name to it.
-    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
 
     run_sft(cfg)
 

@@ -190,3 +190,22 @@ def test_custom_qwen3_model_runs_on_the_fast_runner(model_dir):
     trainer = torch.cat([teacher_forced_logprobs(custom, o.prompt_ids, o.token_ids, 1.0) for o in sampled])
     stats = mismatch_stats(trainer, torch.cat([torch.tensor(o.logprobs) for o in sampled]))
     assert stats["mean_abs_diff"] < 1e-5 and stats["mismatch_kl"] < 1e-5, stats
+
+
+def test_load_weights_keeps_rope_buffers_in_place(tmp_path) -> None:
+    """Captured CUDA graphs read the RoPE tables by address: a weight update must not replace them
+    (it did, and decode after the first sync read freed memory on the H200)."""
+    from transformers import AutoModelForCausalLM
+
+    from prime_spmd.inference.native import NativeEngine
+    from prime_spmd.models.tiny import build_char_tokenizer, build_tiny_model
+
+    path = build_tiny_model(tmp_path / "m", "qwen3-nano", initializer_range=0.3)
+    engine = NativeEngine(AutoModelForCausalLM.from_pretrained(path), build_char_tokenizer(), max_batch_size=2, max_model_len=32)
+    cos, sin = engine.runner.cos_LD, engine.runner.sin_LD
+    ptrs = (cos.data_ptr(), sin.data_ptr())
+    before = cos.clone()
+    new = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "n", "qwen3-nano", seed=1))
+    engine.load_weights(new.named_parameters())
+    assert (engine.runner.cos_LD.data_ptr(), engine.runner.sin_LD.data_ptr()) == ptrs
+    assert torch.equal(engine.runner.cos_LD, before)
