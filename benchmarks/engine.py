@@ -15,10 +15,6 @@ Needs only torch + transformers (no tyro, no verifiers):
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,38 +24,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SHAPES = {
-    # Qwen3-0.6B: hidden 1024, 28 layers, 16 heads, 8 kv heads, head_dim 128, intermediate 3072, tied
-    "qwen3-0.6b": dict(
-        vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=True,
-        rope_theta=1e6,
-    ),
-    # the qwen3-1m preset with a 4k vocab: a CPU-sized stand-in
-    "tiny": dict(
-        vocab_size=4096,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        tie_word_embeddings=True,
-        rope_theta=1e4,
-    ),
-}
+from benchmarks import common  # noqa: E402
+from prime_spmd.models.qwen3 import FLAVORS  # noqa: E402 (a plain dict: no tyro, no verifiers)
+from prime_spmd.models.tiny import tiny_qwen3_config  # noqa: E402
+
+# The dense flavors, plus "tiny": the qwen3-1m preset with a 4k vocab, a CPU-sized stand-in.
+SHAPES = sorted(name for name, flavor in FLAVORS.items() if flavor["model_type"] == "qwen3") + ["tiny"]
 
 
 def build_config(shape: str, max_len: int):
-    from transformers import Qwen3Config
+    """The HF config of ``shape``: random weights, no eos (every sequence generates --new-tokens), pad 0."""
+    from transformers import AutoConfig
 
-    return Qwen3Config(**SHAPES[shape], max_position_embeddings=max(max_len, 512), eos_token_id=None, pad_token_id=0)
+    kwargs = dict(max_position_embeddings=max(max_len, 512), eos_token_id=None, pad_token_id=0)
+    if shape == "tiny":
+        return tiny_qwen3_config("qwen3-1m", vocab_size=4096, **kwargs)
+    return AutoConfig.for_model(**FLAVORS[shape], **kwargs)
 
 
 def build_model(shape: str, max_len: int, device: torch.device, dtype: torch.dtype):
@@ -71,23 +51,18 @@ def build_model(shape: str, max_len: int, device: torch.device, dtype: torch.dty
     return model.eval()
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure_bandwidth(device: torch.device) -> float:
     """Bytes/s of a large device-to-device copy (read + write counted)."""
     n = (1 << 30) if device.type == "cuda" else (1 << 27)
     a = torch.empty(n, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     b.copy_(a)
-    sync(device)
+    common.sync(device)
     reps = 10 if device.type == "cuda" else 3
     t = time.perf_counter()
     for _ in range(reps):
         b.copy_(a)
-    sync(device)
+    common.sync(device)
     return 2 * n * reps / (time.perf_counter() - t)
 
 
@@ -114,10 +89,10 @@ def run_native(model, ids, new_tokens, device, cuda_graphs: bool) -> float:
             )
             for i, p in enumerate(ids)
         ]
-        sync(device)
+        common.sync(device)
         t = time.perf_counter()
         outs = eng.generate(reqs)
-        sync(device)
+        common.sync(device)
         assert all(len(o.token_ids) == new_tokens for o in outs)
         return time.perf_counter() - t
 
@@ -130,10 +105,10 @@ def run_hf(model, ids, new_tokens, device) -> float:
     kw = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
         model.generate(x, max_new_tokens=8, min_new_tokens=8, **kw)
-        sync(device)
+        common.sync(device)
         t = time.perf_counter()
         out = model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
-        sync(device)
+        common.sync(device)
     assert out.shape[1] == x.shape[1] + new_tokens
     return time.perf_counter() - t
 
@@ -174,7 +149,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", default="native,hf", help="comma list of native, hf, vllm")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--model-shape", default="qwen3-0.6b", choices=sorted(SHAPES))
+    ap.add_argument("--model-shape", default="qwen3-0.6b", choices=SHAPES)
     ap.add_argument("--batch-sizes", default="1,64")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
@@ -215,12 +190,9 @@ def main() -> None:
         base = next((x for x in rows if x["engine"] == "hf" and x["batch"] == r["batch"]), None)
         r["speedup_vs_hf"] = r["tokens_per_s"] / base["tokens_per_s"] if base else None
         r["roofline_fraction"] = r["tokens_per_s"] / r["roofline_tok_s"]
-    meta = dict(
-        date=datetime.date.today().isoformat(),
-        commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
-        device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+    meta = common.run_metadata(
+        device,
         cpu_threads=torch.get_num_threads(),
-        torch=torch.__version__,
         dtype=str(dtype),
         model_shape=args.model_shape,
         prompt_len=args.prompt_len,
@@ -232,16 +204,14 @@ def main() -> None:
     print(
         f"shape {args.model_shape}, prompt {args.prompt_len}, new {args.new_tokens}, copy bandwidth {bw / 1e9:.0f} GB/s\n"
     )
-    print("| engine | batch | tokens/s | vs hf | decode roofline tok/s | of roofline |")
-    print("|---|---|---|---|---|---|")
+    table = []
     for r in rows:
         vs = f"{r['speedup_vs_hf']:.1f}x" if r["speedup_vs_hf"] else "-"
-        print(
-            f"| {r['engine']} | {r['batch']} | {r['tokens_per_s']:.0f} | {vs} | {r['roofline_tok_s']:.0f} "
-            f"| {100 * r['roofline_fraction']:.1f}% |"
-        )
+        tok_s, roof, frac = r["tokens_per_s"], r["roofline_tok_s"], r["roofline_fraction"]
+        table.append([r["engine"], r["batch"], f"{tok_s:.0f}", vs, f"{roof:.0f}", f"{100 * frac:.1f}%"])
+    common.print_markdown_table(["engine", "batch", "tokens/s", "vs hf", "decode roofline tok/s", "of roofline"], table)
     if args.out:
-        Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
+        common.write_json(args.out, dict(meta=meta, rows=rows))
 
 
 if __name__ == "__main__":

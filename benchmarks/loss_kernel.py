@@ -20,13 +20,9 @@ Shape legend: N tokens, H hidden size, V vocabulary size.
 """
 
 import argparse
-import datetime
 import json
 import os
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -57,6 +53,7 @@ if ARGS.device == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks import common  # noqa: E402
 from kernels.lm_logprob.chunked import chunked_logprobs  # noqa: E402
 from kernels.lm_logprob.fused_loss import fused_lm_head_loss  # noqa: E402
 from kernels.lm_logprob.op import lm_head_logprobs  # noqa: E402
@@ -128,50 +125,6 @@ def build_impls(device: str) -> dict:
     return out
 
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def time_ms(fn, device: str, iters: int) -> float:
-    """Median wall time of fn() in ms (CUDA events on GPU)."""
-    fn()
-    sync(device)
-    times = []
-    for _ in range(iters):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def peak_mib(fn, device: str) -> float | None:
-    if device != "cuda":
-        return None
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
-
-
-def matmul_ceiling_tflops(device: str, dtype: torch.dtype) -> float:
-    size = 8192 if device == "cuda" else 512
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    ms = time_ms(lambda: a @ b, device, max(ARGS.iters, 20) if device == "cuda" else 3)
-    return 2 * size**3 / (ms * 1e-3) / 1e12
-
-
 def bench_shape(kind, impl, num_tokens, hidden_size, vocab, dtype, device, ceiling):
     gen = torch.Generator(device=device).manual_seed(0)
     hidden = (torch.randn(num_tokens, hidden_size, device=device, generator=gen) * 0.5).to(dtype).requires_grad_()
@@ -207,10 +160,10 @@ def bench_shape(kind, impl, num_tokens, hidden_size, vocab, dtype, device, ceili
     flops = 2 * num_tokens * hidden_size * vocab
     row = {"N": num_tokens, "H": hidden_size, "V": vocab}
     try:
-        row["fwd_ms"] = time_ms(fwd, device, ARGS.iters)
-        row["fwd_peak_mib"] = peak_mib(fwd, device)
-        row["fwd_bwd_ms"] = time_ms(fwd_bwd, device, ARGS.iters)
-        row["fwd_bwd_peak_mib"] = peak_mib(fwd_bwd, device)
+        row["fwd_ms"] = common.time_ms(fwd, device, ARGS.iters)
+        row["fwd_peak_mib"] = common.peak_mib(fwd, device)
+        row["fwd_bwd_ms"] = common.time_ms(fwd_bwd, device, ARGS.iters)
+        row["fwd_bwd_peak_mib"] = common.peak_mib(fwd_bwd, device)
     except torch.cuda.OutOfMemoryError:
         row["error"] = "OOM"
         return row
@@ -236,21 +189,19 @@ def fmt(value, spec: str) -> str:
 
 def print_table(results: list[dict], ceiling: float, dtype: torch.dtype) -> None:
     print(f"\n{dtype} matmul ceiling (8192^3 on GPU, 512^3 on CPU), this run: {ceiling:.3g} TFLOP/s\n")
-    print(
-        "| N | H | impl | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s (3 passes) | % ceiling"
-        " | fwd peak MiB | fwd+bwd peak MiB | lp max abs err | d hidden rel err |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    columns = ["N", "H", "impl", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms", "fwd+bwd TFLOP/s (3 passes)", "% ceiling"]
+    columns += ["fwd peak MiB", "fwd+bwd peak MiB", "lp max abs err", "d hidden rel err"]
+    rows = []
     for r in results:
         if "error" in r:
-            print(f"| {r['N']} | {r['H']} | {r['impl']} | {r['error']} ||||||||")
+            rows.append([r["N"], r["H"], r["impl"], r["error"]] + [""] * (len(columns) - 4))
             continue
-        print(
-            f"| {r['N']} | {r['H']} | {r['impl']} | {r['fwd_ms']:.2f} | {r['fwd_tflops']:.3g} | {r['fwd_bwd_ms']:.2f}"
-            f" | {r['fwd_bwd_tflops']:.3g} | {r['fwd_bwd_pct_ceiling']:.3g}% | {fmt(r['fwd_peak_mib'], '.0f')}"
-            f" | {fmt(r['fwd_bwd_peak_mib'], '.0f')} | {fmt(r.get('lp_max_abs_err'), '.1e')}"
-            f" | {fmt(r.get('dh_rel_err'), '.1e')} |"
-        )
+        rows.append([
+            r["N"], r["H"], r["impl"], f"{r['fwd_ms']:.2f}", f"{r['fwd_tflops']:.3g}", f"{r['fwd_bwd_ms']:.2f}",
+            f"{r['fwd_bwd_tflops']:.3g}", f"{r['fwd_bwd_pct_ceiling']:.3g}%", fmt(r["fwd_peak_mib"], ".0f"),
+            fmt(r["fwd_bwd_peak_mib"], ".0f"), fmt(r.get("lp_max_abs_err"), ".1e"), fmt(r.get("dh_rel_err"), ".1e"),
+        ])  # fmt: skip
+    common.print_markdown_table(columns, rows)
 
 
 def main() -> None:
@@ -262,7 +213,7 @@ def main() -> None:
         shapes = [(n, h, 500) for n in (32, 64) for h in (32, 64)]
     else:
         shapes = [(n, h, 151936) for n in (4096, 16384) for h in (1024, 4096)]
-    ceiling = matmul_ceiling_tflops(device, dtype)
+    ceiling = common.matmul_ceiling_tflops(device, dtype, max(ARGS.iters, 20) if device == "cuda" else 3)
     impls = build_impls(device)
     results = []
     for num_tokens, hidden_size, vocab in shapes:
@@ -275,19 +226,10 @@ def main() -> None:
                 torch.cuda.empty_cache()
     print_table(results, ceiling, dtype)
     if ARGS.out is not None:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-        meta = {
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "commit": commit or None,
-            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-            "torch": torch.__version__,
-            "triton": __import__("triton").__version__,
-            "dtype": str(dtype),
-            "matmul_ceiling_tflops": ceiling,
-        }
-        ARGS.out.parent.mkdir(parents=True, exist_ok=True)
-        ARGS.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-        print(f"wrote {ARGS.out}")
+        meta = common.run_metadata(
+            device, triton=__import__("triton").__version__, dtype=str(dtype), matmul_ceiling_tflops=ceiling
+        )
+        common.write_json(ARGS.out, {"meta": meta, "results": results})
 
 
 if __name__ == "__main__":

@@ -14,13 +14,9 @@ Legend: T tokens, K top-k, D hidden, E experts, I expert intermediate.
 """
 
 import argparse
-import datetime
 import json
 import os
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -43,42 +39,10 @@ if ARGS.device == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks import common  # noqa: E402
 from kernels.moe.op import moe_experts  # noqa: E402
 
 NAMES = {"reference": "per-expert loop", "grouped_mm": "torch._grouped_mm", "triton": "ours (triton)"}
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def time_ms(fn, device: str, iters: int) -> float:
-    """Median time of fn() in ms (CUDA events on GPU); one untimed warmup call first."""
-    fn()
-    sync(device)
-    times = []
-    for _ in range(iters):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def matmul_ceiling_tflops(device: str, dtype: torch.dtype) -> float:
-    size = 8192 if device == "cuda" else 512
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    ms = time_ms(lambda: a @ b, device, 20 if device == "cuda" else 3)
-    return 2 * size**3 / (ms * 1e-3) / 1e12
 
 
 def make_layer(T, D, E, inter, dtype, device, routing):
@@ -122,16 +86,13 @@ def bench(impl, T, D, E, inter, K, routing, dtype, device, ceiling) -> dict:
 
     flops = 6 * T * K * D * inter + 2 * T * D * E
     row = dict(impl=NAMES[impl], tokens=T, routing=routing, max_over_mean_load=(load.max() / load.mean()).item())
-    row["fwd_ms"] = time_ms(fwd, device, ARGS.iters)
-    row["fwd_bwd_ms"] = time_ms(fwd_bwd, device, ARGS.iters)
+    row["fwd_ms"] = common.time_ms(fwd, device, ARGS.iters)
+    row["fwd_bwd_ms"] = common.time_ms(fwd_bwd, device, ARGS.iters)
     row["fwd_tflops"] = flops / (row["fwd_ms"] * 1e-3) / 1e12
     row["fwd_bwd_tflops"] = 3 * flops / (row["fwd_bwd_ms"] * 1e-3) / 1e12
     row["fwd_bwd_pct_ceiling"] = 100 * row["fwd_bwd_tflops"] / ceiling
     if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fwd_bwd()
-        row["fwd_bwd_peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        row["fwd_bwd_peak_mib"] = common.peak_mib(fwd_bwd, device)
     return row
 
 
@@ -154,8 +115,8 @@ def main() -> None:
         D, E, inter, K, token_counts = 64, 8, 32, 2, [64]
     else:
         D, E, inter, K, token_counts = 2048, 128, 768, 8, [int(t) for t in ARGS.tokens.split(",")]
-    ceiling = matmul_ceiling_tflops(device, dtype)
-    print(f"matmul ceiling ({'8192' if device == 'cuda' else '512'}^3, {dtype}): {ceiling:.1f} TFLOP/s")
+    ceiling = common.matmul_ceiling_tflops(device, dtype, 20 if device == "cuda" else 3)
+    print(f"matmul ceiling ({common.matmul_size(device)}^3, {dtype}): {ceiling:.1f} TFLOP/s")
     check_close(token_counts[0], D, E, inter, K, dtype, device)
     results = []
     for T in token_counts:
@@ -164,15 +125,14 @@ def main() -> None:
                 row = bench(impl, T, D, E, inter, K, routing, dtype, device, ceiling)
                 results.append(row)
                 print(json.dumps(row))
-    print(
-        f"\n| impl | tokens | routing | max/mean load | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | % of {ceiling:.0f} |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        print(
-            f"| {r['impl']} | {r['tokens']} | {r['routing']} | {r['max_over_mean_load']:.1f} | {r['fwd_ms']:.2f} | "
-            f"{r['fwd_tflops']:.0f} | {r['fwd_bwd_ms']:.2f} | {r['fwd_bwd_tflops']:.0f} | {r['fwd_bwd_pct_ceiling']:.0f}% |"
-        )
+    columns = ["impl", "tokens", "routing", "max/mean load", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms", "fwd+bwd TFLOP/s"]
+    table = [
+        [r["impl"], r["tokens"], r["routing"], f"{r['max_over_mean_load']:.1f}", f"{r['fwd_ms']:.2f}",
+         f"{r['fwd_tflops']:.0f}", f"{r['fwd_bwd_ms']:.2f}", f"{r['fwd_bwd_tflops']:.0f}", f"{r['fwd_bwd_pct_ceiling']:.0f}%"]
+        for r in results
+    ]  # fmt: skip
+    print()
+    common.print_markdown_table(columns + [f"% of {ceiling:.0f}"], table)
     for T in token_counts:
         for routing in ("uniform", "skewed"):
             by = {r["impl"]: r for r in results if r["tokens"] == T and r["routing"] == routing}
@@ -180,15 +140,10 @@ def main() -> None:
                 s = by[NAMES["grouped_mm"]]["fwd_bwd_ms"] / by[NAMES["triton"]]["fwd_bwd_ms"]
                 print(f"speedup ours vs torch._grouped_mm, fwd+bwd, {T} tokens, {routing}: {s:.2f}x (goal >= 1.1x)")
     if ARGS.out:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        meta = dict(
-            date=datetime.date.today().isoformat(), commit=commit, torch=torch.__version__,
-            device=torch.cuda.get_device_name() if device == "cuda" else "cpu", dtype=str(dtype),
-            matmul_ceiling_tflops=ceiling, shape=dict(D=D, E=E, I=inter, K=K),
-        )  # fmt: skip
-        ARGS.out.parent.mkdir(parents=True, exist_ok=True)
-        ARGS.out.write_text(json.dumps(dict(meta=meta, results=results), indent=2))
-        print(f"wrote {ARGS.out}")
+        meta = common.run_metadata(
+            device, dtype=str(dtype), matmul_ceiling_tflops=ceiling, shape=dict(D=D, E=E, I=inter, K=K)
+        )
+        common.write_json(ARGS.out, dict(meta=meta, results=results))
 
 
 if __name__ == "__main__":

@@ -17,11 +17,8 @@ reported beside it.
 """
 
 import argparse
-import datetime
 import json
 import os
-import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -48,6 +45,7 @@ if ARGS.device == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks import common  # noqa: E402
 from kernels.lm_logprob.op import lm_head_logprobs  # noqa: E402
 from prime_spmd.models import hidden  # noqa: E402
 from prime_spmd.models.qwen3 import FLAVORS  # noqa: E402
@@ -105,35 +103,6 @@ def step_fn(model, opt, ids, pos, targets, lm_impl):
     return step
 
 
-def time_steps(step, device: str, steps: int) -> float:
-    for _ in range(2):
-        step()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    times = []
-    for _ in range(steps):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            import time
-
-            t0 = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def matmul_ceiling_tflops(device: str, dtype: torch.dtype) -> float:
-    size = 8192 if device == "cuda" else 512
-    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
-    return 2 * size**3 / (time_steps(lambda: a @ b, device, 10) * 1e-3) / 1e12
-
-
 def main() -> None:
     device = ARGS.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -144,7 +113,7 @@ def main() -> None:
     ids = torch.randint(0, cfg["vocab_size"], (1, T + 1), generator=gen).to(device)
     inputs, targets = ids[:, :-1], ids[0, 1:]
     pos = (torch.arange(T) % doc_len if doc_len else torch.arange(T))[None].to(device)
-    ceiling = matmul_ceiling_tflops(device, dtype)
+    ceiling = common.matmul_ceiling_tflops(device, dtype, 10, warmup=2)
     flops = model_flops_per_token(cfg, T, doc_len) * T
     lm_impl = "triton" if device == "cuda" else "reference"
     results = []
@@ -153,7 +122,7 @@ def main() -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        ms = time_steps(step_fn(model, opt, inputs, pos, targets, lm_impl), device, ARGS.steps)
+        ms = common.time_ms(step_fn(model, opt, inputs, pos, targets, lm_impl), device, ARGS.steps, warmup=2)
         row = dict(
             impl=impl, flavor="small" if ARGS.small else ARGS.flavor, tokens=T, doc_len=doc_len,
             moe_impl=ARGS.moe_impl if impl == "custom" else "hf", step_ms=ms, tokens_per_s=T / (ms * 1e-3),
@@ -167,23 +136,18 @@ def main() -> None:
         if device == "cuda":
             torch.cuda.empty_cache()
     print(f"\nmatmul ceiling {ceiling:.0f} TFLOP/s; MFU vs {ARGS.peak_tflops:.0f} TFLOP/s peak")
-    print("| impl | flavor | tokens | step ms | tokens/s | TFLOP/s | MFU | % of ceiling | peak GiB |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
-        print(
-            f"| {r['impl']} ({r['moe_impl']}) | {r['flavor']} | {r['tokens']} | {r['step_ms']:.1f} | "
-            f"{r['tokens_per_s']:.0f} | {r['tflops']:.1f} | {r['mfu_pct']:.1f}% | {r['pct_of_matmul_ceiling']:.1f}% | {peak} |"
-        )
+    columns = ["impl", "flavor", "tokens", "step ms", "tokens/s", "TFLOP/s", "MFU", "% of ceiling", "peak GiB"]
+    table = [
+        [f"{r['impl']} ({r['moe_impl']})", r["flavor"], r["tokens"], f"{r['step_ms']:.1f}", f"{r['tokens_per_s']:.0f}",
+         f"{r['tflops']:.1f}", f"{r['mfu_pct']:.1f}%", f"{r['pct_of_matmul_ceiling']:.1f}%",
+         "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"]
+        for r in results
+    ]  # fmt: skip
+    common.print_markdown_table(columns, table)
     if ARGS.out:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        meta = dict(
-            date=datetime.date.today().isoformat(), commit=commit, torch=torch.__version__,
-            device=torch.cuda.get_device_name() if device == "cuda" else "cpu", matmul_ceiling_tflops=ceiling,
-        )  # fmt: skip
-        ARGS.out.parent.mkdir(parents=True, exist_ok=True)
-        ARGS.out.write_text(json.dumps(dict(meta=meta, results=results), indent=2))
-        print(f"wrote {ARGS.out}")
+        common.write_json(
+            ARGS.out, dict(meta=common.run_metadata(device, matmul_ceiling_tflops=ceiling), results=results)
+        )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,106 @@
+"""What the benchmark scripts share: median timing, the dense matmul ceiling, peak memory, run metadata, output.
+
+Needs only torch (no tyro, no verifiers): the engine benchmark imports it on bare GPU machines.
+Import as ``from benchmarks.common import ...`` after putting the repo root on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def is_cuda(device: str | torch.device) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def sync(device: str | torch.device) -> None:
+    """Wait for the device's queued work (no-op on CPU)."""
+    if is_cuda(device):
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], Any], device: str | torch.device, iters: int, warmup: int = 1) -> float:
+    """Median time of ``fn()`` over ``iters`` calls in ms, after ``warmup`` untimed calls.
+
+    CUDA events around each call on GPU, ``time.perf_counter`` on CPU.
+    """
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(iters):
+        if is_cuda(device):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def matmul_size(device: str | torch.device) -> int:
+    """Side of the square matmul that measures the ceiling: 8192 on GPU, 512 on CPU (a smoke check)."""
+    return 8192 if is_cuda(device) else 512
+
+
+def matmul_ceiling_tflops(device: str | torch.device, dtype: torch.dtype, iters: int, warmup: int = 1) -> float:
+    """TFLOP/s of one ``matmul_size``^3 matmul in ``dtype`` (median of ``iters``): what MFU is measured against."""
+    size = matmul_size(device)
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    return 2 * size**3 / (time_ms(lambda: a @ b, device, iters, warmup) * 1e-3) / 1e12
+
+
+def peak_mib(fn: Callable[[], Any], device: str | torch.device) -> float | None:
+    """Peak memory allocated during ``fn()`` above what was allocated before it, in MiB (None on CPU)."""
+    if not is_cuda(device):
+        return None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def run_metadata(device: str | torch.device, **extra: Any) -> dict[str, Any]:
+    """Date, short commit, device name and torch version of this run, then ``extra``."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return dict(
+        date=datetime.date.today().isoformat(),
+        commit=commit or None,
+        device=torch.cuda.get_device_name(device) if is_cuda(device) else platform.processor() or "cpu",
+        torch=torch.__version__,
+        **extra,
+    )
+
+
+def write_json(path: str | Path, payload: dict[str, Any]) -> None:
+    """Write ``payload`` as indented JSON at ``path``, creating its folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+def print_markdown_table(columns: list[str], rows: list[list[Any]]) -> None:
+    """Print a markdown table: a header of ``columns``, then one line per row of already formatted cells."""
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for row in rows:
+        print("| " + " | ".join(str(cell) for cell in row) + " |")
