@@ -12,6 +12,7 @@ from kernels.lm_logprob import kernel
 from kernels.lm_logprob.chunked import chunked_logprobs
 from kernels.lm_logprob.op import lm_head_logprobs, lm_logprob_bwd, lm_logprob_fwd
 from kernels.lm_logprob.reference import reference_logprobs, temperature_per_token
+from tests.kernels._helpers import make_lm_head_inputs, nan_empty, rel_err
 
 # Errors are max |got - want| / max |want|, measured over seeds 0-2 of these cases.
 # fp32: measured <= 4.4e-6 (logprob, entropy, d hidden, d weight).
@@ -28,27 +29,15 @@ CHUNKED_BF16_TOL = 5e-2
 
 @pytest.fixture(autouse=True)
 def poison_buffers(monkeypatch):
-    def nan_empty(shape, like, dtype):
-        return torch.full(shape, float("nan"), device=like.device, dtype=dtype)
-
     monkeypatch.setattr(kernel, "_empty", nan_empty)
 
 
 def make_inputs(num_tokens, hidden_size, vocab, dtype, temperature, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(num_tokens, hidden_size, generator=gen).to(dtype).requires_grad_()
-    weight = (torch.randn(vocab, hidden_size, generator=gen) * 0.5).to(dtype).requires_grad_()
-    targets = torch.randint(0, vocab, (num_tokens,), generator=gen)
-    targets[0], targets[-1] = 0, vocab - 1  # vocabulary edges
-    if temperature == "per_token":
-        temperature = torch.rand(num_tokens, generator=gen) + 0.5
+    hidden, weight, targets, temperature = make_lm_head_inputs(num_tokens, hidden_size, vocab, dtype, temperature, gen)
     grad_lp = torch.randn(num_tokens, generator=gen)
     grad_ent = torch.randn(num_tokens, generator=gen)
     return hidden, weight, targets, temperature, grad_lp, grad_ent
-
-
-def rel_err(actual, expected):
-    return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
 
 
 def run_impl(impl, hidden, weight, targets, temperature, grad_lp, grad_ent, with_entropy=True):

@@ -12,6 +12,7 @@ import torch
 from kernels.lm_logprob import fused_kernel, fused_loss
 from kernels.lm_logprob.fused_loss import fused_lm_head_loss, num_chunk_tokens
 from kernels.lm_logprob.reference import reference_logprobs, temperature_per_token
+from tests.kernels._helpers import make_lm_head_inputs, nan_empty, rel_err
 
 # Errors are max |got - want| / max |want| (loss, lp, ent, d hidden, d weight), measured over seeds 0-2
 # of CASES, both impls.
@@ -27,9 +28,6 @@ BF16_BWD_TOL = 2e-2
 
 @pytest.fixture(autouse=True)
 def poison_buffers(monkeypatch):
-    def nan_empty(shape, like, dtype):
-        return torch.full(shape, float("nan"), device=like.device, dtype=dtype)
-
     monkeypatch.setattr(fused_kernel, "empty_buffer", nan_empty)
 
 
@@ -54,12 +52,7 @@ LOSSES = {"sft": sft_loss, "dppo": dppo_loss, "entropy": entropy_loss}
 
 def make_inputs(num_tokens, hidden_size, vocab, dtype, temperature, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(num_tokens, hidden_size, generator=gen).to(dtype).requires_grad_()
-    weight = (torch.randn(vocab, hidden_size, generator=gen) * 0.5).to(dtype).requires_grad_()
-    targets = torch.randint(0, vocab, (num_tokens,), generator=gen)
-    targets[0], targets[-1] = 0, vocab - 1  # vocabulary edges
-    if temperature == "per_token":
-        temperature = torch.rand(num_tokens, generator=gen) + 0.5
+    hidden, weight, targets, temperature = make_lm_head_inputs(num_tokens, hidden_size, vocab, dtype, temperature, gen)
     fields = {
         "mask": (torch.rand(num_tokens, generator=gen) > 0.2).float(),
         "adv": torch.randn(num_tokens, generator=gen),
@@ -71,10 +64,6 @@ def make_inputs(num_tokens, hidden_size, vocab, dtype, temperature, seed=0):
         lp, _ = reference_logprobs(hidden, weight, targets, temperature_N)
         fields["inf_lp"] = lp + 0.3 * torch.randn(num_tokens, generator=gen)
     return hidden, weight, targets, temperature, fields
-
-
-def rel_err(actual, expected):
-    return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
 
 
 def run_reference(loss_name, hidden, weight, targets, temperature, fields, grad_scale):
