@@ -1,13 +1,17 @@
 """Trainer -> inference weight transfer, in buckets of bounded size, with HF parameter names.
 
-Disjoint mode: every trainer rank gathers one parameter at a time (``full_tensor``, a collective
-over the trainer role); trainer rank 0 packs the full tensors, cast to the engine's dtype, into a
-flat bucket of at most ``bucket_bytes`` and broadcasts it over the weight bridge; every inference
-rank receives the bucket and hands views of it to ``engine.load_weights``. Both sides derive the
-same bucket layout from the ``WeightSpec`` sent once at start-up. Peak extra memory: one bucket
-plus one gathered parameter, never the whole model.
+Disjoint mode: for each bucket, every trainer rank contributes its FSDP shards of the bucket's
+parameters, cast to the engine's dtype, to ONE all-gather over the trainer role (parameters that are
+not plain dim-0 shards on a 1-D mesh, e.g. EP experts, fall back to ``full_tensor``); trainer rank 0
+reassembles them in parameter order into a flat bucket of at most ``bucket_bytes`` and broadcasts it
+over the weight bridge; every inference rank receives the bucket and hands views of it to
+``engine.load_weights``. Both sides derive the same bucket layout from the ``WeightSpec`` sent once
+at start-up. Staging buffers are allocated once per sync and reused by every bucket of it (fresh
+host allocations cost page faults on every bucket); peak extra memory on trainer rank 0 is about
+two buckets plus one bucket / trainer ranks, never the whole model.
 
-Colocated mode: the same per-parameter gather, then an in-process copy into the rank's engine.
+Colocated mode: the same per-bucket gather, then an in-process copy into the rank's engine (one
+``load_weights`` call per sync; with one trainer rank, straight from the parameters).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from prime_spmd.distributed.groups import Bridge
@@ -63,9 +68,22 @@ def plan_buckets(spec: WeightSpec, bucket_bytes: int) -> list[list[int]]:
     return buckets
 
 
+def _numel(shape: tuple[int, ...]) -> int:
+    return int(torch.Size(shape).numel())
+
+
 def _full(p: torch.Tensor) -> torch.Tensor:
     # DTensor -> full tensor: an all-gather over the trainer role's FSDP axis. No grad flows (no_grad).
     return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
+def _dim0_mesh(p: torch.Tensor):
+    """The 1-D mesh of a DTensor sharded ``Shard(0)`` on it (what FSDP2 makes of a dense parameter), else None."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if isinstance(p, DTensor) and p.device_mesh.ndim == 1 and tuple(p.placements) == (Shard(0),) and p.ndim >= 1:
+        return p.device_mesh
+    return None
 
 
 class WeightSender:
@@ -75,27 +93,129 @@ class WeightSender:
         self.lm, self.rank, self.bucket_bytes = lm, rank, bucket_bytes
         self.spec = build_spec(lm, wire_dtype)
         self.buckets = plan_buckets(self.spec, bucket_bytes)
+        self._offsets = []  # per bucket: element offset of each parameter in the flat bucket
+        for idx in self.buckets:
+            offs, o = [], 0
+            for i in idx:
+                offs.append(o)
+                o += _numel(self.spec.shapes[i])
+            self._offsets.append((offs, o))
+        self._max_bucket = max(total for _, total in self._offsets)
+
+    @torch.no_grad()
+    def _gather(self, b: int, params: list[torch.Tensor], flat: torch.Tensor | None, bufs: dict) -> None:
+        """Collective over the trainer role: every trainer rank calls it for every bucket ``b`` in order.
+        With ``flat`` given, writes the bucket's full parameters (wire dtype, parameter order) into it."""
+        idx = self.buckets[b]
+        offs, _ = self._offsets[b]
+        dtype = self.spec.dtype
+        batched: list[tuple[int, int]] = []  # (position in bucket, param index) of dim-0 shards on `mesh`
+        mesh = None
+        for j, i in enumerate(idx):
+            m = _dim0_mesh(params[i])
+            if m is not None and (mesh is None or m == mesh):
+                mesh = m
+                batched.append((j, i))
+                continue
+            full = _full(params[i])  # EP experts, replicated or plain tensors; same order on every rank
+            if flat is not None:
+                n = _numel(self.spec.shapes[i])
+                flat[offs[j] : offs[j] + n].copy_(full.detach().reshape(-1))
+        if not batched:
+            return
+        world = mesh.size()
+        if world == 1:
+            if flat is not None:
+                for j, i in batched:
+                    n = _numel(self.spec.shapes[i])
+                    flat[offs[j] : offs[j] + n].copy_(params[i].to_local().detach().reshape(-1))
+            return
+        me = mesh.get_local_rank()
+        # Per rank segment: every parameter's dim-0 chunk padded to ceil(d0 / world) rows (torch.chunk,
+        # FSDP2's layout), so that the segments have one size on all ranks.
+        layout, seg = [], 0
+        for j, i in batched:
+            shape = self.spec.shapes[i]
+            rest = _numel(shape[1:])
+            chunk = -(-shape[0] // world)
+            layout.append((j, i, shape[0], rest, chunk, seg))
+            seg += chunk * rest
+        if "inp" not in bufs or bufs["inp"].numel() < seg:
+            bufs["inp"] = torch.empty(seg, dtype=dtype, device=flat.device if flat is not None else self._device(params))
+        inp = bufs["inp"][:seg]
+        for j, i, d0, rest, chunk, so in layout:
+            local = params[i].to_local()
+            rows = max(0, min(chunk, d0 - me * chunk))
+            assert local.shape[0] == rows, (self.spec.names[i], tuple(local.shape), rows)
+            if rows:
+                inp[so : so + rows * rest].copy_(local.detach().reshape(-1))
+        if "out" not in bufs or bufs["out"].numel() < world * seg:
+            bufs["out"] = torch.empty(world * seg, dtype=dtype, device=inp.device)
+        out = bufs["out"][: world * seg]
+        dist.all_gather_into_tensor(out, inp, group=mesh.get_group())
+        if flat is None:
+            return
+        for j, i, d0, rest, chunk, so in layout:
+            for q in range(world):
+                rows = max(0, min(chunk, d0 - q * chunk))
+                if rows:
+                    dst = offs[j] + q * chunk * rest
+                    flat[dst : dst + rows * rest].copy_(out[q * seg + so : q * seg + so + rows * rest])
+
+    @staticmethod
+    def _device(params: list[torch.Tensor]) -> torch.device:
+        return params[0].device if params else torch.device("cpu")
+
+    def _single_rank(self, params: list[torch.Tensor]) -> bool:
+        """No parameter needs a collective to be whole (one trainer rank)."""
+        for p in params:
+            m = _dim0_mesh(p)
+            if hasattr(p, "full_tensor") and (m is None or m.size() > 1):
+                return False
+        return True
 
     @torch.no_grad()
     def send(self, bridge: Bridge | None, device: torch.device) -> float:
         """Broadcast the current weights to the inference ranks; returns seconds spent."""
         t0 = time.perf_counter()
         params = [p for _, p in hf_named_parameters(self.lm)]
-        for idx in self.buckets:
-            fulls = [_full(params[i]) for i in idx]
-            if self.rank != CONTROLLER_RANK:
-                continue
-            flat = torch.cat([f.detach().to(device=device, dtype=self.spec.dtype).reshape(-1) for f in fulls])
+        bufs: dict = {}
+        stage = None
+        if self.rank == CONTROLLER_RANK:
             assert bridge is not None
-            bridge.broadcast(flat, src=CONTROLLER_RANK)
+            stage = torch.empty(self._max_bucket, dtype=self.spec.dtype, device=device)
+        for b in range(len(self.buckets)):
+            flat = stage[: self._offsets[b][1]] if stage is not None else None
+            self._gather(b, params, flat, bufs)
+            if flat is not None:
+                bridge.broadcast(flat, src=CONTROLLER_RANK)
         return time.perf_counter() - t0
 
     @torch.no_grad()
     def copy_to(self, engine: InferenceEngine) -> float:
         """Colocated mode: load the current full weights into this rank's engine in place."""
         t0 = time.perf_counter()
-        for name, p in hf_named_parameters(self.lm):
-            engine.load_weights([(name, _full(p).detach().to(self.spec.dtype))])
+        named = hf_named_parameters(self.lm)
+        params = [p for _, p in named]
+        if self._single_rank(params):
+            # nothing to gather: one load_weights call (one cache reset), straight from the parameters
+            engine.load_weights(
+                (name, (p.to_local() if hasattr(p, "to_local") else p).detach().to(self.spec.dtype)) for name, p in named
+            )
+            return time.perf_counter() - t0
+        bufs: dict = {}
+        stage = torch.empty(self._max_bucket, dtype=self.spec.dtype, device=self._device(params))
+
+        def weights():
+            for b, idx in enumerate(self.buckets):
+                offs, total = self._offsets[b]
+                flat = stage[:total]
+                self._gather(b, params, flat, bufs)
+                for j, i in enumerate(idx):
+                    n = _numel(self.spec.shapes[i])
+                    yield self.spec.names[i], flat[offs[j] : offs[j] + n].view(self.spec.shapes[i])
+
+        engine.load_weights(weights())  # consumes each bucket's views before the next gather reuses `stage`
         return time.perf_counter() - t0
 
 
@@ -105,13 +225,15 @@ class WeightReceiver:
     def __init__(self, spec: WeightSpec, bucket_bytes: int, engine: InferenceEngine, device: torch.device) -> None:
         self.spec, self.engine, self.device = spec, engine, device
         self.buckets = plan_buckets(spec, bucket_bytes)
+        self._sizes = [[_numel(spec.shapes[i]) for i in idx] for idx in self.buckets]
+        self._max_bucket = max(sum(s) for s in self._sizes)
 
     @torch.no_grad()
     def recv(self, bridge: Bridge) -> float:
         t0 = time.perf_counter()
-        for idx in self.buckets:
-            sizes = [int(torch.Size(self.spec.shapes[i]).numel()) for i in idx]
-            flat = torch.empty(sum(sizes), dtype=self.spec.dtype, device=self.device)
+        stage = torch.empty(self._max_bucket, dtype=self.spec.dtype, device=self.device)  # reused by every bucket
+        for idx, sizes in zip(self.buckets, self._sizes):
+            flat = stage[: sum(sizes)]
             bridge.broadcast(flat, src=CONTROLLER_RANK)
             views = flat.split(sizes)
             self.engine.load_weights(
