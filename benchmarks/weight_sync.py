@@ -30,7 +30,7 @@ import platform
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -308,7 +308,7 @@ def main() -> None:
             cpu_threads=torch.get_num_threads(),
             gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             env={k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "NCCL_NVLS_ENABLE") if k in os.environ},
-            date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            date=datetime.now(UTC).isoformat(timespec="seconds"),
         )
         print(json.dumps({k: v for k, v in res.items() if k != "per_rank"}, indent=1))
         if a.out:

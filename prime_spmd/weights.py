@@ -141,9 +141,11 @@ class WeightSender:
             layout.append((j, i, shape[0], rest, chunk, seg))
             seg += chunk * rest
         if "inp" not in bufs or bufs["inp"].numel() < seg:
-            bufs["inp"] = torch.empty(seg, dtype=dtype, device=flat.device if flat is not None else self._device(params))
+            bufs["inp"] = torch.empty(
+                seg, dtype=dtype, device=flat.device if flat is not None else self._device(params)
+            )
         inp = bufs["inp"][:seg]
-        for j, i, d0, rest, chunk, so in layout:
+        for _j, i, d0, rest, chunk, so in layout:
             local = params[i].to_local()
             rows = max(0, min(chunk, d0 - me * chunk))
             assert local.shape[0] == rows, (self.spec.names[i], tuple(local.shape), rows)
@@ -155,7 +157,7 @@ class WeightSender:
         dist.all_gather_into_tensor(out, inp, group=mesh.get_group())
         if flat is None:
             return
-        for j, i, d0, rest, chunk, so in layout:
+        for j, _i, d0, rest, chunk, so in layout:
             for q in range(world):
                 rows = max(0, min(chunk, d0 - q * chunk))
                 if rows:
@@ -200,7 +202,8 @@ class WeightSender:
         if self._single_rank(params):
             # nothing to gather: one load_weights call (one cache reset), straight from the parameters
             engine.load_weights(
-                (name, (p.to_local() if hasattr(p, "to_local") else p).detach().to(self.spec.dtype)) for name, p in named
+                (name, (p.to_local() if hasattr(p, "to_local") else p).detach().to(self.spec.dtype))
+                for name, p in named
             )
             return time.perf_counter() - t0
         bufs: dict = {}
@@ -236,7 +239,5 @@ class WeightReceiver:
             flat = stage[: sum(sizes)]
             bridge.broadcast(flat, src=CONTROLLER_RANK)
             views = flat.split(sizes)
-            self.engine.load_weights(
-                (self.spec.names[i], v.view(self.spec.shapes[i])) for i, v in zip(idx, views)
-            )
+            self.engine.load_weights((self.spec.names[i], v.view(self.spec.shapes[i])) for i, v in zip(idx, views))
         return time.perf_counter() - t0
