@@ -9,6 +9,7 @@ cd "$(dirname "$0")/.."
 OUT=${1:-outputs/reverse_text}
 bash scripts/setup_env.sh
 PY=.venv/bin/python
+export PATH="$PWD/.venv/bin:$PATH"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 run() { echo "+ $*" >&2; "$@"; }
 run $PY -m prime_spmd sft --config configs/reverse_text/sft.toml \

@@ -4,6 +4,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh || exit 1
+# The venv first on PATH: tests launch `torchrun` (launch/*.sh) and `python -m prime_spmd` subprocesses.
+export PATH="$PWD/.venv/bin:$PATH"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TRITON_INTERPRET=${TRITON_INTERPRET:-1} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 .venv/bin/python -m pytest -q "$@"
 rc=$?
