@@ -120,8 +120,10 @@ def test_hung_inference_rank_times_out_and_ends_every_agent(tmp_path: Path) -> N
     elapsed = time.monotonic() - t0
     everything = "\n".join(p.read_text() for p in logs)
     assert None not in codes and all(c != 0 for c in codes), (codes, everything)
-    # timeout_s for rank 0's bridge op, then node 1's agent notices the store is gone (about 1 s here).
-    assert TIMEOUT_S <= elapsed < TIMEOUT_S + 20, elapsed
+    # timeout_s for rank 0's bridge op; node 1's agent then loses the store and sends its hung worker
+    # SIGTERM, which the worker takes as "stop at the next step boundary" (graceful stop, docs/resume.md)
+    # and, being hung, never reaches: torchrun SIGKILLs it after its 30 s grace. Measured 38 s.
+    assert TIMEOUT_S <= elapsed < TIMEOUT_S + 30 + 20, elapsed
     assert "Timed out waiting 5000ms" in everything
     # Node 0 names rank 0, whose weight broadcast to the hung rank timed out; node 1's agent loses node 0's
     # store and stops its hung worker (rank 1) with SIGTERM, then exits on the store error.
