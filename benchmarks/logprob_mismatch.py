@@ -44,7 +44,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--init-std", type=float, default=0.0, help="initializer_range of the random model (0: shape default)")
+    ap.add_argument(
+        "--init-std", type=float, default=0.0, help="initializer_range of the random model (0: shape default)"
+    )
     ap.add_argument("--out", default="")
     args = ap.parse_args()
 

@@ -85,16 +85,22 @@ def main() -> None:
         model = build_tiny_model(Path(tmp) / "model", args.preset, seed=0, initializer_range=0.3)
         results = [run(k, args, model, Path(tmp) / f"k{k}") for k in (0, 1)]
     ratio = results[1]["steps_per_s"] / results[0]["steps_per_s"]
-    print(f"\nRL step throughput, disjoint ({args.nproc // 2} trainer + {args.nproc - args.nproc // 2} inference ranks), "
-          f"{args.device}, preset {args.preset}, {args.prompts}x{args.group_size} samples, {args.max_tokens} new tokens\n")
+    print(
+        f"\nRL step throughput, disjoint ({args.nproc // 2} trainer + {args.nproc - args.nproc // 2} inference ranks), "
+        f"{args.device}, preset {args.preset}, {args.prompts}x{args.group_size} samples, {args.max_tokens} new tokens\n"
+    )
     print("| max_async | steps/s | gen s/step | train s/step | sync s/step | wait s/step |")
     print("|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['k']} | {r['steps_per_s']:.3f} | {r['gen_time_s']:.3f} | {r['train_time_s']:.3f} | "
-              f"{r['weight_sync_s']:.4f} | {r['wait_s']:.3f} |")
+        print(
+            f"| {r['k']} | {r['steps_per_s']:.3f} | {r['gen_time_s']:.3f} | {r['train_time_s']:.3f} | "
+            f"{r['weight_sync_s']:.4f} | {r['wait_s']:.3f} |"
+        )
     print(f"\nratio k=1 / k=0: {ratio:.2f}x  ({platform.node()}, {platform.processor() or platform.machine()})")
     if args.out:
-        args.out.write_text(json.dumps({"results": results, "ratio": ratio, "args": vars(args) | {"out": str(args.out)}}, indent=1))
+        args.out.write_text(
+            json.dumps({"results": results, "ratio": ratio, "args": vars(args) | {"out": str(args.out)}}, indent=1)
+        )
 
 
 if __name__ == "__main__":

@@ -107,4 +107,5 @@ def lm_head_logprobs(
         raise ValueError(f"impl must be 'reference', 'chunked' or 'triton', got {impl!r}")
     return logprob, (entropy if return_entropy else None)
 
+
 from kernels.lm_logprob.fused_loss import fused_lm_head_loss  # noqa: E402,F401  (the 3-pass loss-fused variant)

@@ -34,7 +34,11 @@ def field_docs(cls: type) -> dict[str, str]:
     docs = {}
     for prev, node in zip(body, body[1:]):
         if isinstance(prev, ast.AnnAssign) and isinstance(prev.target, ast.Name):
-            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            if (
+                isinstance(node, ast.Expr)
+                and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)
+            ):
                 docs[prev.target.id] = " ".join(node.value.value.split())
     return docs
 

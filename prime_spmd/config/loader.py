@@ -76,9 +76,7 @@ def build_dataclass(cls: type[T], values: dict[str, Any], source: str, prefix: s
     kwargs: dict[str, Any] = {}
     for key, value in values.items():
         if key not in names:
-            raise ValueError(
-                f"{source}: unknown key '{prefix}{key}'; allowed keys here: {', '.join(sorted(names))}"
-            )
+            raise ValueError(f"{source}: unknown key '{prefix}{key}'; allowed keys here: {', '.join(sorted(names))}")
         kwargs[key] = _coerce(value, hints[key], prefix + key, source)
     try:
         return cls(**kwargs)

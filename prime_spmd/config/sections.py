@@ -150,7 +150,9 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.source in ("jsonl", "parquet"):
             _check(bool(self.path), "data.path", self.path, f"--data.source={self.source} needs a file path")
-        _check(1 <= self.min_chars <= self.max_chars, "data.min_chars", self.min_chars, "need 1 <= min_chars <= max_chars")
+        _check(
+            1 <= self.min_chars <= self.max_chars, "data.min_chars", self.min_chars, "need 1 <= min_chars <= max_chars"
+        )
         _check(len(self.alphabet) >= 2, "data.alphabet", self.alphabet, "needs at least 2 characters")
 
 

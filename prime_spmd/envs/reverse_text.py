@@ -17,6 +17,7 @@ from prime_spmd.rl.types import Rollout
 
 __all__ = ["ReverseTextEnv", "reverse_text_example", "lcs_ratio", "request_seed", "completion_text", "END_MARKERS"]
 
+
 def request_seed(seed: int, split: str, example_id: int, sample_idx: int) -> int:
     """A 63-bit sampling seed from (seed, split, example id, sample index): stable across runs and batches."""
     digest = hashlib.blake2b(f"{seed}/{split}/{example_id}/{sample_idx}".encode(), digest_size=8).digest()

@@ -77,7 +77,9 @@ def _collate(docs: list[Sample], field_names: list[str]) -> MicroBatch:
 
 def dummy_microbatch(field_names: list[str]) -> MicroBatch:
     """A one-token micro-batch with nothing trained: keeps FSDP collectives in step on a rank with no data."""
-    return _collate([Sample(input_ids=[0, 0], loss_mask=[0, 0], fields={k: [0.0, 0.0] for k in field_names})], field_names)
+    return _collate(
+        [Sample(input_ids=[0, 0], loss_mask=[0, 0], fields={k: [0.0, 0.0] for k in field_names})], field_names
+    )
 
 
 def pack(samples: list[Sample], micro_batch_tokens: int, num_ranks: int) -> list[list[MicroBatch]]:

@@ -82,7 +82,9 @@ def test_schedule_lags_for_k_0_1_2_and_exact_resume(tmp_path: Path) -> None:
     got = _metrics(res)
     assert [r["step"] for r in got] == list(range(5))
     for a, b in zip(ref[2:], got[2:]):
-        assert {k: v for k, v in a.items() if k not in TIMING_KEYS} == {k: v for k, v in b.items() if k not in TIMING_KEYS}
+        assert {k: v for k, v in a.items() if k not in TIMING_KEYS} == {
+            k: v for k, v in b.items() if k not in TIMING_KEYS
+        }
 
 
 def _sync(rank: int, world: int, cfg: RLJobConfig) -> dict[str, torch.Tensor] | None:
@@ -134,7 +136,10 @@ def test_weight_sync_is_bitwise_disjoint_and_colocated(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     initial = AutoModelForCausalLM.from_pretrained(model).state_dict()
-    for trainer_sd, engines in ((disjoint[0]["trainer"], [disjoint[2], disjoint[3]]), (colocated[0]["trainer"], colocated)):
+    for trainer_sd, engines in (
+        (disjoint[0]["trainer"], [disjoint[2], disjoint[3]]),
+        (colocated[0]["trainer"], colocated),
+    ):
         assert not torch.equal(trainer_sd["model.norm.weight"], initial["model.norm.weight"])  # the step changed it
         for e in engines:
             eng = e["engine"]

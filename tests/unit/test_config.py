@@ -47,7 +47,9 @@ def test_unknown_section(tmp_path: Path) -> None:
 def test_wrong_type_and_bad_choice(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"'trainer.max_steps' = 'ten' has the wrong type; expected int"):
         load_toml(SFTJobConfig, _toml(tmp_path, '[trainer]\nmax_steps = "ten"\n'))
-    with pytest.raises(ValueError, match=r"'optim.schedule' = 'linear' is not allowed; allowed values: \('constant', 'cosine'\)"):
+    with pytest.raises(
+        ValueError, match=r"'optim.schedule' = 'linear' is not allowed; allowed values: \('constant', 'cosine'\)"
+    ):
         load_toml(SFTJobConfig, _toml(tmp_path, '[optim]\nschedule = "linear"\n'))
 
 
@@ -96,7 +98,11 @@ def test_dry_run_prints_resolved_config(capsys) -> None:
 
 def test_help_lists_every_flag_with_docstring() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "prime_spmd", "sft", "--help"], capture_output=True, text=True, env={"COLUMNS": "400", "PATH": ""}, cwd=ROOT
+        [sys.executable, "-m", "prime_spmd", "sft", "--help"],
+        capture_output=True,
+        text=True,
+        env={"COLUMNS": "400", "PATH": ""},
+        cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr
     text = " ".join(out.stdout.split())
@@ -117,4 +123,8 @@ def test_help_lists_every_flag_with_docstring() -> None:
 
 def test_rl_config_cross_section_rule() -> None:
     with pytest.raises(ValueError, match="max_model_len=10 is shorter than --trainer.seq_len=64"):
-        parse_cli(RLJobConfig, ["--inference.max_model_len", "10", "--trainer.seq_len", "64", "--trainer.micro_batch_tokens", "64"], "x")
+        parse_cli(
+            RLJobConfig,
+            ["--inference.max_model_len", "10", "--trainer.seq_len", "64", "--trainer.micro_batch_tokens", "64"],
+            "x",
+        )

@@ -201,7 +201,9 @@ def test_load_weights_keeps_rope_buffers_in_place(tmp_path) -> None:
     from prime_spmd.models.tiny import build_char_tokenizer, build_tiny_model
 
     path = build_tiny_model(tmp_path / "m", "qwen3-nano", initializer_range=0.3)
-    engine = NativeEngine(AutoModelForCausalLM.from_pretrained(path), build_char_tokenizer(), max_batch_size=2, max_model_len=32)
+    engine = NativeEngine(
+        AutoModelForCausalLM.from_pretrained(path), build_char_tokenizer(), max_batch_size=2, max_model_len=32
+    )
     cos, sin = engine.runner.cos_LD, engine.runner.sin_LD
     ptrs = (cos.data_ptr(), sin.data_ptr())
     before = cos.clone()

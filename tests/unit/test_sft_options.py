@@ -42,7 +42,10 @@ def test_activation_checkpointing_and_file_datasets(tmp_path: Path) -> None:
 
     rows = [{"prompt": f"say {w}", "completion": w} for w in ("apple", "kiwi", "plum", "fig", "lime", "pear")]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
-    chat = [{"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["completion"]}]} for r in rows]
+    chat = [
+        {"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["completion"]}]}
+        for r in rows
+    ]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat))
     run_sft(_cfg(tmp_path, "pq", model, data=DataConfig(source="parquet", path=str(tmp_path / "d.parquet"))))
     run_sft(_cfg(tmp_path, "jl", model, data=DataConfig(source="jsonl", path=str(tmp_path / "d.jsonl"))))
