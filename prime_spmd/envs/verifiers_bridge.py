@@ -147,6 +147,7 @@ class VerifiersEnvironment(Environment):
             vf_env.timeout_seconds = rollout_timeout_s
         self._splits: dict[str, Any] = {}
         self._rows: dict[tuple[str, int], dict[str, Any]] = {}
+        self._renderer: ChatRenderer | None = None
 
     def _split(self, split: Literal["train", "eval"]) -> Any:
         if split not in self._splits:
@@ -193,7 +194,8 @@ class VerifiersEnvironment(Environment):
     ) -> list[list[Rollout]]:
         """``run_groups`` inside a running event loop; every group runs concurrently."""
         aengine = AsyncEngine(engine)
-        client = EngineClient(aengine, base=sampling, check_rerender=self.check_rerender)
+        client = EngineClient(aengine, base=sampling, check_rerender=self.check_rerender, renderer=self._renderer)
+        self._renderer = client.renderer  # reused by the next call: its prompt cache stays warm
         tasks = [
             self._run_group(client, split, eid, [self._input(split, eid, k, seed) for k in range(group_size)])
             for eid in example_ids

@@ -206,12 +206,16 @@ class EngineClient(vf.Client):
         base: SamplingParams | None = None,
         check_rerender: bool = True,
         tool_parser: Any = None,
+        renderer: ChatRenderer | None = None,
     ) -> None:
         super().__init__(engine)
         self.engine = engine
         self.base = base or SamplingParams()
         self.check_rerender = check_rerender
-        self.renderer = ChatRenderer(engine.engine.tokenizer)
+        # A renderer kept across calls (same tokenizer) keeps its prompt cache warm.
+        if renderer is None or renderer.tokenizer is not engine.engine.tokenizer:
+            renderer = ChatRenderer(engine.engine.tokenizer)
+        self.renderer = renderer
         self.tokenizer = engine.engine.tokenizer
         self.tool_parser = tool_parser or parse_hermes_tool_calls
         self.max_model_len: int | None = getattr(engine.engine, "max_model_len", None)

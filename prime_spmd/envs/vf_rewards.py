@@ -4,9 +4,9 @@ verifiers' ``Rubric`` already turns a raising reward function into 0.0 (with a l
 does not count it anywhere and it has no timeout: one hanging reward function stalls the whole
 group, and with it the RL step. ``guard_rubric`` wraps every reward function and metric of a
 rubric (recursively through ``RubricGroup``) so that each call
-- runs under a timeout: coroutine functions via ``asyncio.wait_for``; plain functions in a daemon
-  thread (a hung one is abandoned: the thread leaks until the function returns, and being a daemon
-  it never blocks interpreter exit);
+- runs under a timeout: coroutine functions via ``asyncio.wait_for``; plain functions on a pool of
+  reused daemon worker threads (a hung one is abandoned: its thread leaks until the function
+  returns, a new worker takes later calls, and being a daemon it never blocks interpreter exit);
 - on an exception, a timeout, or a garbage result (not a finite float, or a group function's list
   of the wrong length) counts ``reward_errors`` / ``reward_timeouts`` in the rollout's
   ``state["ps_bridge"]`` and returns 0.0. The bridge then gives the whole rollout reward 0.
@@ -22,6 +22,8 @@ import asyncio
 import inspect
 import logging
 import math
+import os
+import queue
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -104,23 +106,62 @@ async def _call(func: Callable, kwargs: dict, timeout_s: float | None) -> Any:
 
 
 def _in_daemon_thread(func: Callable, kwargs: dict) -> asyncio.Future:
-    """Run ``func(**kwargs)`` in a daemon thread; the future resolves in the calling loop."""
+    """Run ``func(**kwargs)`` on a daemon worker thread; the future resolves in the calling loop."""
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
-
-    def settle(ok: bool, value: Any) -> None:
-        if not fut.done():
-            fut.set_result(value) if ok else fut.set_exception(value)
-
-    def run() -> None:
-        try:
-            out = (True, func(**kwargs))
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
-            out = (False, e)
-        try:
-            loop.call_soon_threadsafe(settle, *out)
-        except RuntimeError:  # the loop has closed: the call timed out and nobody awaits it
-            pass
-
-    threading.Thread(target=run, name="ps-reward-fn", daemon=True).start()
+    _WORKERS.submit(func, kwargs, loop, fut)
     return fut
+
+
+class _DaemonWorkers:
+    """Daemon threads reused across reward calls: a new one starts only when none is idle.
+
+    Starting a thread per call cost ~1 ms of the event loop's time (``Thread.start`` blocks until the
+    thread runs, which on a busy machine waits for the GIL); reusing idle workers removes it. A hung
+    function keeps its worker busy forever (that thread leaks, as before); it is never counted idle,
+    so later calls never queue behind it. Invariant: every queued call is matched by one worker that
+    will ``get`` it, either a worker that counted itself idle or one started for it.
+    """
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        # Also after fork: the child has none of the parent's threads, so none of them is idle.
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+
+    def submit(self, func: Callable, kwargs: dict, loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> None:
+        with self._lock:
+            spawn = self._idle == 0
+            if not spawn:
+                self._idle -= 1
+        self._queue.put((func, kwargs, loop, fut))
+        if spawn:
+            threading.Thread(target=self._work, name="ps-reward-fn", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            func, kwargs, loop, fut = self._queue.get()
+            try:
+                out = (True, func(**kwargs))
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+                out = (False, e)
+            # Idle before the result wakes the loop: a call made right after reuses this worker.
+            with self._lock:
+                self._idle += 1
+            try:
+                loop.call_soon_threadsafe(_settle, fut, *out)
+            except RuntimeError:  # the loop has closed: the call timed out and nobody awaits it
+                pass
+            del func, kwargs, loop, fut, out  # an idle worker holds no references
+
+
+def _settle(fut: asyncio.Future, ok: bool, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value) if ok else fut.set_exception(value)
+
+
+_WORKERS = _DaemonWorkers()
+os.register_at_fork(after_in_child=_WORKERS._reset)
