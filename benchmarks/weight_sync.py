@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from prime_spmd.config.sections import TopologyConfig  # noqa: E402
 from prime_spmd.distributed.groups import init_distributed  # noqa: E402
 from prime_spmd.distributed.topology import CONTROLLER_RANK  # noqa: E402
+from prime_spmd.models.qwen3 import FLAVORS  # noqa: E402
 
 # name -> Qwen3 config fields (HF names)
 SHAPES: dict[str, dict] = {
@@ -54,26 +55,8 @@ SHAPES: dict[str, dict] = {
         head_dim=32,
         tie_word_embeddings=True,
     ),
-    "qwen3-0.6b": dict(
-        vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=True,
-    ),
-    "qwen3-8b": dict(
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=False,
-    ),
+    # the real shapes: one source of truth with the other benchmarks (model_type is not a config field)
+    **{name: {k: v for k, v in FLAVORS[name].items() if k != "model_type"} for name in ("qwen3-0.6b", "qwen3-8b")},
 }
 
 

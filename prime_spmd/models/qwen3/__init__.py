@@ -33,6 +33,18 @@ FLAVORS: dict[str, dict] = {
         tie_word_embeddings=True,
         rope_theta=1e6,
     ),
+    "qwen3-8b": dict(
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,
+        rope_theta=1e6,
+    ),
     "qwen3-30b-a3b": _QWEN3_30B_A3B,
     # Qwen3-30B-A3B layer shapes with 8 layers: fits one GPU with full-parameter AdamW.
     "qwen3-moe-8l": {**_QWEN3_30B_A3B, "num_hidden_layers": 8},
