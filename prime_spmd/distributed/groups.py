@@ -53,6 +53,18 @@ class Bridge:
             self.pg = dist.ProcessGroupGloo(prefixed, me, size, timeout)
         self._pending: list[tuple[Any, list[torch.Tensor]]] = []
 
+    def _wait(self, work: Any, op: str, peer: int | None) -> None:
+        """Wait for a bridge op; a failure names the bridge, the op and the peer (a hang on a bridge
+        otherwise shows only gloo's "Timed out waiting ...", with no rank in it)."""
+        try:
+            work.wait()
+        except RuntimeError as e:
+            who = f"peer rank {peer}" if peer is not None else f"ranks {self.members}"
+            raise RuntimeError(
+                f"bridge {self.name!r} on rank {self.rank}: {op} with {who} failed (a peer died, or did not "
+                "answer within --topology.timeout_s)"
+            ) from e
+
     def _idx(self, global_rank: int) -> int:
         if global_rank not in self.members:
             raise AssertionError(f"rank {global_rank} is not in bridge {self.name} {self.members}")
@@ -63,7 +75,7 @@ class Bridge:
         opts = dist.BroadcastOptions()
         opts.rootRank = self._idx(src)
         opts.rootTensor = 0
-        self.pg.broadcast([tensor], opts).wait()
+        self._wait(self.pg.broadcast([tensor], opts), f"broadcast from rank {src}", None)
 
     def isend(self, tensor: torch.Tensor, dst: int) -> None:
         """Asynchronous send; the tensor is kept alive until ``wait_sends``."""
@@ -71,7 +83,7 @@ class Bridge:
         self._pending.append((work, [tensor]))
 
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        self.pg.recv([tensor], self._idx(src), 0).wait()
+        self._wait(self.pg.recv([tensor], self._idx(src), 0), "recv", src)
         return tensor
 
     def isend_object(self, obj: Any, dst: int) -> None:
@@ -101,7 +113,7 @@ class Bridge:
 
     def wait_sends(self) -> None:
         for work, _ in self._pending:
-            work.wait()
+            self._wait(work, "send", None)
         self._pending.clear()
 
     def close(self) -> None:
