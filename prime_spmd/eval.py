@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from prime_spmd.config import EvalJobConfig, to_json
+from prime_spmd.config import EvalJobConfig, to_json, write_resolved_config
 from prime_spmd.envs.base import Environment
 from prime_spmd.envs.loader import load_environment
 from prime_spmd.inference.engine import SamplingParams, render_chat_ids
@@ -58,8 +58,7 @@ def _model_len(cfg: EvalJobConfig, env: Environment, tokenizer, num_examples: in
 def run_eval(cfg: EvalJobConfig) -> dict[str, float]:
     """Run the eval split end to end on this process; return the summary (also written to summary.json)."""
     out_dir = Path(cfg.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.json").write_text(to_json(cfg) + "\n")
+    write_resolved_config(cfg, out_dir)
     logger.info(f"eval config:\n{to_json(cfg)}")
     maybe_build_tiny(cfg.model, cfg.seed)
     env = load_environment(cfg.env)

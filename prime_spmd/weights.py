@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from prime_spmd.distributed.fsdp import unwrapped_name
 from prime_spmd.distributed.groups import Bridge
 from prime_spmd.distributed.topology import CONTROLLER_RANK
 from prime_spmd.inference.engine import InferenceEngine
@@ -41,7 +42,7 @@ class WeightSpec:
 
 def hf_named_parameters(lm: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """The LM's parameters under their HF names (tied weights once; wrapper prefixes removed)."""
-    return [(n.replace("._checkpoint_wrapped_module", ""), p) for n, p in lm.named_parameters()]
+    return [(unwrapped_name(n), p) for n, p in lm.named_parameters()]
 
 
 def build_spec(lm: nn.Module, wire_dtype: torch.dtype) -> WeightSpec:

@@ -131,3 +131,11 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 def to_json(cfg: Any) -> str:
     return json.dumps(to_dict(cfg), indent=2, sort_keys=False)
+
+
+def write_resolved_config(cfg: Any, output_dir: str | Path) -> Path:
+    """Write the resolved config as ``<output_dir>/config.json`` (call on one rank); return the path."""
+    path = Path(output_dir) / "config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(to_json(cfg) + "\n")
+    return path

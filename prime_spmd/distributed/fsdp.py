@@ -69,6 +69,14 @@ def parallelize(
     )
 
 
+_AC_WRAPPER = "._checkpoint_wrapped_module"
+
+
+def unwrapped_name(name: str) -> str:
+    """A parameter name without the activation-checkpoint wrapper's segment (the model's own/HF name)."""
+    return name.replace(_AC_WRAPPER, "")
+
+
 def apply_activation_checkpointing(blocks: list[nn.Module], parent_lists: list[nn.ModuleList]) -> None:
     """Wrap every transformer block so its activations are recomputed in the backward."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper

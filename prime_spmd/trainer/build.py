@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from prime_spmd.config.sections import ModelConfig, OptimConfig, TrainerConfig
-from prime_spmd.distributed.fsdp import parallelize
+from prime_spmd.distributed.fsdp import parallelize, unwrapped_name
 from prime_spmd.distributed.groups import DistContext
 from prime_spmd.distributed.mesh import build_trainer_mesh
 from prime_spmd.models.loading import load_model, load_tokenizer, maybe_build_tiny, resolve_dtype
@@ -89,5 +89,5 @@ def strip_prefix(state_dict: dict[str, torch.Tensor], prefix: str = "lm.") -> di
     for k, v in state_dict.items():
         if k.startswith(prefix):
             k = k[len(prefix) :]
-        out[k.replace("._checkpoint_wrapped_module", "")] = v
+        out[unwrapped_name(k)] = v
     return out

@@ -71,10 +71,7 @@ class Checkpointer:
 
     def complete(self) -> list[Path]:
         """Complete checkpoints, oldest first."""
-        if not self.root.is_dir():
-            return []
-        dirs = [p for p in self.root.iterdir() if p.is_dir() and p.name.startswith("step_") and p.suffix != ".tmp"]
-        return sorted((p for p in dirs if (p / "state.json").is_file()), key=lambda p: int(p.name[5:]))
+        return complete_checkpoints(self.root.parent)
 
     def latest(self) -> Path | None:
         return latest_checkpoint(self.root.parent)
@@ -136,13 +133,19 @@ def _test_pause_before_rename(tmp: Path) -> None:
         time.sleep(pause_s)
 
 
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint of a run directory (any rank may call it; no collectives)."""
+def complete_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints of a run directory, oldest first (any rank may call it; no collectives)."""
     root = Path(output_dir) / "checkpoints"
     if not root.is_dir():
-        return None
+        return []
     done = [p for p in root.glob("step_*") if p.is_dir() and p.suffix != ".tmp" and (p / "state.json").is_file()]
-    return max(done, key=lambda p: int(p.name[5:]), default=None)
+    return sorted(done, key=lambda p: int(p.name[5:]))
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint of a run directory (any rank may call it; no collectives)."""
+    done = complete_checkpoints(output_dir)
+    return done[-1] if done else None
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

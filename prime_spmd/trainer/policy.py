@@ -44,17 +44,6 @@ def forward_hidden(lm: nn.Module, input_ids_BT: torch.Tensor, position_ids_BT: t
     return out.last_hidden_state
 
 
-def reference_logprobs(
-    hidden_NH: torch.Tensor, weight_VH: torch.Tensor, targets_N: torch.Tensor, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """log softmax(h W^T / T)[target] and the entropy, fp32, materializing [N, V] logits."""
-    logits_NV = (hidden_NH.float() @ weight_VH.float().t()) / temperature
-    logp_NV = torch.log_softmax(logits_NV, dim=-1)
-    lp_N = logp_NV.gather(-1, targets_N.unsqueeze(-1)).squeeze(-1)
-    ent_N = -(logp_NV.exp() * logp_NV).sum(-1)
-    return lp_N, ent_N
-
-
 class PolicyModel(nn.Module):
     """``forward(input_ids [1, L], position_ids [1, L], targets [L], temperature, loss)`` ->
     (loss summed over tokens, logprob [L], entropy [L]); logprob/entropy fp32 and detached.
@@ -82,14 +71,10 @@ class PolicyModel(nn.Module):
         """Differentiable per-token (logprob, entropy) [L] fp32 (impls reference/chunked/triton)."""
         hidden_BTH = forward_hidden(self.lm, input_ids_BT, position_ids_BT)
         hidden_NH = hidden_BTH.reshape(-1, hidden_BTH.shape[-1])
-        weight_VH = lm_head_weight(self.lm)
-        if self.loss_impl == "reference":
-            return reference_logprobs(hidden_NH, weight_VH, targets_N, temperature)
         from kernels.lm_logprob.op import lm_head_logprobs
 
         impl = "triton" if self.loss_impl == "fused" else self.loss_impl
-        lp, ent = lm_head_logprobs(hidden_NH, weight_VH, targets_N, temperature=temperature, impl=impl)
-        return lp, ent
+        return lm_head_logprobs(hidden_NH, lm_head_weight(self.lm), targets_N, temperature=temperature, impl=impl)
 
     def forward(
         self,

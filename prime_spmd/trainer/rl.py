@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from prime_spmd.config import RLJobConfig, to_json
+from prime_spmd.config import RLJobConfig, to_json, write_resolved_config
 from prime_spmd.distributed.groups import DistContext, init_distributed
 from prime_spmd.distributed.topology import CONTROLLER_RANK
 from prime_spmd.envs.base import Environment
@@ -387,8 +387,7 @@ def _run_rl(cfg: RLJobConfig, stop: StopSignal) -> dict[str, float]:
     topo = ctx.topo
     out = Path(cfg.output_dir)
     if topo.rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(to_json(cfg))
+        write_resolved_config(cfg, out)
     prepare_model_dir(cfg.model, ctx, cfg.trainer.seed)
     env = load_environment(cfg.env)
     engine = None

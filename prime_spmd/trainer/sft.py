@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from prime_spmd.config import SFTJobConfig, to_json
+from prime_spmd.config import SFTJobConfig, to_json, write_resolved_config
 from prime_spmd.data.sft import SFTDataset
 from prime_spmd.distributed.groups import init_distributed
 from prime_spmd.log import logger
@@ -42,11 +42,6 @@ class SFTLoss(TokenLoss):
 sft_loss = SFTLoss()
 
 
-def write_resolved_config(cfg, output_dir: Path) -> None:
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "config.json").write_text(to_json(cfg))
-
-
 def run_sft(cfg: SFTJobConfig) -> dict[str, float]:
     """Run SFT on every rank of the job; returns the final metrics (rank 0's view).
 
@@ -62,8 +57,7 @@ def _run_sft(cfg: SFTJobConfig, stop: StopSignal) -> dict[str, float]:
     topo = ctx.topo
     out = Path(cfg.output_dir)
     if topo.rank == 0:
-        write_resolved_config(cfg, out)
-        logger.info(f"resolved config written to {out / 'config.json'}")
+        logger.info(f"resolved config written to {write_resolved_config(cfg, out)}")
     prepare_model_dir(cfg.model, ctx, cfg.trainer.seed)
     parts = build_trainer(cfg.model, cfg.trainer, cfg.optim, ctx)
     data = SFTDataset(cfg.data, parts.tokenizer, cfg.trainer.seed, cfg.trainer.seq_len)

@@ -53,7 +53,9 @@ def test_sft_then_rl_improves_reverse_text(tmp_path: Path) -> None:
     )
     # Measured 2026-12-02 (60 steps, lr 1e-4, max_async 1): training reward 0.869 -> 0.895 (+0.026);
     # eval reward on the same 64 prompts x 4 seeded samples 0.874 -> 0.909 (+0.036), pass@1 0.50 -> 0.55;
-    # mismatch KL median 1.8e-4 (max 4.1e-3 on single lag-1 steps).
+    # mismatch KL median 1.8e-4 (max 4.1e-3 on single lag-1 steps). After the trainer's reference
+    # logprobs moved to kernels/lm_logprob/reference.py (rounding-level change): training reward
+    # 0.860 -> 0.892, eval 0.865 -> 0.903, KL median 1.6e-4.
     assert last - first >= 0.005, (first, last)
     assert after["reward_mean"] - before["reward_mean"] >= 0.015, (before, after)
     assert statistics.median(kl) < 1e-3, kl
