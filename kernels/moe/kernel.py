@@ -31,6 +31,7 @@ import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_M = 32 if INTERPRET else 128  # rows per tile: fixed (the tile table depends on it), not autotuned
+GROUP_M = 8  # row tiles per program group in the row kernels' launch order (L2 reuse)
 
 
 def _configs(bn: tuple[int, ...], bk: tuple[int, ...], warps: tuple[int, ...], stages: tuple[int, ...]):
@@ -75,14 +76,27 @@ def tile_schedule(offs_E: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, to
     return e.int(), row0.int(), row1.int(), num_tiles
 
 
-@triton.autotune(configs=ROW_CONFIGS, key=["N", "K"])
+@triton.jit
+def _tile_ids(num_tiles, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """1-D program id -> (row tile, column block), GROUP_M row tiles at a time so that the programs
+    running together share A rows and B columns in L2 (grouped ordering)."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(num_tiles - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
+
+
+@triton.autotune(configs=ROW_CONFIGS, key=["N", "K", "BLOCK_M"])
 @triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, h_ptr, gu_ptr, tok_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr,
-    N, K, stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_gm,
-    STORE_GU: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    num_tiles, N, K, stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_gm,
+    STORE_GU: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    pid_m, pid_n = _tile_ids(num_tiles, N, BLOCK_N, GROUP_M)
     r0, r1 = tl.load(tile_r0_ptr + pid_m), tl.load(tile_r1_ptr + pid_m)
     if r0 >= r1:
         return
@@ -116,15 +130,15 @@ def _gate_up_kernel(
         tl.store(gptr + N, acc_u.to(gu_ptr.dtype.element_ty), mask=omask)
 
 
-@triton.autotune(configs=ROW_CONFIGS, key=["N", "K", "A_GATHER", "OUT_SCATTER"])
+@triton.autotune(configs=ROW_CONFIGS, key=["N", "K", "A_GATHER", "OUT_SCATTER", "BLOCK_M"])
 @triton.jit
 def _grouped_gemm_kernel(
     a_ptr, b_ptr, out_ptr, a_idx_ptr, out_idx_ptr, scale_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr,
-    N, K, stride_am, stride_be, stride_bn, stride_bk, stride_om,
+    num_tiles, N, K, stride_am, stride_be, stride_bn, stride_bk, stride_om,
     A_GATHER: tl.constexpr, OUT_SCATTER: tl.constexpr, HAS_SCALE: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    pid_m, pid_n = _tile_ids(num_tiles, N, BLOCK_N, GROUP_M)
     r0, r1 = tl.load(tile_r0_ptr + pid_m), tl.load(tile_r1_ptr + pid_m)
     if r0 >= r1:
         return
@@ -161,6 +175,56 @@ def _grouped_gemm_kernel(
     tl.store(out_ptr + orow[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=omask)
 
 
+@triton.autotune(
+    configs=ROW_CONFIGS, key=["N", "K", "BLOCK_M"], reset_to_zero=["dwp_ptr"]
+)  # configs write different dwp columns
+@triton.jit
+def _dz_swiglu_bwd_kernel(
+    dout_ptr, w2_ptr, gu_ptr, scale_ptr, tok_ptr, dgu_ptr, dwp_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr,
+    num_tiles, N, K, stride_dm, stride_we, stride_wn, stride_wk, stride_gm, stride_pm,
+    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """dz = dout[tok] @ W2[e] (N = I columns), then in the epilogue the SwiGLU backward from the stored
+    gate|up pre-activations: d(gate|up) = scale * dz * dSwiGLU, and this column block's share of the
+    router-weight grad, rowsum(h * dz), written to dwp[row, pid_n] (summed by the launcher)."""
+    pid_m, pid_n = _tile_ids(num_tiles, N, BLOCK_N, GROUP_M)
+    r0, r1 = tl.load(tile_r0_ptr + pid_m), tl.load(tile_r1_ptr + pid_m)
+    if r0 >= r1:
+        return
+    e = tl.load(tile_e_ptr + pid_m).to(tl.int64)
+    rows = r0 + tl.arange(0, BLOCK_M)
+    rmask = rows < r1
+    tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_base = w2_ptr + e * stride_we
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < K
+        a = tl.load(dout_ptr + tok[:, None] * stride_dm + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(
+            w_base + ks[:, None] * stride_wk + cols[None, :] * stride_wn,
+            mask=kmask[:, None] & cmask[None, :],
+            other=0.0,
+        )
+        if UPCAST:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+    rows64 = rows.to(tl.int64)
+    omask = rmask[:, None] & cmask[None, :]
+    gptr = gu_ptr + rows64[:, None] * stride_gm + cols[None, :]
+    g = tl.load(gptr, mask=omask, other=0.0).to(tl.float32)
+    u = tl.load(gptr + N, mask=omask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    silu = g * sig
+    tl.store(dwp_ptr + rows64 * stride_pm + pid_n, tl.sum(silu * u * acc, axis=1), mask=rmask)
+    dh = acc * tl.load(scale_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
+    dptr = dgu_ptr + rows64[:, None] * stride_gm + cols[None, :]
+    tl.store(dptr, (dh * u * (sig + silu * (1.0 - sig))).to(dgu_ptr.dtype.element_ty), mask=omask)
+    tl.store(dptr + N, (dh * silu).to(dgu_ptr.dtype.element_ty), mask=omask)
+
+
 @triton.autotune(configs=WGRAD_CONFIGS, key=["MW", "N", "A_GATHER", "B_GATHER"])
 @triton.jit
 def _grouped_wgrad_kernel(
@@ -170,7 +234,9 @@ def _grouped_wgrad_kernel(
     BLOCK_MW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """out[e, i, j] = sum over expert e's rows r of scale[r] * A[ia(r), i] * B[ib(r), j]."""
-    e, pid_m, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid, e = tl.program_id(0), tl.program_id(1)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = pid // num_n, pid % num_n
     r1 = tl.load(offs_ptr + e)
     r0 = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
     ms = pid_m * BLOCK_MW + tl.arange(0, BLOCK_MW)
@@ -214,11 +280,11 @@ def gate_up_swiglu(
     h = x_TD.new_empty(M, inter)
     gu = x_TD.new_empty(M if store_gu else 0, F)
     assert x_TD.stride(1) == 1 and w13_EFD.stride(2) == 1
-    grid = lambda meta: (num_tiles, triton.cdiv(inter, meta["BLOCK_N"]))  # noqa: E731
+    grid = lambda meta: (num_tiles * triton.cdiv(inter, meta["BLOCK_N"]),)  # noqa: E731
     _gate_up_kernel[grid](
         x_TD, w13_EFD, h, gu, tok_M, tile_e, r0, r1,
-        inter, D, x_TD.stride(0), w13_EFD.stride(0), w13_EFD.stride(1), w13_EFD.stride(2), h.stride(0), F,
-        STORE_GU=store_gu, UPCAST=_upcast(x_TD), BLOCK_M=BLOCK_M,
+        num_tiles, inter, D, x_TD.stride(0), w13_EFD.stride(0), w13_EFD.stride(1), w13_EFD.stride(2), h.stride(0), F,
+        STORE_GU=store_gu, UPCAST=_upcast(x_TD), BLOCK_M=BLOCK_M, GROUP_M=GROUP_M,
     )  # fmt: skip
     return h, gu
 
@@ -238,15 +304,37 @@ def grouped_gemm(
     assert a.stride(1) == 1
     out = a.new_empty(num_out_rows, N)
     dummy = tile_e
-    grid = lambda meta: (num_tiles, triton.cdiv(N, meta["BLOCK_N"]))  # noqa: E731
+    grid = lambda meta: (num_tiles * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
     _grouped_gemm_kernel[grid](
         a, b_ENK, out, dummy if a_idx is None else a_idx, dummy if out_idx is None else out_idx,
         dummy if scale is None else scale, tile_e, r0, r1,
-        N, K, a.stride(0), b_ENK.stride(0), b_ENK.stride(1), b_ENK.stride(2), out.stride(0),
+        num_tiles, N, K, a.stride(0), b_ENK.stride(0), b_ENK.stride(1), b_ENK.stride(2), out.stride(0),
         A_GATHER=a_idx is not None, OUT_SCATTER=out_idx is not None, HAS_SCALE=scale is not None,
-        UPCAST=_upcast(a), BLOCK_M=BLOCK_M,
+        UPCAST=_upcast(a), BLOCK_M=BLOCK_M, GROUP_M=GROUP_M,
     )  # fmt: skip
     return out
+
+
+def dz_swiglu_bwd(
+    dout_TD: torch.Tensor, tok_M: torch.Tensor, w2_EDI: torch.Tensor, gu_MF: torch.Tensor, scale_M: torch.Tensor, sched
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """d(gate|up) [M, 2I] (x's dtype) and the router-weight grad per sorted row [M] (fp32) from dout [T, D]."""
+    tile_e, r0, r1, num_tiles = sched
+    M, F = gu_MF.shape
+    inter = F // 2
+    assert dout_TD.stride(1) == 1 and gu_MF.stride(1) == 1
+    dgu = torch.empty_like(gu_MF)
+    min_bn = min(c.kwargs["BLOCK_N"] for c in ROW_CONFIGS)
+    dwp = torch.zeros(M, triton.cdiv(inter, min_bn), device=gu_MF.device, dtype=torch.float32)
+    w2 = w2_EDI.transpose(1, 2)  # [E, N=I, K=D] view
+    grid = lambda meta: (num_tiles * triton.cdiv(inter, meta["BLOCK_N"]),)  # noqa: E731
+    _dz_swiglu_bwd_kernel[grid](
+        dout_TD, w2, gu_MF, scale_M, tok_M, dgu, dwp, tile_e, r0, r1,
+        num_tiles, inter, dout_TD.shape[1], dout_TD.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
+        gu_MF.stride(0), dwp.stride(0),
+        UPCAST=_upcast(dout_TD), BLOCK_M=BLOCK_M, GROUP_M=GROUP_M,
+    )  # fmt: skip
+    return dgu, dwp.sum(1)
 
 
 def grouped_wgrad(
@@ -262,7 +350,7 @@ def grouped_wgrad(
     assert a.stride(1) == 1 and b.stride(1) == 1
     out = a.new_empty(E, MW, N)
     dummy = offs_E
-    grid = lambda meta: (E, triton.cdiv(MW, meta["BLOCK_MW"]), triton.cdiv(N, meta["BLOCK_N"]))  # noqa: E731
+    grid = lambda meta: (triton.cdiv(MW, meta["BLOCK_MW"]) * triton.cdiv(N, meta["BLOCK_N"]), E)  # noqa: E731
     _grouped_wgrad_kernel[grid](
         a, b, out, dummy if a_idx is None else a_idx, dummy if b_idx is None else b_idx,
         dummy if scale is None else scale, offs_E,

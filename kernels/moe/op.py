@@ -128,15 +128,10 @@ def moe_experts_bwd(
     dout_TD, x_TD = dout_TD.contiguous().to(x_TD.dtype), x_TD.contiguous()
     w13_EFD, w2_EDI = w13_EFD.contiguous(), w2_EDI.contiguous()
     scale_M = weights_TK.flatten()[perm_M].contiguous()
-    # dz_un[r] = dout[tok r] @ W2[e]: W2 [E, D, I] read as [E, N=I, K=D]
-    dz_MI = kernel.grouped_gemm(dout_TD, w2_EDI.transpose(1, 2), sched, M, a_idx=tok_M)
-    dz32, h32 = dz_MI.float(), h_MI.float()
+    # dz_un[r] = dout[tok r] @ W2[e] with the SwiGLU backward and rowsum(h * dz_un) in its epilogue
+    dgu_MF, dw_M = kernel.dz_swiglu_bwd(dout_TD, tok_M, w2_EDI, gu_MF, scale_M, sched)
     dweights = torch.empty(M, dtype=weights_TK.dtype, device=x_TD.device)
-    dweights[perm_M] = (dz32 * h32).sum(-1).to(weights_TK.dtype)
-    g, u = gu_MF.float().chunk(2, dim=-1)
-    sig = torch.sigmoid(g)
-    dh = dz32 * scale_M.float()[:, None]
-    dgu_MF = torch.cat([dh * u * sig * (1 + g * (1 - sig)), dh * g * sig], dim=-1).to(x_TD.dtype)
+    dweights[perm_M] = dw_M.to(weights_TK.dtype)
     # dx rows: dgu[r] @ W13[e] with W13 [E, 2I, D] read as [E, N=D, K=2I], scattered to (token, slot)
     dx_TD = kernel.grouped_gemm(dgu_MF, w13_EFD.transpose(1, 2), sched, M, out_idx=perm_M).view(T, K, -1).sum(1)
     dw2 = kernel.grouped_wgrad(dout_TD, h_MI, offs_E, a_idx=tok_M, scale=scale_M)
