@@ -65,11 +65,24 @@ class GroupedExperts(nn.Module):
         return moe_experts(x_TD, ids_TK, weights_TK, w13_EFD, w2_EDI, impl=self.impl)
 
 
-class MoEBlock(nn.Module):
-    """Router + experts; keeps the last forward's load-balance loss and per-expert token counts.
+def load_balance_loss(probs_TE: torch.Tensor, ids_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Switch-Transformer load-balance loss E * sum_e f_e * P_e and the per-expert counts [E] (float).
 
-    ``aux_loss`` is the Switch-Transformer loss E * sum_e f_e * P_e (f_e: fraction of the T*K
-    assignments to expert e, P_e: mean router probability), 1.0 at perfect balance.
+    f_e: fraction of the T*K token-slot assignments that went to expert e (no grad), P_e: mean router
+    probability of expert e (fp32, carries the grad to the router). 1.0 at perfect balance, up to E
+    when every token goes to one expert. Unlike transformers' ``load_balancing_loss_func`` it is not
+    multiplied by K and is taken per layer (the model averages layers).
+    """
+    E = probs_TE.shape[-1]
+    with torch.no_grad():
+        counts_E = torch.bincount(ids_TK.flatten(), minlength=E).float()
+    return E * (counts_E / max(ids_TK.numel(), 1) * probs_TE.mean(0)).sum(), counts_E
+
+
+class MoEBlock(nn.Module):
+    """Router + experts; keeps the last forward's load-balance loss (``load_balance_loss``, with grad)
+    and per-expert token counts. The router runs before the experts, so under EP both stay local to
+    the rank (its own tokens, global expert ids).
     """
 
     def __init__(self, dim: int, inter: int, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
@@ -83,9 +96,5 @@ class MoEBlock(nn.Module):
         B, T, D = x_BTD.shape
         x_TD = x_BTD.reshape(-1, D)
         probs_TE, weights_TK, ids_TK = self.gate(x_TD)
-        E = probs_TE.shape[-1]
-        with torch.no_grad():
-            counts_E = torch.bincount(ids_TK.flatten(), minlength=E).float()
-        self.tokens_per_expert = counts_E
-        self.aux_loss = E * (counts_E / ids_TK.numel() * probs_TE.mean(0)).sum()
+        self.aux_loss, self.tokens_per_expert = load_balance_loss(probs_TE, ids_TK)
         return self.experts(x_TD, ids_TK, weights_TK).view(B, T, D)

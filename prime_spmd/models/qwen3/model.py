@@ -197,6 +197,11 @@ class Qwen3ForCausalLM(nn.Module):
         losses = [b.mlp.aux_loss for b in self.model.layers if isinstance(b.mlp, MoEBlock)]
         return torch.stack(losses).mean() if losses else None
 
+    def tokens_per_expert(self) -> torch.Tensor | None:
+        """[MoE layers, E] float token-slot counts per expert of the last forward (None for dense models)."""
+        counts = [b.mlp.tokens_per_expert for b in self.model.layers if isinstance(b.mlp, MoEBlock)]
+        return torch.stack(counts) if counts else None
+
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, return_hidden: bool = False
     ) -> CausalLMOutput:
