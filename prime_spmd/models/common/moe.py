@@ -69,8 +69,8 @@ def load_balance_loss(probs_TE: torch.Tensor, ids_TK: torch.Tensor) -> tuple[tor
     """Switch-Transformer load-balance loss E * sum_e f_e * P_e and the per-expert counts [E] (float).
 
     f_e: fraction of the T*K token-slot assignments that went to expert e (no grad), P_e: mean router
-    probability of expert e (fp32, carries the grad to the router). 1.0 at perfect balance, up to E
-    when every token goes to one expert. Unlike transformers' ``load_balancing_loss_func`` it is not
+    probability of expert e (fp32, carries the grad to the router). 1.0 at perfect balance, up to E / K
+    when every token picks the same K experts. Unlike transformers' ``load_balancing_loss_func`` it is not
     multiplied by K and is taken per layer (the model averages layers).
     """
     E = probs_TE.shape[-1]
