@@ -6,6 +6,7 @@ Each section validates itself in ``__post_init__`` and names the flag to change.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -31,9 +32,18 @@ class ModelConfig:
     """Build a random-init tiny Qwen3 + character tokenizer at --model.path if it has no model yet."""
     trust_remote_code: bool = False
     """Allow model code from the model directory (transformers trust_remote_code)."""
+    router_aux_loss_coef: float | None = None
+    """MoE: weight of the router load-balance loss added to the training loss (None: the HF config's router_aux_loss_coef; 0: off)."""
 
     def __post_init__(self) -> None:
         _check(bool(self.path), "model.path", self.path, "set it to a local model directory or hub id")
+        coef = self.router_aux_loss_coef
+        _check(
+            coef is None or (math.isfinite(coef) and coef >= 0),
+            "model.router_aux_loss_coef",
+            coef,
+            "must be a finite number >= 0 (0 disables the load-balance loss; unset uses the model config's value)",
+        )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -15,7 +15,7 @@ from prime_spmd.distributed.groups import DistContext
 from prime_spmd.distributed.mesh import build_trainer_mesh
 from prime_spmd.models.loading import load_model, load_tokenizer, maybe_build_tiny, resolve_dtype
 from prime_spmd.trainer.optim import build_optimizer, build_scheduler
-from prime_spmd.trainer.policy import PolicyModel, decoder_layer_lists, resolve_loss_impl
+from prime_spmd.trainer.policy import PolicyModel, decoder_layer_lists, resolve_loss_impl, resolve_router_aux_coef
 
 
 @dataclass
@@ -60,7 +60,8 @@ def build_trainer(
     lm = load_model(model_cfg, device, dtype=torch.float32)
     if getattr(lm, "config", None) is not None:
         lm.config.use_cache = False
-    policy = PolicyModel(lm, resolve_loss_impl(trainer_cfg.loss_impl, device))
+    router_aux_coef = resolve_router_aux_coef(model_cfg.router_aux_loss_coef, lm)
+    policy = PolicyModel(lm, resolve_loss_impl(trainer_cfg.loss_impl, device), router_aux_coef)
     mesh = build_trainer_mesh(ctx.topo, device)
     # EP (mesh with an ep axis) -> activation checkpointing -> FSDP2 per block -> root
     parallelize(

@@ -2,15 +2,31 @@
 
 Wrapping the LM keeps the LM-head weight inside the root module's forward, so FSDP2 gathers it
 before the fused logprob computation reads it (calling the decoder directly would bypass the
-root's hooks). Legend: L = packed tokens, H = hidden size, V = vocabulary.
+root's hooks). Legend: L = packed tokens, H = hidden size, V = vocabulary, E = experts.
+
+MoE models: the router load-balance loss (``models/common/moe.py: load_balance_loss``, mean over MoE
+layers) of each micro-batch is added to its loss sum as ``coef * trained_tokens * aux``, i.e. every
+trained token carries its micro-batch's aux value; after the step's division by the global number
+of trained tokens the objective is ``main loss + coef * (token-weighted mean of aux over the step's
+micro-batches)``. Micro-batches without trained tokens (packing's dummies) weigh 0, and the
+objective does not depend on how micro-batches are dealt to ranks. Our model code always has it;
+transformers models only for ``qwen3_moe`` (router logits through ``output_router_logits``).
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import nn
+
+from prime_spmd.log import logger
+from prime_spmd.models.common.moe import load_balance_loss
+
+# transformers MoE types whose router is a softmax top-k over router logits (our load_balance_loss applies)
+HF_ROUTER_AUX_TYPES = ("qwen3_moe",)
 
 
 def decoder_layer_lists(lm: nn.Module) -> list[nn.ModuleList]:
@@ -44,6 +60,76 @@ def forward_hidden(lm: nn.Module, input_ids_BT: torch.Tensor, position_ids_BT: t
     return out.last_hidden_state
 
 
+def num_experts(lm: nn.Module) -> int:
+    """Routed experts per MoE layer (0 for a dense model), for our model code and transformers'."""
+    if hasattr(lm, "args"):
+        return int(getattr(lm.args, "num_experts", 0) or 0)
+    cfg = getattr(lm, "config", None)
+    return int(getattr(cfg, "num_experts", 0) or getattr(cfg, "num_local_experts", 0) or 0)
+
+
+def has_router_aux(lm: nn.Module) -> bool:
+    """Whether the trainer can compute the load-balance loss of ``lm`` (our MoE, or an HF_ROUTER_AUX_TYPES model)."""
+    if num_experts(lm) == 0:
+        return False
+    return hasattr(lm, "args") or getattr(lm.config, "model_type", "") in HF_ROUTER_AUX_TYPES
+
+
+def resolve_router_aux_coef(flag: float | None, lm: nn.Module) -> float:
+    """The load-balance loss coefficient for ``lm``: ``flag`` (--model.router_aux_loss_coef), or the
+    HF config's ``router_aux_loss_coef`` when None; 0.0 for dense models (an explicit flag > 0 there
+    is ignored with a warning). Raises ``ValueError`` for a nonzero flag on an MoE we cannot compute it for."""
+    if flag is not None and not (math.isfinite(flag) and flag >= 0):
+        raise ValueError(f"--model.router_aux_loss_coef={flag!r} is invalid: must be a finite number >= 0")
+    if num_experts(lm) == 0:
+        if flag:
+            logger.warning(f"--model.router_aux_loss_coef={flag} ignored: the model has no MoE layers")
+        return 0.0
+    cfg = lm.args if hasattr(lm, "args") else lm.config
+    coef = float(getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0) if flag is None else float(flag)
+    if coef > 0 and not has_router_aux(lm):
+        kind = getattr(getattr(lm, "config", None), "model_type", type(lm).__name__)
+        if flag is not None:
+            raise ValueError(
+                f"--model.router_aux_loss_coef={flag} is not supported for transformers model type {kind!r} "
+                f"(supported: {', '.join(HF_ROUTER_AUX_TYPES)} and --model.impl custom); set it to 0"
+            )
+        logger.warning(f"router aux loss (config router_aux_loss_coef={coef}) not added for model type {kind!r}")
+        return 0.0
+    return coef
+
+
+@dataclass(slots=True)
+class RouterStats:
+    """MoE routing of one micro-batch, detached: ``aux_loss`` (scalar fp32, mean load-balance loss over
+    MoE layers, 1.0 at perfect balance) and ``tokens_per_expert_LE`` ([MoE layers, E] float counts)."""
+
+    aux_loss: torch.Tensor
+    tokens_per_expert_LE: torch.Tensor
+
+
+def forward_hidden_routed(
+    lm: nn.Module, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(final hidden states [B, T, H], load-balance loss with grad, tokens per expert [layers, E]);
+    the last two are None unless ``has_router_aux(lm)``."""
+    if not has_router_aux(lm):
+        return forward_hidden(lm, input_ids_BT, position_ids_BT), None, None
+    if hasattr(lm, "forward_hidden"):
+        hidden_BTH = lm.forward_hidden(input_ids_BT, position_ids_BT)
+        return hidden_BTH, lm.aux_loss(), lm.tokens_per_expert()
+    decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
+    out = decoder(input_ids=input_ids_BT, position_ids=position_ids_BT, use_cache=False, output_router_logits=True)
+    losses, counts = [], []
+    for logits_TE in out.router_logits:  # one per MoE layer; softmax then top-k, as transformers' router
+        probs_TE = torch.softmax(logits_TE.reshape(-1, logits_TE.shape[-1]), dim=-1, dtype=torch.float)
+        ids_TK = torch.topk(probs_TE, lm.config.num_experts_per_tok, dim=-1).indices
+        aux, counts_E = load_balance_loss(probs_TE, ids_TK)
+        losses.append(aux)
+        counts.append(counts_E)
+    return out.last_hidden_state, torch.stack(losses).mean(), torch.stack(counts)
+
+
 class PolicyModel(nn.Module):
     """``forward(input_ids [1, L], position_ids [1, L], targets [L], temperature, loss)`` ->
     (loss summed over tokens, logprob [L], entropy [L]); logprob/entropy fp32 and detached.
@@ -53,14 +139,23 @@ class PolicyModel(nn.Module):
     ``loss`` is a ``TokenLoss``: a per-token function of (logprob, entropy, per-token fields).
     Computing it here, inside the root module's forward, lets the ``fused`` impl produce the
     gradients during the forward (3 GEMM passes, no [L, V] logits kept).
+
+    MoE: the returned loss sum includes ``router_aux_coef * loss_mask.sum() * aux`` (module
+    docstring); ``last_router`` holds the micro-batch's ``RouterStats`` (None for dense models).
     """
 
     def __init__(
-        self, lm: nn.Module, loss_impl: Literal["reference", "chunked", "triton", "fused"] = "reference"
+        self,
+        lm: nn.Module,
+        loss_impl: Literal["reference", "chunked", "triton", "fused"] = "reference",
+        router_aux_coef: float = 0.0,
     ) -> None:
         super().__init__()
         self.lm = lm
         self.loss_impl = loss_impl
+        assert router_aux_coef == 0 or has_router_aux(lm), "resolve_router_aux_coef decides the coefficient"
+        self.router_aux_coef = router_aux_coef
+        self.last_router: RouterStats | None = None
 
     def blocks(self) -> list[nn.Module]:
         return [b for layers in decoder_layer_lists(self.lm) for b in layers]
@@ -85,17 +180,24 @@ class PolicyModel(nn.Module):
         loss: TokenLoss,
         fields: dict[str, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.loss_impl == "fused":
-            from kernels.lm_logprob.op import fused_lm_head_loss
+        from kernels.lm_logprob.op import fused_lm_head_loss, lm_head_logprobs
 
-            hidden_BTH = forward_hidden(self.lm, input_ids_BT, position_ids_BT)
-            hidden_NH = hidden_BTH.reshape(-1, hidden_BTH.shape[-1])
+        hidden_BTH, aux, counts_LE = forward_hidden_routed(self.lm, input_ids_BT, position_ids_BT)
+        hidden_NH = hidden_BTH.reshape(-1, hidden_BTH.shape[-1])
+        weight_VH = lm_head_weight(self.lm)
+        if self.loss_impl == "fused":
             impl = "triton" if hidden_NH.is_cuda else "torch"
-            return fused_lm_head_loss(
-                hidden_NH, lm_head_weight(self.lm), targets_N, temperature, loss.token_loss, fields, impl=impl
+            loss_sum, lp, ent = fused_lm_head_loss(
+                hidden_NH, weight_VH, targets_N, temperature, loss.token_loss, fields, impl=impl
             )
-        lp, ent = self.logprobs(input_ids_BT, position_ids_BT, targets_N, temperature)
-        return loss.token_loss(lp, ent, fields).sum(), lp.detach(), ent.detach()
+        else:
+            lp, ent = lm_head_logprobs(hidden_NH, weight_VH, targets_N, temperature=temperature, impl=self.loss_impl)
+            loss_sum, lp, ent = loss.token_loss(lp, ent, fields).sum(), lp.detach(), ent.detach()
+        self.last_router = None if aux is None else RouterStats(aux.detach(), counts_LE)
+        if aux is not None and self.router_aux_coef > 0:
+            # inside the FSDP root's forward, so the router grads take the same hooks as the main loss's
+            loss_sum = loss_sum + self.router_aux_coef * fields["loss_mask"].sum() * aux
+        return loss_sum, lp, ent
 
 
 class TokenLoss:

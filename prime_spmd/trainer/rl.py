@@ -44,7 +44,7 @@ from prime_spmd.trainer.build import build_trainer, prepare_model_dir, set_threa
 from prime_spmd.trainer.checkpoint import Checkpointer, full_state_dict, latest_checkpoint, save_hf
 from prime_spmd.trainer.packing import pack
 from prime_spmd.trainer.rl_data import Batch, rollouts_to_samples
-from prime_spmd.trainer.step import train_step
+from prime_spmd.trainer.step import router_metrics, train_step
 from prime_spmd.trainer.stop import SkipGuard, StopSignal
 from prime_spmd.weights import WeightReceiver, WeightSender
 
@@ -328,6 +328,7 @@ class _TrainerLoop:
             "wait_s": wait,
             "step_time_s": step_s,
             "gen_tokens_per_s": bm["generated_tokens"] / step_s,
+            **router_metrics(stats),
         }
         if self.colocated:
             m["gen_time_s"] = gen_s or bm["gen_time_s"]

@@ -24,7 +24,7 @@ from prime_spmd.trainer.build import build_trainer, prepare_model_dir, set_threa
 from prime_spmd.trainer.checkpoint import Checkpointer, full_state_dict, save_hf
 from prime_spmd.trainer.packing import pack
 from prime_spmd.trainer.policy import TokenLoss
-from prime_spmd.trainer.step import train_step
+from prime_spmd.trainer.step import router_metrics, train_step
 from prime_spmd.trainer.stop import SkipGuard, StopSignal
 
 
@@ -110,6 +110,7 @@ def _run_sft(cfg: SFTJobConfig, stop: StopSignal) -> dict[str, float]:
             "bad_rows": float(data.num_bad_rows),
             "step_time_s": dt,
             "train_tokens_per_s": tokens / dt,
+            **router_metrics(stats),
         }
         if sink.should_log(step, last=step == cfg.trainer.max_steps - 1 or stats["stop"] > 0):
             sink.log(step, last, console_keys=["loss", "grad_norm", "lr", "train_tokens_per_s"])

@@ -3,6 +3,11 @@
 The loss is a sum over trained tokens divided by the number of trained tokens in the *global*
 batch (all micro-batches of all trainer ranks), so that 1 rank and N ranks give the same update.
 FSDP2 averages gradients over the trainer ranks, hence the factor ``world_size`` below.
+
+MoE models add the router load-balance loss inside that loss sum, weighted by each micro-batch's
+trained tokens (``trainer/policy.py``), so it is normalized the same way: the step's objective is
+``main + coef * router_aux`` with ``router_aux`` the trained-token-weighted mean over all
+micro-batches of all ranks (reported unscaled as ``router_aux``; ``loss`` is the whole objective).
 """
 
 from __future__ import annotations
@@ -30,6 +35,22 @@ def _all_reduce_sum(values: dict[str, torch.Tensor], device: torch.device) -> di
     return {k: float(v) for k, v in zip(keys, buf.tolist())}
 
 
+def _max_expert_load(counts_LE: torch.Tensor) -> float:
+    """Max over MoE layers of (most-loaded expert's token-slot count / mean count) over every routed
+    token of the step on all trainer ranks: 1.0 is perfect balance, E / K every token on the same K experts.
+    Collective (all-reduce over the trainer role; every trainer rank calls it); no grad."""
+    if dist.is_initialized():
+        dist.all_reduce(counts_LE)
+    return float((counts_LE.amax(dim=1) / counts_LE.mean(dim=1).clamp_min(1e-12)).max())
+
+
+def router_metrics(stats: dict[str, float]) -> dict[str, float]:
+    """The MoE metrics of a ``train_step`` result under their logged names (empty for dense models)."""
+    if "router_aux" not in stats:
+        return {}
+    return {"loss/router_aux": stats["router_aux"], "moe/max_expert_load": stats["max_expert_load"]}
+
+
 def train_step(
     policy: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -49,7 +70,9 @@ def train_step(
     ``lr``, ``trained_tokens``, ``nonfinite`` (non-finite loss or gradient), ``empty_batch`` (no
     trained token anywhere), ``skipped`` (either: the parameters are then unchanged) and ``stop``
     (1.0 when any trainer rank passed ``stop_requested``, e.g. after a SIGTERM: the flag rides on the
-    token-count all-reduce, so every rank takes the same stop decision at the same step).
+    token-count all-reduce, so every rank takes the same stop decision at the same step). MoE models
+    (``policy.last_router`` set) add ``router_aux`` and ``max_expert_load`` (module docstring,
+    ``router_metrics``).
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     n_local = sum(int(mb.loss_mask.sum()) for mb in micro_batches)
@@ -57,6 +80,7 @@ def train_step(
     n_global = agreed["n"]
     scale = world / max(n_global, 1.0)
     sums: dict[str, torch.Tensor] = {}
+    expert_counts_LE: torch.Tensor | None = None
     for mb in micro_batches:
         mb = mb.to(device)
         fields = {**mb.fields, "loss_mask": mb.loss_mask.float()}
@@ -64,9 +88,17 @@ def train_step(
         (loss_sum * scale).backward()
         stats = loss_fn.stats(logprob_L, entropy_L, fields)
         stats = {"loss_sum": loss_sum, **stats}
+        router = getattr(policy, "last_router", None)
+        if router is not None:  # the same on every rank: the model decides, not the data
+            stats["router_aux_sum"] = router.aux_loss * fields["loss_mask"].sum()
+            counts = router.tokens_per_expert_LE.detach().double()
+            expert_counts_LE = counts if expert_counts_LE is None else expert_counts_LE + counts
         for k, v in stats.items():
             sums[k] = sums.get(k, torch.zeros((), dtype=torch.float64, device=device)) + v.detach().double()
     totals = _all_reduce_sum(sums, device)
+    if expert_counts_LE is not None:
+        totals.update(router_aux=totals.pop("router_aux_sum") / max(n_global, 1.0))
+        totals.update(max_expert_load=_max_expert_load(expert_counts_LE))
     params = [p for p in policy.parameters() if p.grad is not None]
     norm = clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
     if hasattr(norm, "full_tensor"):
