@@ -42,7 +42,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--fused-chunk-tokens",
         default="auto,4096,8192",
-        help="fused_triton rows, one per entry: 'auto' (library defaults: <= 4096 tokens and C*V <= 2**29) or a"
+        help="fused_triton rows, one per entry: 'auto' (library defaults: <= 4096 tokens and C*V <= 2**30) or a"
         " chunk size in tokens (the C*V budget is raised to fit it)",
     )
     return parser.parse_args()
@@ -75,7 +75,7 @@ def weighted_token_loss(lp, ent, fields):
 def fused_impl(impl: str, chunk_tokens: int | None = None):
     """Loss-fused impl as (hidden, weight, targets, temperature, fields) -> (loss_sum, lp, ent).
 
-    chunk_tokens None: the defaults (4096 tokens capped by LOGITS_BUFFER_ELEMENTS); else exactly that chunk.
+    chunk_tokens None: the defaults (4096 tokens capped by TRITON_LOGITS_BUFFER_ELEMENTS); else exactly that chunk.
     """
 
     def run(h, w, t, temp, fields):

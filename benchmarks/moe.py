@@ -141,6 +141,8 @@ def breakdown(T, D, E, inter, K, routing, dtype, device) -> list[dict]:
             "dx": lambda: kernel.grouped_gemm(dgu, w13.transpose(1, 2), sched, M, out_idx=perm),
             "dw2": lambda: kernel.grouped_wgrad(dout, h, offs, a_idx=tok, scale=scale),
             "dw13": lambda: kernel.grouped_wgrad(dgu, x, offs, b_idx=tok),
+            "dz then swiglu bwd (split)": lambda: split_dz(),
+            "dw2 (no scale)": lambda: kernel.grouped_wgrad(dout, h, offs, a_idx=tok),
             "whole bwd op": lambda: torch.ops.prime_spmd.moe_experts_bwd(dout, x, weights, w13, w2, gu, h, perm, offs),
         }
         torch_gemms = {
@@ -151,6 +153,14 @@ def breakdown(T, D, E, inter, K, routing, dtype, device) -> list[dict]:
             "dw2": lambda: torch._grouped_mm(dout_p.t(), h, offs=offs),
             "dw13": lambda: torch._grouped_mm(dgu.t(), x_p, offs=offs),
         }
+
+        def split_dz():
+            kernel.FUSE_SWIGLU_BWD = False
+            try:
+                return kernel.dz_swiglu_bwd(dout, tok, w2, gu, scale, sched)
+            finally:
+                kernel.FUSE_SWIGLU_BWD = True
+
         rows = []
         for stage, fn in ours.items():
             row = dict(
@@ -166,6 +176,14 @@ def breakdown(T, D, E, inter, K, routing, dtype, device) -> list[dict]:
                 row["grouped_mm_tflops"] = flops[stage] / row["grouped_mm_gemm_only_ms"] / 1e9
             rows.append(row)
             print(json.dumps(row))
+    tuned = {
+        f"{name} {key}": str(cfg)
+        for name, fn in vars(kernel).items()
+        if name.endswith("_kernel") and hasattr(fn, "cache")
+        for key, cfg in fn.cache.items()
+    }
+    print("autotuned configs:", json.dumps(tuned, indent=1))
+    rows.append(dict(tokens=T, routing=routing, block_m=kernel.BLOCK_M, stage="best configs", configs=tuned))
     return rows
 
 

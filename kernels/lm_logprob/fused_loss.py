@@ -26,9 +26,12 @@ from kernels.lm_logprob import fused_kernel
 from kernels.lm_logprob.reference import temperature_per_token
 
 TokenLoss = Callable[[Tensor, Tensor, dict[str, Tensor]], Tensor]
-# Cap on C * V per chunk: 2**29 is 3456 tokens at V = 151936. Extra memory per element of C * V:
-# triton 6 B (fp32 logits + bf16 G: 3 GiB at the cap), torch ~14 B (two fp32 [C, V] + G, ~7 GiB).
+# Cap on C * V per chunk. Extra memory per element of C * V: torch ~14 B (two fp32 [C, V] + G; 2**29 is
+# 3456 tokens at V = 151936, ~7 GiB), triton 6 B (fp32 logits + bf16 G; 2**30 lets the default 4096-token
+# chunk through at V = 151936, 3.5 GiB: measured 602 vs 594 TFLOP/s fwd+bwd on an H200 against 3456-token
+# chunks, docs/benchmarks.md).
 LOGITS_BUFFER_ELEMENTS = 2**29
+TRITON_LOGITS_BUFFER_ELEMENTS = 2**30
 
 
 def num_chunk_tokens(num_tokens: int, vocab: int, chunk_tokens: int, budget: int | None = None) -> int:
@@ -203,7 +206,7 @@ def fused_lm_head_loss(
     [N] int in [0, V) (not checked); temperature a float or an [N] tensor (no gradient). token_loss maps
     (lp [C] fp32, ent [C] fp32, {name: field[start:end]}) to a [C] per-token loss; it is called once per
     chunk (chunks of at most chunk_tokens, fewer when C * V exceeds max_logits_elements, default
-    LOGITS_BUFFER_ELEMENTS), must be
+    LOGITS_BUFFER_ELEMENTS, TRITON_LOGITS_BUFFER_ELEMENTS for impl="triton"), must be
     elementwise over tokens, and is differentiated by autograd in lp and ent only: fields [N, ...] are
     constants (detached). Returns (loss_sum fp32 scalar, differentiable in hidden and weight; lp [N] fp32
     and ent [N] fp32, detached). Under torch.no_grad or when neither input requires grad it runs the
@@ -229,6 +232,8 @@ def fused_lm_head_loss(
             raise ValueError(f"field {name!r} must have {num_tokens} rows, got shape {tuple(value.shape)}")
     fields = {name: value.detach() for name, value in fields.items()}
     temperature_N = temperature_per_token(temperature, num_tokens, hidden.device)
+    if max_logits_elements is None and impl == "triton":
+        max_logits_elements = TRITON_LOGITS_BUFFER_ELEMENTS
     chunk = num_chunk_tokens(num_tokens, weight.shape[0], chunk_tokens, max_logits_elements) if num_tokens else 1
     args = (hidden.contiguous(), weight.contiguous(), targets.long().contiguous(), temperature_N)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):

@@ -32,6 +32,7 @@ import triton.language as tl
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_M = 32 if INTERPRET else 128  # rows per tile: fixed (the tile table depends on it), not autotuned
 GROUP_M = 8  # row tiles per program group in the row kernels' launch order (L2 reuse)
+FUSE_SWIGLU_BWD = True  # SwiGLU backward in the dz GEMM's epilogue (False: a separate elementwise kernel)
 
 
 def _configs(bn: tuple[int, ...], bk: tuple[int, ...], warps: tuple[int, ...], stages: tuple[int, ...]):
@@ -225,6 +226,30 @@ def _dz_swiglu_bwd_kernel(
     tl.store(dptr + N, (dh * silu).to(dgu_ptr.dtype.element_ty), mask=omask)
 
 
+@triton.jit
+def _swiglu_bwd_kernel(
+    dz_ptr, gu_ptr, scale_ptr, dgu_ptr, dw_ptr, M, N, stride_zm, stride_gm,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """Unfused SwiGLU backward (the split variant of the dz kernel's epilogue), BLOCK_R whole rows per program."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_C)
+    rmask = rows < M
+    mask = rmask[:, None] & (cols < N)[None, :]
+    rows64 = rows.to(tl.int64)
+    dz = tl.load(dz_ptr + rows64[:, None] * stride_zm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    gptr = gu_ptr + rows64[:, None] * stride_gm + cols[None, :]
+    g = tl.load(gptr, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gptr + N, mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    silu = g * sig
+    tl.store(dw_ptr + rows, tl.sum(silu * u * dz, axis=1), mask=rmask)
+    dh = dz * tl.load(scale_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
+    dptr = dgu_ptr + rows64[:, None] * stride_gm + cols[None, :]
+    tl.store(dptr, (dh * u * (sig + silu * (1.0 - sig))).to(dgu_ptr.dtype.element_ty), mask=mask)
+    tl.store(dptr + N, (dh * silu).to(dgu_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.autotune(configs=WGRAD_CONFIGS, key=["MW", "N", "A_GATHER", "B_GATHER"])
 @triton.jit
 def _grouped_wgrad_kernel(
@@ -320,6 +345,8 @@ def dz_swiglu_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """d(gate|up) [M, 2I] (x's dtype) and the router-weight grad per sorted row [M] (fp32) from dout [T, D]."""
     tile_e, r0, r1, num_tiles = sched
+    if not FUSE_SWIGLU_BWD:
+        return _dz_then_swiglu_bwd(dout_TD, tok_M, w2_EDI, gu_MF, scale_M, sched)
     M, F = gu_MF.shape
     inter = F // 2
     assert dout_TD.stride(1) == 1 and gu_MF.stride(1) == 1
@@ -335,6 +362,20 @@ def dz_swiglu_bwd(
         UPCAST=_upcast(dout_TD), BLOCK_M=BLOCK_M, GROUP_M=GROUP_M,
     )  # fmt: skip
     return dgu, dwp.sum(1)
+
+
+def _dz_then_swiglu_bwd(dout_TD, tok_M, w2_EDI, gu_MF, scale_M, sched) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split variant of ``dz_swiglu_bwd``: the dz GEMM to memory, then an elementwise kernel."""
+    M, F = gu_MF.shape
+    dz = grouped_gemm(dout_TD, w2_EDI.transpose(1, 2), sched, M, a_idx=tok_M)
+    dgu = torch.empty_like(gu_MF)
+    dw = torch.empty(M, device=gu_MF.device, dtype=torch.float32)
+    block_c = triton.next_power_of_2(F // 2)
+    block_r = max(1, 8192 // block_c)
+    _swiglu_bwd_kernel[(triton.cdiv(M, block_r),)](
+        dz, gu_MF, scale_M, dgu, dw, M, F // 2, dz.stride(0), gu_MF.stride(0), BLOCK_R=block_r, BLOCK_C=block_c
+    )
+    return dgu, dw
 
 
 def grouped_wgrad(

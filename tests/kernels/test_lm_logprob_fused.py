@@ -116,6 +116,7 @@ def test_fused_matches_reference(impl, loss_name, num_tokens, hidden_size, vocab
 def test_chunk_budget_and_balance(monkeypatch):
     """The C * V budget caps the chunk; chunks are balanced and 128-aligned when large."""
     assert num_chunk_tokens(16384, 151936, 4096) == 3328  # 5 chunks under the 2**29 cap (3456)
+    assert num_chunk_tokens(16384, 151936, 4096, budget=fused_loss.TRITON_LOGITS_BUFFER_ELEMENTS) == 4096
     assert num_chunk_tokens(4096, 1000, 4096) == 4096
     assert num_chunk_tokens(5000, 1000, 4096) == 2560
     assert num_chunk_tokens(37, 300, 4096, budget=3000) == 10  # 4 chunks: 10, 10, 10, 7
