@@ -47,7 +47,7 @@ def _configs(bn: tuple[int, ...], bk: tuple[int, ...], warps: tuple[int, ...], s
     ]
 
 
-# GPU search space: 128/256-wide N tiles (64-wide lost at these sizes on the H200) x warps x stages; kept
+# GPU search space: 128/256-wide N tiles x warps x stages (64-wide tiles and 64-row wgrad tiles dropped, untested); kept
 # small because every config of every kernel compiles on first use (the full 3x2x2 + 32 wgrad configs took
 # ~200 s of compile in a benchmark run).
 ROW_CONFIGS = _configs((128, 256), (64,), (4, 8), (3, 4))
