@@ -4,7 +4,9 @@
 ``module:function`` import path, or from a ``.py`` file, and wraps it as our ``Environment``.
 ``VerifiersEnvironment.run_groups`` runs ``env.run_group(..., state_columns=["trajectory", ...])``
 for every example concurrently, with an ``EngineClient`` (prime_spmd/envs/vf_client.py) over one
-``AsyncEngine``, so all rollouts of the call share the engine's continuous batch. Each result
+``AsyncEngine``, so all rollouts of the call share the engine's continuous batch; where the engine
+allows it (the native engine on GPU) a ``ThreadedAsyncEngine`` steps it on a worker thread, so the
+environment's Python runs while the device computes. Each result
 becomes a ``Rollout`` built from the trajectory's token ids only (no re-tokenization):
 
     prompt_ids      = turn 0's prompt ids
@@ -27,6 +29,8 @@ import importlib.util
 import json
 import logging
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
@@ -42,7 +46,7 @@ from prime_spmd.envs.vf_client import (
     to_template_message,
 )
 from prime_spmd.envs.vf_rewards import guard_rubric
-from prime_spmd.inference.engine import AsyncEngine, InferenceEngine, SamplingParams
+from prime_spmd.inference.engine import AsyncEngine, InferenceEngine, SamplingParams, ThreadedAsyncEngine
 from prime_spmd.rl.types import Rollout
 
 logger = logging.getLogger("prime_spmd")
@@ -124,6 +128,8 @@ class VerifiersEnvironment(Environment):
     ``rollout_timeout_s``: sets the environment's ``timeout_seconds`` when it has none (a rollout
     past it stops with ``stop_condition == "timeout_reached"``; counted as ``env_timeouts``).
     ``check_rerender``: count turns whose stitched prompt differs from a fresh render of the messages.
+    ``engine_thread``: step the engine on a worker thread (``ThreadedAsyncEngine``) so that environment
+    code runs while the engine computes; None: where the engine allows it (``steps_on_worker_thread``).
     """
 
     def __init__(
@@ -136,8 +142,10 @@ class VerifiersEnvironment(Environment):
         reward_timeout_s: float | None = 60.0,
         rollout_timeout_s: float | None = None,
         check_rerender: bool = True,
+        engine_thread: bool | None = None,
     ) -> None:
         self.vf_env = vf_env
+        self.engine_thread = engine_thread
         self.name = name
         self.num_eval_examples = num_eval_examples
         self.seed = seed
@@ -181,7 +189,16 @@ class VerifiersEnvironment(Environment):
         seed: int,
     ) -> list[list[Rollout]]:
         """See ``Environment.run_groups``. Runs its own event loop (``asyncio.run``): call it from sync code."""
-        return asyncio.run(self.arun_groups(engine, split, example_ids, group_size, sampling, seed))
+        return asyncio.run(
+            self._with_executor(self.arun_groups(engine, split, example_ids, group_size, sampling, seed))
+        )
+
+    async def _with_executor(self, coro: Any) -> Any:
+        # verifiers runs two asyncio.to_thread calls per rollout turn (parse_response_tokens,
+        # state_to_output). A fresh loop's default executor starts its threads anew on every call
+        # (Thread.start waits for the thread to run: ~0.6 ms each under load); a kept pool does not.
+        asyncio.get_running_loop().set_default_executor(_KEPT_EXECUTOR)
+        return await coro
 
     async def arun_groups(
         self,
@@ -193,14 +210,20 @@ class VerifiersEnvironment(Environment):
         seed: int,
     ) -> list[list[Rollout]]:
         """``run_groups`` inside a running event loop; every group runs concurrently."""
-        aengine = AsyncEngine(engine)
+        thread = (
+            self.engine_thread if self.engine_thread is not None else getattr(engine, "steps_on_worker_thread", False)
+        )
+        aengine = ThreadedAsyncEngine(engine) if thread else AsyncEngine(engine)
         client = EngineClient(aengine, base=sampling, check_rerender=self.check_rerender, renderer=self._renderer)
         self._renderer = client.renderer  # reused by the next call: its prompt cache stays warm
         tasks = [
             self._run_group(client, split, eid, [self._input(split, eid, k, seed) for k in range(group_size)])
             for eid in example_ids
         ]
-        groups = list(await asyncio.gather(*tasks))
+        try:
+            groups = list(await asyncio.gather(*tasks))
+        finally:  # also steps requests of cancelled rollouts (timeouts) to the end: the engine is left empty
+            await aengine.aclose()
         if aengine.failure is not None:
             raise RuntimeError("the inference engine failed during verifiers rollouts") from aengine.failure
         return groups
@@ -209,7 +232,7 @@ class VerifiersEnvironment(Environment):
         row = self.example(split, example_id)  # type: ignore[arg-type]
         row["example_id"] = example_id
         # Request seeds derive from (run seed, example, sample, turn): independent of batch composition.
-        row[SEED_KEY] = (seed * 1_000_003 + example_id) * 1_009 + sample_idx
+        row[SEED_KEY] = sample_seed(seed, example_id, sample_idx)
         return row
 
     async def _run_group(self, client: EngineClient, split: str, example_id: int, inputs: list[dict]) -> list[Rollout]:
@@ -229,6 +252,31 @@ class VerifiersEnvironment(Environment):
         for k, out in enumerate(outputs):
             rollouts.append(output_to_rollout(out, example_id, k, client.renderer))
         return rollouts
+
+
+class _KeptThreadPool(ThreadPoolExecutor):
+    """The event loops' default executor, kept for the process: ``asyncio.run``'s shutdown of it is a no-op
+    (its idle workers exit with the interpreter, as every ``ThreadPoolExecutor``'s do)."""
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        return None
+
+
+_KEPT_EXECUTOR = _KeptThreadPool(thread_name_prefix="ps-vf-to-thread")
+
+
+def _new_executor_in_child() -> None:
+    # A forked child has none of the parent's worker threads, but the pool would count them as idle.
+    global _KEPT_EXECUTOR
+    _KEPT_EXECUTOR = _KeptThreadPool(thread_name_prefix="ps-vf-to-thread")
+
+
+os.register_at_fork(after_in_child=_new_executor_in_child)
+
+
+def sample_seed(seed: int, example_id: int, sample_idx: int) -> int:
+    """Base seed of one sample; its request at turn t is seeded ``turn_seed(sample_seed(...), t)``."""
+    return (seed * 1_000_003 + example_id) * 1_009 + sample_idx
 
 
 def vf_messages(prompt: Any) -> list[Any]:

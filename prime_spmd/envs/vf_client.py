@@ -53,6 +53,11 @@ _MARK = "\x1fPS_BRIDGE_MARK\x1f"
 _TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
+def turn_seed(base_seed: int, turn: int) -> int:
+    """The request seed of turn ``turn`` of a sample whose base seed is ``base_seed``."""
+    return (base_seed * 1_000_003 + turn) % (2**63)
+
+
 def bump_stat(state: Any, key: str, n: int = 1) -> None:
     """Add ``n`` to the rollout counter ``key`` in ``state[STATS_KEY]`` (created on first use)."""
     stats = state.get(STATS_KEY)
@@ -300,7 +305,7 @@ class EngineClient(vf.Client):
             base_seed = (state.get("input") or {}).get(SEED_KEY)
         if base_seed is None:
             base_seed = merged.get("seed", self.base.seed)
-        sp.seed = None if base_seed is None else (int(base_seed) * 1_000_003 + turn) % (2**63)
+        sp.seed = None if base_seed is None else turn_seed(int(base_seed), turn)
         return sp
 
     async def raise_from_native_response(self, response: EngineResponse) -> None:

@@ -111,6 +111,9 @@ class NativeEngine(InferenceEngine):
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         self._eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.num_generated_tokens = 0
+        # One rank; per-request seeds make samples independent of batch composition. Only on GPU, where a
+        # step mostly waits for the device with the GIL released; on CPU the step needs the cores itself.
+        self.steps_on_worker_thread = device.type == "cuda"
 
     # ---- interface -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:

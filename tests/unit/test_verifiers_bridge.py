@@ -10,6 +10,7 @@ the tool and end-of-turn tests script them.
 from __future__ import annotations
 
 import shutil
+import threading
 import zipfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -94,12 +95,14 @@ class RecordingEngine(InferenceEngine):
         self.log: list[Completion] = []
         self.in_flight = 0
         self.max_batch_seen = 0
+        self.step_threads: set[int] = set()
 
     def add_request(self, request: Request) -> None:
         self.in_flight += 1
         self.inner.add_request(request)
 
     def step(self) -> list[Completion]:
+        self.step_threads.add(threading.get_ident())
         self.max_batch_seen = max(self.max_batch_seen, self.in_flight)
         done = self.inner.step()
         self.in_flight -= len(done)
@@ -496,3 +499,102 @@ def test_vf_reverse_text_matches_builtin(tmp_path):
         for r in g:
             assert r.reward == lcs_ratio(answer, completion_text(tok, r.completion_ids))
             assert r.metrics["env/exact_match"] == float(r.reward == 1.0)
+
+
+class SlowEngine(FakeStepEngine):
+    """One token (id 100) per step, each step sleeping ``step_s`` (a device wait, GIL released); records the
+    stepping thread; rejects empty prompts in ``add_request`` as the native engine does."""
+
+    def __init__(self, tokenizer, step_s: float = 0.005) -> None:
+        super().__init__(tokenizer)
+        self.step_s = step_s
+        self.threads: set[int] = set()
+
+    def add_request(self, request: Request) -> None:
+        if not request.prompt_ids:
+            raise ValueError("empty prompt_ids")
+        super().add_request(request)
+
+    def step(self) -> list[Completion]:
+        import time
+
+        self.threads.add(threading.get_ident())
+        time.sleep(self.step_s)
+        return super().step()
+
+    def next_token(self, request: Request, generated: list[int]) -> tuple[int, float]:
+        return 100, -1.0
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_async_fronts_drain_cancelled_requests_and_fail_bad_ones(qwen3_tokenizer, threaded):
+    """A request whose caller was cancelled (a rollout timeout) still runs to the end before ``aclose``
+    returns, so the engine is left empty; a request the engine rejects fails only its own caller."""
+    import asyncio
+
+    from prime_spmd.inference.engine import AsyncEngine, ThreadedAsyncEngine
+
+    engine = SlowEngine(qwen3_tokenizer)
+
+    async def main() -> list:
+        front = (ThreadedAsyncEngine if threaded else AsyncEngine)(engine)
+        short = front.generate([1, 2], SamplingParams(max_tokens=3))
+        long = asyncio.wait_for(front.generate([3], SamplingParams(max_tokens=40)), timeout=0.05)
+        bad = front.generate([], SamplingParams(max_tokens=3))
+        results = await asyncio.gather(short, long, bad, return_exceptions=True)
+        await front.aclose()
+        return results
+
+    short, long, bad = asyncio.run(main())
+    assert short.token_ids == [100] * 3
+    assert isinstance(long, TimeoutError) and isinstance(bad, ValueError)
+    assert not engine.has_unfinished() and len(engine.log) == 2  # the cancelled one ran to its end
+    assert (threading.get_ident() not in engine.threads) == threaded
+
+
+def test_threaded_front_failure_reaches_every_waiter(qwen3_tokenizer):
+    """``engine.step()`` raising on the worker thread: every pending ``generate`` raises it, later ones refuse."""
+    import asyncio
+
+    from prime_spmd.inference.engine import ThreadedAsyncEngine
+
+    async def main() -> tuple[list, ThreadedAsyncEngine]:
+        front = ThreadedAsyncEngine(FailingEngine(qwen3_tokenizer))
+        calls = [front.generate([1, 2, 3], SamplingParams(max_tokens=10, seed=i)) for i in range(4)]
+        results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), timeout=10)
+        with pytest.raises(RuntimeError, match="failed earlier"):
+            await front.generate([1], SamplingParams(max_tokens=2))
+        await asyncio.wait_for(front.aclose(), timeout=10)
+        return results, front
+
+    results, front = asyncio.run(main())
+    assert all(isinstance(r, RuntimeError) and str(r) == "engine step failed" for r in results)
+    assert front.failure is results[0]
+
+
+def test_engine_thread_gives_the_same_rollouts(qwen3_model, qwen3_tokenizer):
+    """Stepping the engine on a worker thread changes no rollout: single-turn on the native engine (the
+    rollouts started together still share one first step) and multi-turn with tool calls (scripted)."""
+    sp = SamplingParams(temperature=0.0, max_tokens=6)
+    runs = {}
+    for threaded in (False, True):
+        env = _env("load_single_turn_env", num_examples=3)
+        env.engine_thread = threaded
+        engine = native_engine(qwen3_model, qwen3_tokenizer)
+        runs[threaded] = env.run_groups(engine, "train", [0, 1, 2], 2, sp, seed=0)
+        assert engine.max_batch_seen == 6 and (threading.get_ident() not in engine.step_threads) == threaded
+    assert runs[True] == runs[False]
+
+    def script(prompt: str) -> str:
+        if "<tool_response>" not in prompt:
+            return '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>'
+        return "The answer is 5.<|im_end|>"
+
+    tool_runs = {}
+    for threaded in (False, True):
+        env = _env("load_tool_env", num_examples=3, max_turns=3)
+        env.engine_thread = threaded
+        engine = ScriptedEngine(qwen3_tokenizer, script)
+        tool_runs[threaded] = env.run_groups(engine, "train", [0, 1, 2], 2, SamplingParams(max_tokens=64), seed=0)
+    assert tool_runs[True] == tool_runs[False]
+    assert all(r.metrics["num_turns"] == 2.0 for g in tool_runs[True] for r in g)
