@@ -129,7 +129,8 @@ class VerifiersEnvironment(Environment):
     past it stops with ``stop_condition == "timeout_reached"``; counted as ``env_timeouts``).
     ``check_rerender``: count turns whose stitched prompt differs from a fresh render of the messages.
     ``engine_thread``: step the engine on a worker thread (``ThreadedAsyncEngine``) so that environment
-    code runs while the engine computes; None: where the engine allows it (``steps_on_worker_thread``).
+    code runs while the engine computes; None: where the engine asks for it (``steps_on_worker_thread``;
+    the native engine does not: on the H200 the in-loop driver was faster, docs/benchmarks_envs.md).
     """
 
     def __init__(
