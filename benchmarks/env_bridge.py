@@ -7,7 +7,7 @@ alike:
 
 - ``direct``: ``engine.generate(requests)``, one call, one batch;
 - ``bridge``: ``VerifiersEnvironment.run_groups`` with the engine stepped on a worker thread
-  (``ThreadedAsyncEngine``, the default for the native engine): environment Python overlaps engine steps;
+  (``ThreadedAsyncEngine``, opt-in: ``engine_thread=True``): environment Python overlaps engine steps;
 - ``bridge-loop``: the same with the engine stepped inside the event loop (``AsyncEngine``).
 
 The bridge sides also score (one cheap reward function) and convert to ``Rollout``s.

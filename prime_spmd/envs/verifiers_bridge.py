@@ -4,9 +4,9 @@
 ``module:function`` import path, or from a ``.py`` file, and wraps it as our ``Environment``.
 ``VerifiersEnvironment.run_groups`` runs ``env.run_group(..., state_columns=["trajectory", ...])``
 for every example concurrently, with an ``EngineClient`` (prime_spmd/envs/vf_client.py) over one
-``AsyncEngine``, so all rollouts of the call share the engine's continuous batch; where the engine
-allows it (the native engine on GPU) a ``ThreadedAsyncEngine`` steps it on a worker thread, so the
-environment's Python runs while the device computes. Each result
+``AsyncEngine``, so all rollouts of the call share the engine's continuous batch (``engine_thread=True``:
+a ``ThreadedAsyncEngine`` steps it on a worker thread instead, so the environment's Python runs while the
+device computes; off by default, it was slower on the H200). Each result
 becomes a ``Rollout`` built from the trajectory's token ids only (no re-tokenization):
 
     prompt_ids      = turn 0's prompt ids
@@ -129,8 +129,8 @@ class VerifiersEnvironment(Environment):
     past it stops with ``stop_condition == "timeout_reached"``; counted as ``env_timeouts``).
     ``check_rerender``: count turns whose stitched prompt differs from a fresh render of the messages.
     ``engine_thread``: step the engine on a worker thread (``ThreadedAsyncEngine``) so that environment
-    code runs while the engine computes; None: where the engine asks for it (``steps_on_worker_thread``;
-    the native engine does not: on the H200 the in-loop driver was faster, docs/benchmarks_envs.md).
+    code runs while the engine computes; only for engines ``ThreadedAsyncEngine`` allows (the native one).
+    Off by default: on the H200 the in-loop driver was faster (docs/benchmarks_envs.md).
     """
 
     def __init__(
@@ -143,7 +143,7 @@ class VerifiersEnvironment(Environment):
         reward_timeout_s: float | None = 60.0,
         rollout_timeout_s: float | None = None,
         check_rerender: bool = True,
-        engine_thread: bool | None = None,
+        engine_thread: bool = False,
     ) -> None:
         self.vf_env = vf_env
         self.engine_thread = engine_thread
@@ -211,10 +211,7 @@ class VerifiersEnvironment(Environment):
         seed: int,
     ) -> list[list[Rollout]]:
         """``run_groups`` inside a running event loop; every group runs concurrently."""
-        thread = (
-            self.engine_thread if self.engine_thread is not None else getattr(engine, "steps_on_worker_thread", False)
-        )
-        aengine = ThreadedAsyncEngine(engine) if thread else AsyncEngine(engine)
+        aengine = ThreadedAsyncEngine(engine) if self.engine_thread else AsyncEngine(engine)
         client = EngineClient(aengine, base=sampling, check_rerender=self.check_rerender, renderer=self._renderer)
         self._renderer = client.renderer  # reused by the next call: its prompt cache stays warm
         tasks = [

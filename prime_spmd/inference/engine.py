@@ -70,9 +70,6 @@ class InferenceEngine(abc.ABC):
     """
 
     tokenizer: Any
-    steps_on_worker_thread: bool = False
-    """True if ``ThreadedAsyncEngine`` may drive this engine: any one thread may make all its calls, and which
-    requests share a step may depend on timing (not so for engines whose ranks must step in lockstep)."""
 
     @abc.abstractmethod
     def add_request(self, request: Request) -> None:
@@ -207,7 +204,9 @@ class AsyncEngine:
 class ThreadedAsyncEngine(AsyncEngine):
     """``AsyncEngine`` that steps the engine on one worker thread, so the event loop's Python (environment
     code, chat rendering, scoring of finished rollouts) runs while the engine computes: a GPU step waits
-    in its device sync with the GIL released. For engines with ``steps_on_worker_thread``.
+    in its device sync with the GIL released. Only for engines that any one thread may drive and whose
+    step grouping may depend on timing (the native engine; not engines whose ranks step in lockstep, e.g.
+    vLLM with tp > 1); the verifiers bridge uses it only with ``engine_thread=True``.
 
     Every engine call (``add_request``, ``step``, ``has_unfinished``) is made on the worker. The requests
     submitted during one event-loop iteration reach the engine together (coroutines started together

@@ -111,10 +111,6 @@ class NativeEngine(InferenceEngine):
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         self._eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.num_generated_tokens = 0
-        # Stepping on a worker thread is supported (per-request seeds make samples independent of batch
-        # composition) but off: on the H200 the bridge was slower with it (+10.5% vs +2.9% over the direct
-        # engine at N=64, 128 tokens, docs/benchmarks_envs.md), and on CPU the step needs the cores itself.
-        self.steps_on_worker_thread = False
 
     # ---- interface -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
