@@ -92,6 +92,54 @@ def _tile_ids(num_tiles, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
 
 
+@triton.jit
+def _row_tile(tile_e_ptr, tile_r0_ptr, tile_r1_ptr, pid_m, BLOCK_M: tl.constexpr):
+    """Row tile pid_m of the tile table: expert (int64), row indices, row mask, and whether it is idle."""
+    r0, r1 = tl.load(tile_r0_ptr + pid_m), tl.load(tile_r1_ptr + pid_m)
+    rows = r0 + tl.arange(0, BLOCK_M)
+    return tl.load(tile_e_ptr + pid_m).to(tl.int64), rows, rows < r1, r0 >= r1
+
+
+@triton.jit
+def _rows_dot(
+    a_ptr, arow, rmask, stride_am, b_ptr, stride_bk, stride_bn, cols, cmask, K,
+    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """fp32 [BLOCK_M, BLOCK_N] = A[arow, :K] @ B[:K, cols] (A rows by index, B by strides); inlined by Triton."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < K
+        a = tl.load(a_ptr + arow[:, None] * stride_am + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(
+            b_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
+            mask=kmask[:, None] & cmask[None, :],
+            other=0.0,
+        )
+        if UPCAST:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _swiglu_bwd_tile(dz, gu_ptr, scale_ptr, dgu_ptr, rows, rmask, cols, cmask, N, stride_gm):
+    """SwiGLU backward of one [rows, cols] tile of dz (fp32): stores d(gate|up) = scale * dz * dSwiGLU from
+    the gate|up pre-activations and returns this tile's part of rowsum(h * dz) (the router-weight grad)."""
+    rows64 = rows.to(tl.int64)
+    mask = rmask[:, None] & cmask[None, :]
+    gptr = gu_ptr + rows64[:, None] * stride_gm + cols[None, :]
+    g = tl.load(gptr, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gptr + N, mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    silu = g * sig
+    dh = dz * tl.load(scale_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
+    dptr = dgu_ptr + rows64[:, None] * stride_gm + cols[None, :]
+    tl.store(dptr, (dh * u * (sig + silu * (1.0 - sig))).to(dgu_ptr.dtype.element_ty), mask=mask)
+    tl.store(dptr + N, (dh * silu).to(dgu_ptr.dtype.element_ty), mask=mask)
+    return tl.sum(silu * u * dz, axis=1)
+
+
 @triton.autotune(configs=ROW_CONFIGS, key=["N", "K", "BLOCK_M"])
 @triton.jit
 def _gate_up_kernel(
@@ -101,12 +149,9 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = _tile_ids(num_tiles, N, BLOCK_N, GROUP_M)
-    r0, r1 = tl.load(tile_r0_ptr + pid_m), tl.load(tile_r1_ptr + pid_m)
-    if r0 >= r1:
+    e, rows, rmask, idle = _row_tile(tile_e_ptr, tile_r0_ptr, tile_r1_ptr, pid_m, BLOCK_M)
+    if idle:
         return
-    e = tl.load(tile_e_ptr + pid_m).to(tl.int64)
-    rows = r0 + tl.arange(0, BLOCK_M)
-    rmask = rows < r1
     tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
@@ -143,32 +188,19 @@ def _grouped_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = _tile_ids(num_tiles, N, BLOCK_N, GROUP_M)
-    r0, r1 = tl.load(tile_r0_ptr + pid_m), tl.load(tile_r1_ptr + pid_m)
-    if r0 >= r1:
+    e, rows, rmask, idle = _row_tile(tile_e_ptr, tile_r0_ptr, tile_r1_ptr, pid_m, BLOCK_M)
+    if idle:
         return
-    e = tl.load(tile_e_ptr + pid_m).to(tl.int64)
-    rows = r0 + tl.arange(0, BLOCK_M)
-    rmask = rows < r1
     if A_GATHER:
         arow = tl.load(a_idx_ptr + rows, mask=rmask, other=0).to(tl.int64)
     else:
         arow = rows.to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    b_base = b_ptr + e * stride_be
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        kmask = ks < K
-        a = tl.load(a_ptr + arow[:, None] * stride_am + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        b = tl.load(
-            b_base + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
-            mask=kmask[:, None] & cmask[None, :],
-            other=0.0,
-        )
-        if UPCAST:
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
+    acc = _rows_dot(
+        a_ptr, arow, rmask, stride_am, b_ptr + e * stride_be, stride_bk, stride_bn, cols, cmask, K,
+        UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     if HAS_SCALE:
         acc = acc * tl.load(scale_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
     if OUT_SCATTER:
@@ -192,41 +224,18 @@ def _dz_swiglu_bwd_kernel(
     gate|up pre-activations: d(gate|up) = scale * dz * dSwiGLU, and this column block's share of the
     router-weight grad, rowsum(h * dz), written to dwp[row, pid_n] (summed by the launcher)."""
     pid_m, pid_n = _tile_ids(num_tiles, N, BLOCK_N, GROUP_M)
-    r0, r1 = tl.load(tile_r0_ptr + pid_m), tl.load(tile_r1_ptr + pid_m)
-    if r0 >= r1:
+    e, rows, rmask, idle = _row_tile(tile_e_ptr, tile_r0_ptr, tile_r1_ptr, pid_m, BLOCK_M)
+    if idle:
         return
-    e = tl.load(tile_e_ptr + pid_m).to(tl.int64)
-    rows = r0 + tl.arange(0, BLOCK_M)
-    rmask = rows < r1
     tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    w_base = w2_ptr + e * stride_we
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        kmask = ks < K
-        a = tl.load(dout_ptr + tok[:, None] * stride_dm + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        b = tl.load(
-            w_base + ks[:, None] * stride_wk + cols[None, :] * stride_wn,
-            mask=kmask[:, None] & cmask[None, :],
-            other=0.0,
-        )
-        if UPCAST:
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
-    rows64 = rows.to(tl.int64)
-    omask = rmask[:, None] & cmask[None, :]
-    gptr = gu_ptr + rows64[:, None] * stride_gm + cols[None, :]
-    g = tl.load(gptr, mask=omask, other=0.0).to(tl.float32)
-    u = tl.load(gptr + N, mask=omask, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(g)
-    silu = g * sig
-    tl.store(dwp_ptr + rows64 * stride_pm + pid_n, tl.sum(silu * u * acc, axis=1), mask=rmask)
-    dh = acc * tl.load(scale_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
-    dptr = dgu_ptr + rows64[:, None] * stride_gm + cols[None, :]
-    tl.store(dptr, (dh * u * (sig + silu * (1.0 - sig))).to(dgu_ptr.dtype.element_ty), mask=omask)
-    tl.store(dptr + N, (dh * silu).to(dgu_ptr.dtype.element_ty), mask=omask)
+    acc = _rows_dot(
+        dout_ptr, tok, rmask, stride_dm, w2_ptr + e * stride_we, stride_wk, stride_wn, cols, cmask, K,
+        UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+    dw = _swiglu_bwd_tile(acc, gu_ptr, scale_ptr, dgu_ptr, rows, rmask, cols, cmask, N, stride_gm)
+    tl.store(dwp_ptr + rows.to(tl.int64) * stride_pm + pid_n, dw, mask=rmask)
 
 
 @triton.jit
@@ -239,18 +248,9 @@ def _swiglu_bwd_kernel(
     cols = tl.arange(0, BLOCK_C)
     rmask = rows < M
     mask = rmask[:, None] & (cols < N)[None, :]
-    rows64 = rows.to(tl.int64)
-    dz = tl.load(dz_ptr + rows64[:, None] * stride_zm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    gptr = gu_ptr + rows64[:, None] * stride_gm + cols[None, :]
-    g = tl.load(gptr, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gptr + N, mask=mask, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(g)
-    silu = g * sig
-    tl.store(dw_ptr + rows, tl.sum(silu * u * dz, axis=1), mask=rmask)
-    dh = dz * tl.load(scale_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
-    dptr = dgu_ptr + rows64[:, None] * stride_gm + cols[None, :]
-    tl.store(dptr, (dh * u * (sig + silu * (1.0 - sig))).to(dgu_ptr.dtype.element_ty), mask=mask)
-    tl.store(dptr + N, (dh * silu).to(dgu_ptr.dtype.element_ty), mask=mask)
+    dz = tl.load(dz_ptr + rows.to(tl.int64)[:, None] * stride_zm + cols[None, :], mask=mask, other=0.0)
+    dw = _swiglu_bwd_tile(dz.to(tl.float32), gu_ptr, scale_ptr, dgu_ptr, rows, rmask, cols, cols < N, N, stride_gm)
+    tl.store(dw_ptr + rows, dw, mask=rmask)
 
 
 @triton.autotune(configs=WGRAD_CONFIGS, key=["MW", "N", "A_GATHER", "B_GATHER"])
