@@ -31,12 +31,15 @@ from prime_spmd.distributed.topology import CONTROLLER_RANK, Topology, plan_topo
 from prime_spmd.log import logger
 
 
+SENDS_PER_OBJECT = 2
+"""``Bridge.isend_object`` posts two sends: the length, then the pickled bytes."""
+
+
 class Bridge:
     """A standalone process group over ``members`` (global ranks), addressed by global rank.
 
     Built only on member ranks, at the same point in each member's program. Sends are
-    asynchronous (the ``Work`` and its buffers are kept until ``wait_sends``); receives and
-    broadcasts block. Every op is collective among the members it names, so the schedule decides
+    asynchronous (the ``Work`` and its buffers are kept until ``wait_sends`` waits for them); receives and broadcasts block. Every op is collective among the members it names, so the schedule decides
     the order, and two bridges never wait on each other.
     """
 
@@ -78,7 +81,7 @@ class Bridge:
         self._wait(self.pg.broadcast([tensor], opts), f"broadcast from rank {src}", None)
 
     def isend(self, tensor: torch.Tensor, dst: int) -> None:
-        """Asynchronous send; the tensor is kept alive until ``wait_sends``."""
+        """Asynchronous send; the tensor is kept alive until ``wait_sends`` waited for it."""
         work = self.pg.send([tensor], self._idx(dst), 0)
         self._pending.append((work, [tensor]))
 
@@ -111,10 +114,27 @@ class Bridge:
         self.broadcast(payload, src)
         return obj if self.rank == src else pickle.loads(payload.cpu().numpy().tobytes())
 
-    def wait_sends(self) -> None:
-        for work, _ in self._pending:
+    def num_pending_sends(self) -> int:
+        """Sends whose buffers this bridge still holds (posted and not yet known to be finished)."""
+        return len(self._pending)
+
+    def pending_send_bytes(self) -> int:
+        """Bytes of the buffers held for pending sends."""
+        return sum(t.numel() * t.element_size() for _, ts in self._pending for t in ts)
+
+    def wait_sends(self, keep_newest: int = 0) -> None:
+        """Wait for every pending send but the newest ``keep_newest`` and release their buffers.
+
+        A gloo send's ``Work`` reports completion only once waited on, so a sender that never waits
+        holds every payload it ever sent: callers that send every step call this with a bound the
+        schedule guarantees is already received (waiting on a send the peer has not yet posted a
+        receive for blocks until it does). ``isend_object`` posts 2 sends per object.
+        """
+        assert keep_newest >= 0, keep_newest
+        n = max(0, len(self._pending) - keep_newest)
+        for work, _ in self._pending[:n]:
             self._wait(work, "send", None)
-        self._pending.clear()
+        del self._pending[:n]
 
     def close(self) -> None:
         self.wait_sends()

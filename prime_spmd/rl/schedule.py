@@ -39,3 +39,13 @@ def restored_batches(start: int, k: int, num_steps: int) -> list[int]:
     if start == 0:
         return []
     return [b for b in range(start, min(start + k, num_steps))]
+
+
+def unreceived_batches_bound(k: int) -> int:
+    """Most batches an engine leader can have sent that the controller has not yet received.
+
+    When batch b = j+1+k is sent, the engine holds w_(j+1), which the controller sends only after
+    taking batch j for step j: batches <= j are received, j+1 .. j+1+k (k + 1) may not be. The
+    pre-generated batches 0..k are k + 1 as well.
+    """
+    return k + 1

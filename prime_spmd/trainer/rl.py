@@ -31,7 +31,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from prime_spmd.config import RLJobConfig, to_json, write_resolved_config
-from prime_spmd.distributed.groups import DistContext, init_distributed
+from prime_spmd.distributed.groups import SENDS_PER_OBJECT, DistContext, init_distributed
 from prime_spmd.distributed.topology import CONTROLLER_RANK
 from prime_spmd.envs.base import Environment
 from prime_spmd.envs.loader import load_environment
@@ -39,7 +39,13 @@ from prime_spmd.inference.engine import InferenceEngine, SamplingParams
 from prime_spmd.log import logger
 from prime_spmd.models.loading import resolve_dtype
 from prime_spmd.rl.loss import make_rl_loss
-from prime_spmd.rl.schedule import batch_after_step, pregenerated_batches, restored_batches, version_of_batch
+from prime_spmd.rl.schedule import (
+    batch_after_step,
+    pregenerated_batches,
+    restored_batches,
+    unreceived_batches_bound,
+    version_of_batch,
+)
 from prime_spmd.trainer.build import build_trainer, prepare_model_dir, set_threads, strip_prefix
 from prime_spmd.trainer.checkpoint import Checkpointer, full_state_dict, latest_checkpoint, save_hf
 from prime_spmd.trainer.packing import pack
@@ -159,8 +165,12 @@ class _InferenceLoop:
         topo = self.ctx.topo
         batch = generate_share(self.cfg, self.env, self.engine, b, version, topo.engine_index, topo.num_engines)
         if topo.is_engine_leader:
-            assert self.ctx.data_bridge is not None
-            self.ctx.data_bridge.isend_object(batch, dst=CONTROLLER_RANK)
+            bridge = self.ctx.data_bridge
+            assert bridge is not None
+            bridge.isend_object(batch, dst=CONTROLLER_RANK)
+            # Release the batches the controller has certainly received (waiting on them returns at
+            # once), so host memory stays flat over the run instead of holding every batch sent.
+            bridge.wait_sends(keep_newest=SENDS_PER_OBJECT * unreceived_batches_bound(self.cfg.rollout.max_async))
 
 
 class _TrainerLoop:
