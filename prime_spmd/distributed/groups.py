@@ -30,7 +30,6 @@ from prime_spmd.config.sections import TopologyConfig
 from prime_spmd.distributed.topology import CONTROLLER_RANK, Topology, plan_topology
 from prime_spmd.log import logger
 
-
 SENDS_PER_OBJECT = 2
 """``Bridge.isend_object`` posts two sends: the length, then the pickled bytes."""
 
