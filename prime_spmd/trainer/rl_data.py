@@ -37,7 +37,10 @@ def rollouts_to_samples(
 
     Failed rollouts (``is_failed``) are dropped before advantages: a group's mean is over its
     surviving samples, a group with none left is dropped. Counted as ``failed_rollouts`` and
-    ``failed_groups``; ``reward_mean`` / ``reward_std`` are over the surviving rollouts.
+    ``failed_groups``; ``reward_mean`` / ``reward_std`` are over the non-failed rollouts.
+    Over-long samples (prompt + completion > ``seq_len``: they cannot be trained) are dropped the same
+    way, before advantages, so that every trained group's advantages sum to zero (mean baseline over
+    what is trained). Counted as ``too_long_samples`` and ``too_long_groups`` (groups left empty).
     """
     for group in batch.groups:
         for r in group:
@@ -47,14 +50,13 @@ def rollouts_to_samples(
     num_failed_groups = sum(1 for g in ok_groups if not g)
     ok_groups = [g for g in ok_groups if g]
     ok = [r for g in ok_groups for r in g]
-    adv = compute_advantages(ok_groups, cfg, max_tokens)
+    fitting = [[r for r in g if len(r.prompt_ids) + len(r.completion_ids) <= seq_len] for g in ok_groups]
+    too_long = len(ok) - sum(len(g) for g in fitting)
+    num_too_long_groups = sum(1 for g in fitting if not g)
+    adv = compute_advantages([g for g in fitting if g], cfg, max_tokens)
     samples: list[Sample] = []
-    too_long = 0
     for r, a in adv.kept:
         ids = r.prompt_ids + r.completion_ids
-        if len(ids) > seq_len:
-            too_long += 1
-            continue
         n_p = len(r.prompt_ids)
         samples.append(
             Sample(
@@ -81,6 +83,7 @@ def rollouts_to_samples(
         "failed_rollouts": float(len(flat) - len(ok)),
         "failed_groups": float(num_failed_groups),
         "too_long_samples": float(too_long),
+        "too_long_groups": float(num_too_long_groups),
         "train_samples": float(len(samples)),
         "generated_tokens": float(sum(sum(r.completion_mask) for r in flat)),
         "completion_len_mean": statistics.fmean(len(r.completion_ids) for r in flat) if flat else 0.0,
