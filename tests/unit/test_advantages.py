@@ -1,0 +1,91 @@
+"""Group-relative advantages (rl/advantages.py) against hand-computed values: mean subtraction,
+--rollout.std_normalize (sample std, n - 1), --rollout.length_penalty, groups of one and
+--rollout.drop_zero_advantage_groups."""
+
+from __future__ import annotations
+
+import pytest
+
+from prime_spmd.config.rl_sections import RolloutConfig
+from prime_spmd.rl.advantages import compute_advantages, shaped_reward
+from prime_spmd.rl.types import Rollout
+
+
+def _r(reward: float, mask: list[int] | None = None, example_id: int = 0, sample_idx: int = 0) -> Rollout:
+    mask = [1, 1] if mask is None else mask
+    return Rollout(
+        example_id=example_id,
+        sample_idx=sample_idx,
+        prompt_ids=[1],
+        completion_ids=[7] * len(mask),
+        completion_mask=mask,
+        inference_logprobs=[-0.5] * len(mask),
+        reward=reward,
+    )
+
+
+def _group(rewards: list[float], example_id: int = 0) -> list[Rollout]:
+    return [_r(x, example_id=example_id, sample_idx=i) for i, x in enumerate(rewards)]
+
+
+def _advs(result) -> list[float]:
+    return [a for _, a in result.kept]
+
+
+def test_mean_subtracted_per_group() -> None:
+    groups = [_group([1.0, 0.0, 0.0, 1.0]), _group([0.2, 0.8, 0.5], example_id=1)]
+    res = compute_advantages(groups, RolloutConfig(std_normalize=False), max_tokens=8)
+    assert _advs(res) == pytest.approx([0.5, -0.5, -0.5, 0.5, -0.3, 0.3, 0.0], abs=1e-12)
+    assert [r.example_id for r, _ in res.kept] == [0] * 4 + [1] * 3
+    assert res.rewards == [1.0, 0.0, 0.0, 1.0, 0.2, 0.8, 0.5]
+    assert (res.num_groups, res.num_dropped_groups) == (2, 0)
+
+
+def test_std_normalize_uses_the_sample_std() -> None:
+    # rewards 1, 0, 0, 0: mean 0.25, deviations 0.75, -0.25 x3; sum of squares 0.75, / (n - 1) = 0.25 -> std 0.5
+    # (the population std sqrt(0.75 / 4) = 0.433 would give 1.732, -0.577)
+    res = compute_advantages([_group([1.0, 0.0, 0.0, 0.0])], RolloutConfig(std_normalize=True), max_tokens=8)
+    assert _advs(res) == pytest.approx([1.5, -0.5, -0.5, -0.5], rel=1e-5)  # the 1e-6 guard is 2e-6 relative
+    # rewards 2, 4 (mean 3, deviations -1, 1, std sqrt(2 / 1)): +-1/sqrt(2)
+    res = compute_advantages([_group([2.0, 4.0])], RolloutConfig(std_normalize=True), max_tokens=8)
+    assert _advs(res) == pytest.approx([-(0.5**0.5), 0.5**0.5], rel=1e-5)
+
+
+@pytest.mark.parametrize("std_normalize", [False, True])
+def test_zero_advantage_groups_are_dropped_or_kept_as_zeros(std_normalize: bool) -> None:
+    # a group of one (its advantage is 0 by definition; std_normalize must not divide by n - 1 = 0),
+    # a group with equal rewards (std 0: no division by ~0 blowing up), and one mixed group
+    groups = [_group([0.7]), _group([1.0, 1.0, 1.0], example_id=1), _group([0.0, 1.0], example_id=2)]
+    mixed = [-0.5, 0.5] if not std_normalize else [-(0.5**0.5), 0.5**0.5]
+    res = compute_advantages(groups, RolloutConfig(std_normalize=std_normalize), max_tokens=8)
+    assert (res.num_groups, res.num_dropped_groups) == (3, 2)
+    assert [r.example_id for r, _ in res.kept] == [2, 2]
+    assert _advs(res) == pytest.approx(mixed, rel=1e-5)
+    assert res.rewards == [0.7, 1.0, 1.0, 1.0, 0.0, 1.0]  # dropped groups' rewards are still reported
+
+    cfg = RolloutConfig(std_normalize=std_normalize, drop_zero_advantage_groups=False)
+    res = compute_advantages(groups, cfg, max_tokens=8)
+    assert (res.num_groups, res.num_dropped_groups) == (3, 0)
+    assert [r.example_id for r, _ in res.kept] == [0, 1, 1, 1, 2, 2]
+    assert _advs(res) == pytest.approx([0.0, 0.0, 0.0, 0.0, *mixed], rel=1e-5, abs=1e-12)
+
+
+def test_length_penalty_counts_sampled_tokens_over_max_tokens() -> None:
+    # 6 completion tokens of which 4 were sampled (mask 1); the environment's 2 do not count
+    r = _r(1.0, mask=[1, 1, 0, 0, 1, 1])
+    assert shaped_reward(r, RolloutConfig(length_penalty=0.5), max_tokens=8) == pytest.approx(1.0 - 0.5 * 4 / 8)
+    assert shaped_reward(r, RolloutConfig(length_penalty=0.0), max_tokens=8) == 1.0
+    assert shaped_reward(r, RolloutConfig(length_penalty=0.5), max_tokens=0) == pytest.approx(1.0 - 0.5 * 4)
+
+
+def test_length_penalty_in_advantages() -> None:
+    # equal rewards, 2 and 6 sampled tokens, penalty 0.4, max_tokens 8: shaped 0.9 and 0.7, so the
+    # group is not dropped and the shorter completion gets the positive advantage
+    group = [_r(1.0, mask=[1, 1], sample_idx=0), _r(1.0, mask=[1] * 6, sample_idx=1)]
+    res = compute_advantages([group], RolloutConfig(length_penalty=0.4), max_tokens=8)
+    assert res.rewards == pytest.approx([0.9, 0.7])
+    assert res.num_dropped_groups == 0
+    assert _advs(res) == pytest.approx([0.1, -0.1])
+    res = compute_advantages([group], RolloutConfig(length_penalty=0.4, std_normalize=True), max_tokens=8)
+    # deviations +-0.1, sample std sqrt(0.02 / 1) = 0.1414: +-1/sqrt(2)
+    assert _advs(res) == pytest.approx([0.5**0.5, -(0.5**0.5)], rel=1e-5)
