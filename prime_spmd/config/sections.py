@@ -263,6 +263,8 @@ class EnvConfig:
     """verifiers envs: limit per reward-function call (past it: reward_timeouts, rollout failed). 0: none."""
     rollout_timeout_s: float = 0.0
     """verifiers envs without their own timeout_seconds: limit per rollout (past it: env_timeouts). 0: none."""
+    train_on_eval_split: bool = False
+    """verifiers envs with no train split: train on the eval split (a warning); otherwise that is an error."""
 
     def __post_init__(self) -> None:
         _check(self.reward_timeout_s >= 0, "env.reward_timeout_s", self.reward_timeout_s, "must be >= 0 (0: no limit)")

@@ -118,6 +118,7 @@ def load_verifiers_environment(cfg: EnvConfig) -> VerifiersEnvironment:
         seed=cfg.seed,
         reward_timeout_s=cfg.reward_timeout_s or None,
         rollout_timeout_s=cfg.rollout_timeout_s or None,
+        train_on_eval_split=cfg.train_on_eval_split,
     )
 
 
@@ -131,6 +132,8 @@ class VerifiersEnvironment(Environment):
     ``engine_thread``: step the engine on a worker thread (``ThreadedAsyncEngine``) so that environment
     code runs while the engine computes; only for engines ``ThreadedAsyncEngine`` allows (the native one).
     Off by default: on the H200 the in-loop driver was faster (docs/benchmarks_envs.md).
+    ``train_on_eval_split``: an environment without a train dataset trains on its eval split (with a
+    warning); without it, asking for the train split of such an environment raises ``ValueError``.
     """
 
     def __init__(
@@ -144,8 +147,10 @@ class VerifiersEnvironment(Environment):
         rollout_timeout_s: float | None = None,
         check_rerender: bool = True,
         engine_thread: bool = False,
+        train_on_eval_split: bool = False,
     ) -> None:
         self.vf_env = vf_env
+        self.train_on_eval_split = train_on_eval_split
         self.engine_thread = engine_thread
         self.name = name
         self.num_eval_examples = num_eval_examples
@@ -163,6 +168,16 @@ class VerifiersEnvironment(Environment):
             if split == "train":
                 ds = self.vf_env.get_dataset() if self.vf_env.build_dataset() is not None else None
                 if ds is None:
+                    if not self.train_on_eval_split:
+                        raise ValueError(
+                            f"environment {self.name!r} has no train split (no `dataset`); training on its "
+                            "eval split would report eval rewards of prompts it trained on. Give it a train "
+                            "dataset, or pass --env.train_on_eval_split true to train on the eval split anyway"
+                        )
+                    logger.warning(
+                        f"environment {self.name!r} has no train split: it trains on its EVAL split "
+                        "(--env.train_on_eval_split); its eval rewards are then not held out"
+                    )
                     ds = self.vf_env.get_eval_dataset()
             else:
                 ds = self.vf_env.get_eval_dataset(n=self.num_eval_examples)
