@@ -38,6 +38,8 @@ import verifiers as vf
 
 from prime_spmd.config.sections import EnvConfig
 from prime_spmd.envs.base import Environment
+from prime_spmd.envs.trajectory import COUNTERS, stitch_turns
+from prime_spmd.envs.trajectory import failed_rollout as _failed_rollout
 from prime_spmd.envs.vf_client import (
     SEED_KEY,
     STATS_KEY,
@@ -50,18 +52,6 @@ from prime_spmd.inference.engine import AsyncEngine, InferenceEngine, SamplingPa
 from prime_spmd.rl.types import Rollout
 
 logger = logging.getLogger("prime_spmd")
-COUNTERS = (
-    "reward_errors",
-    "reward_timeouts",
-    "env_errors",
-    "env_timeouts",
-    "overlong_prompts",
-    "group_errors",
-    "prefix_breaks",
-    "bridge_failures",
-    "rerender_mismatches",
-)
-"""Per-rollout counters always present in ``Rollout.metrics`` (0.0 when nothing happened)."""
 
 
 def parse_env_args(args: dict[str, str]) -> dict[str, Any]:
@@ -303,23 +293,6 @@ def _tools(vf_env: Any) -> list[dict] | None:
     return [{"type": "function", "function": t.model_dump(exclude_none=True)} for t in defs] or None
 
 
-def _failed_rollout(example_id: int, sample_idx: int, prompt_ids: list[int], counter: str) -> Rollout:
-    metrics = {c: 0.0 for c in COUNTERS}
-    metrics[counter] = 1.0
-    metrics["failed"] = 1.0
-    return Rollout(
-        example_id=example_id,
-        sample_idx=sample_idx,
-        prompt_ids=prompt_ids,
-        completion_ids=[],
-        completion_mask=[],
-        inference_logprobs=[],
-        reward=0.0,
-        metrics=metrics,
-        info={"failed": counter},
-    )
-
-
 def output_to_rollout(out: dict[str, Any], example_id: int, sample_idx: int, renderer: ChatRenderer) -> Rollout:
     """One verifiers ``RolloutOutput`` (with the ``trajectory`` state column) as a token-exact ``Rollout``.
 
@@ -336,23 +309,14 @@ def output_to_rollout(out: dict[str, Any], example_id: int, sample_idx: int, ren
             out.get("stop_condition") or "", "env_errors"
         )
         return _failed_rollout(example_id, sample_idx, prompt_ids, counter)
-    first = steps[0]["tokens"]
-    prompt_ids = list(first["prompt_ids"])
-    completion_ids = list(first["completion_ids"])
-    mask = list(first["completion_mask"])
-    logprobs = [float(x) for x in first["completion_logprobs"]]
-    used = 1
-    for step in steps[1:]:
-        tok = step["tokens"]
-        seen = len(prompt_ids) + len(completion_ids)
-        step_prompt = list(tok["prompt_ids"])
-        if step_prompt[: len(prompt_ids)] != prompt_ids or step_prompt[len(prompt_ids) : seen] != completion_ids:
-            break
-        used += 1
-        env_ids = step_prompt[seen:]
-        completion_ids += env_ids + list(tok["completion_ids"])
-        mask += [0] * len(env_ids) + list(tok["completion_mask"])
-        logprobs += [0.0] * len(env_ids) + [float(x) for x in tok["completion_logprobs"]]
+    st = stitch_turns([s["tokens"] for s in steps])
+    prompt_ids, completion_ids, mask, logprobs, used = (
+        st.prompt_ids,
+        st.completion_ids,
+        st.completion_mask,
+        st.logprobs,
+        st.used,
+    )
     metrics = {c: float(stats.get(c, 0)) for c in COUNTERS}
     if out.get("error") is not None:
         metrics["env_errors"] += 1.0
