@@ -91,6 +91,16 @@ class RLJobConfig:
     """Metrics, progress and plots."""
 
     def validate(self) -> None:
+        s = self.sampling
+        for flag, value, off in (("top_k", s.top_k, 0), ("top_p", s.top_p, 1.0), ("min_p", s.min_p, 0.0)):
+            if value != off:
+                # The engine's logprobs are of the filtered distribution; the trainer's are of
+                # softmax(logits / T) over the whole vocabulary: the importance ratio would be biased.
+                raise ValueError(
+                    f"--sampling.{flag}={value}: rl samples without top-k/top-p/min-p filtering, because the "
+                    "trainer computes logprobs of the unfiltered tempered distribution (the importance ratio "
+                    f"would be biased); set --sampling.{flag} {off} (eval may filter)"
+                )
         if self.inference.max_model_len and self.inference.max_model_len < self.trainer.seq_len:
             raise ValueError(
                 f"--inference.max_model_len={self.inference.max_model_len} is shorter than "

@@ -45,6 +45,7 @@ from prime_spmd.envs.vf_client import (
     STATS_KEY,
     ChatRenderer,
     EngineClient,
+    refuse_sampling_overrides,
     to_template_message,
 )
 from prime_spmd.envs.vf_rewards import guard_rubric
@@ -217,7 +218,13 @@ class VerifiersEnvironment(Environment):
     ) -> list[list[Rollout]]:
         """``run_groups`` inside a running event loop; every group runs concurrently."""
         aengine = ThreadedAsyncEngine(engine) if self.engine_thread else AsyncEngine(engine)
-        client = EngineClient(aengine, base=sampling, check_rerender=self.check_rerender, renderer=self._renderer)
+        client = EngineClient(
+            aengine,
+            base=sampling,
+            check_rerender=self.check_rerender,
+            renderer=self._renderer,
+            fixed_sampling=split == "train",
+        )
         self._renderer = client.renderer  # reused by the next call: its prompt cache stays warm
         tasks = [
             self._run_group(client, split, eid, [self._input(split, eid, k, seed) for k in range(group_size)])
@@ -229,6 +236,7 @@ class VerifiersEnvironment(Environment):
             await aengine.aclose()
         if aengine.failure is not None:
             raise RuntimeError("the inference engine failed during verifiers rollouts") from aengine.failure
+        refuse_sampling_overrides(self.name, client.refused_overrides, sampling)
         return groups
 
     def _input(self, split: str, example_id: int, sample_idx: int, seed: int) -> dict[str, Any]:
@@ -240,8 +248,11 @@ class VerifiersEnvironment(Environment):
 
     async def _run_group(self, client: EngineClient, split: str, example_id: int, inputs: list[dict]) -> list[Rollout]:
         try:
+            # The environment's own sampling_args, as vf's generate() would pass them (run_group does
+            # not read them itself); the client refuses distribution changes for training rollouts.
+            sampling_args = copy.deepcopy(getattr(self.vf_env, "sampling_args", None) or {})
             outputs = await self.vf_env.run_group(
-                inputs, client, "prime-spmd", {}, state_columns=["trajectory", STATS_KEY]
+                inputs, client, "prime-spmd", sampling_args, state_columns=["trajectory", STATS_KEY]
             )
         # An exception escaping run_group comes from environment code (env_response, setup_state,
         # a group reward outside the guard); the run goes on with the group failed and counted.

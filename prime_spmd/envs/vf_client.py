@@ -103,6 +103,23 @@ class EngineResponse:
     turn: int
 
 
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p")
+"""Request fields that change the distribution a token is sampled from (and so its logprob)."""
+
+
+def refuse_sampling_overrides(env_name: str, refused: dict[str, float], base: SamplingParams) -> None:
+    """Raise ``ValueError`` when an environment overrode the sampling distribution of training rollouts."""
+    if not refused:
+        return
+    got = ", ".join(f"{k}={v}" for k, v in sorted(refused.items()))
+    run = ", ".join(f"--sampling.{k}={getattr(base, k)}" for k in sorted(refused))
+    raise ValueError(
+        f"environment {env_name!r} sets sampling_args {got} for training rollouts, but the run samples with {run}: "
+        "the trainer's logprobs are of the run's distribution, so the importance ratio would be biased. "
+        "Set the --sampling flags to the environment's values, or drop the override from the environment"
+    )
+
+
 class EngineClient(vf.Client):
     """``vf.Client`` answering chat requests with the in-process engine, token-exact (see module doc).
 
@@ -111,6 +128,9 @@ class EngineClient(vf.Client):
     ``max_completion_tokens``, ``stop``, ``seed``; ``top_k``, ``min_p``, ``chat_template_kwargs`` in
     ``extra_body`` too). ``check_rerender`` also renders each stitched prompt from messages and counts
     disagreements (``rerender_mismatches``); it costs one template render per turn.
+    ``fixed_sampling`` (training rollouts): an override of temperature / top_p / top_k / min_p that
+    differs from ``base`` fails the request and is recorded in ``refused_overrides`` (the trainer's
+    logprobs are of ``base``'s distribution); ``refuse_sampling_overrides`` turns that into an error.
     Runs inside one event loop (the ``AsyncEngine``'s); not thread-safe.
     """
 
@@ -122,10 +142,13 @@ class EngineClient(vf.Client):
         check_rerender: bool = True,
         tool_parser: Any = None,
         renderer: ChatRenderer | None = None,
+        fixed_sampling: bool = False,
     ) -> None:
         super().__init__(engine)
         self.engine = engine
         self.base = base or SamplingParams()
+        self.fixed_sampling = fixed_sampling
+        self.refused_overrides: dict[str, float] = {}
         self.check_rerender = check_rerender
         # A renderer kept across calls (same tokenizer) keeps its prompt cache warm.
         if renderer is None or renderer.tokenizer is not engine.engine.tokenizer:
@@ -199,9 +222,13 @@ class EngineClient(vf.Client):
         sp = dataclasses.replace(self.base, stop=list(self.base.stop), stop_token_ids=list(self.base.stop_token_ids))
         if merged.get("n", 1) not in (1, None):
             raise ValueError(f"sampling_args n={merged['n']}: the engine client returns one completion per request")
-        for key in ("temperature", "top_p", "top_k", "min_p"):
+        for key in SAMPLING_KEYS:
             if merged.get(key) is not None:
-                setattr(sp, key, type(getattr(sp, key))(merged[key]))
+                value = type(getattr(sp, key))(merged[key])
+                if self.fixed_sampling and value != getattr(self.base, key):
+                    self.refused_overrides[key] = value
+                    raise ValueError(f"sampling_args {key}={value} differs from the run's {getattr(self.base, key)}")
+                setattr(sp, key, value)
         max_tokens = merged.get("max_tokens") or merged.get("max_completion_tokens")
         if max_tokens is not None:
             sp.max_tokens = int(max_tokens)
