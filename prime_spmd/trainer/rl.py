@@ -22,6 +22,7 @@ and every rank returns; the job exits 0.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -72,6 +73,13 @@ def batch_example_ids(cfg: RLJobConfig, env: Environment, b: int, engine_index: 
     return ids[engine_index * p // num_engines : (engine_index + 1) * p // num_engines]
 
 
+def batch_seed(seed: int, b: int) -> int:
+    """The seed batch b's requests derive from: (run seed, batch), so a prompt revisited in a later batch
+    (the dataset wrapped around) gets new sampling noise, and a resumed run regenerates batch b exactly."""
+    digest = hashlib.blake2b(f"rl/{seed}/batch/{b}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 def generate_share(
     cfg: RLJobConfig,
     env: Environment,
@@ -85,7 +93,8 @@ def generate_share(
     assert version == version_of_batch(b, cfg.rollout.max_async), (b, version)
     t0 = time.perf_counter()
     ids = batch_example_ids(cfg, env, b, engine_index, num_engines)
-    groups = env.run_groups(engine, "train", ids, cfg.rollout.group_size, sampling_params(cfg), cfg.trainer.seed)
+    seed = batch_seed(cfg.trainer.seed, b)
+    groups = env.run_groups(engine, "train", ids, cfg.rollout.group_size, sampling_params(cfg), seed)
     for g in groups:
         for r in g:
             r.policy_version = version
