@@ -267,7 +267,8 @@ def tiny_model(tmp_path_factory) -> Path:
 
 def test_rl_cli_trains_on_v1_env(tiny_model: Path, tmp_path: Path) -> None:
     """``python -m prime_spmd rl --env.name tests/envs_v1/ps_v1_single.py`` for 3 steps (a world of one):
-    rewards are the taskset's (exact + length_bonus), no rollout fails, the loss is finite, samples train."""
+    rewards are the taskset's (exact + length_bonus), no rollout fails, the loss is finite, samples train;
+    then ``eval`` of its weights on the multi-turn v1 env."""
     out = tmp_path / "rl"
     cmd = [
         sys.executable, "-m", "prime_spmd", "rl", "--model.path", str(tiny_model), "--env.name", SINGLE,
@@ -287,4 +288,26 @@ def test_rl_cli_trains_on_v1_env(tiny_model: Path, tmp_path: Path) -> None:
         assert 0 < r["env/length_bonus"] <= 0.1
         assert r["failed_rollouts"] == 0.0 and r["train_samples"] > 0
         assert r["loss"] == r["loss"] and abs(r["loss"]) < 1e6
+        assert 0 < r["grad_norm"] < 1e6 and r["nonfinite_steps"] == 0  # the v1 rewards moved the weights
     assert m[0]["mismatch_kl"] < 1e-9  # step 0 trains on its own weights' samples: logprobs are the engine's
+
+    # eval of the trained weights with the multi-turn v1 env (in-process).
+    from prime_spmd.config.job import EvalJobConfig
+    from prime_spmd.config.sections import InferenceConfig, LogConfig, ModelConfig, SamplingConfig
+    from prime_spmd.eval import run_eval
+
+    ev = tmp_path / "eval"
+    summary = run_eval(
+        EvalJobConfig(
+            output_dir=str(ev),
+            model=ModelConfig(path=str(out / "hf")),
+            env=EnvConfig(name=GUESS, num_eval_examples=2),
+            sampling=SamplingConfig(max_tokens=6),
+            inference=InferenceConfig(max_batch_size=8, max_model_len=256),
+            log=LogConfig(progress=False, plots=False),
+            samples_per_example=2,
+        )
+    )
+    rows = [json.loads(line) for line in (ev / "samples.jsonl").read_text().splitlines()]
+    assert summary["num_examples"] == 2 and len(rows) == 4
+    assert all("Guess my number" in r["prompt"] and "Wrong (2). Try again." in r["completion"] for r in rows)
