@@ -133,7 +133,7 @@ class V1EngineClient(vf.Client):
     ) -> vf.Response:
         if not isinstance(dialect, ChatDialect):
             raise ProviderError(
-                f"prime-spmd serves the chat-completions dialect only, got {type(dialect).__name__}", 400
+                f"prime-spmd serves the chat-completions dialect only, got {type(dialect).__name__}", status_code=400
             )
         request = dialect.parse_request(body)
         messages = [wire_to_template(message_to_wire(m)) for m in request.messages]
@@ -145,7 +145,12 @@ class V1EngineClient(vf.Client):
         prompt_ids = self._prompt_ids(messages, tools, history, self.stats.setdefault(key, {}), template_kwargs)
         if self.max_model_len is not None and len(prompt_ids) >= self.max_model_len:
             _bump(self.stats[key], "overlong_prompts")
-            raise ProviderError(f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len}", 400)
+            # A clean stop, as the classic bridge's prompt_too_long: a stopped trace's harness may exit non-zero.
+            if turn is not None:
+                turn.trace.stop("prompt_too_long")
+            raise ProviderError(
+                f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len}", status_code=400
+            )
         sp = self.sampling_for(body, key, len(history), len(prompt_ids))
         c = await self.engine.generate(prompt_ids, sp)
         # Content ends at the first end-of-turn token, as the built-in envs score it (the ids keep all).

@@ -28,7 +28,13 @@ from prime_spmd.config.sections import EnvConfig  # noqa: E402
 from prime_spmd.envs.base import completion_text  # noqa: E402
 from prime_spmd.envs.loader import load_environment  # noqa: E402
 from prime_spmd.envs.vf_v1 import V1Environment  # noqa: E402
-from prime_spmd.inference.engine import Completion, InferenceEngine, Request, SamplingParams  # noqa: E402
+from prime_spmd.inference.engine import (  # noqa: E402
+    Completion,
+    InferenceEngine,
+    Request,
+    SamplingParams,
+    render_chat_ids,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SINGLE = "tests/envs_v1/ps_v1_single.py"
@@ -68,8 +74,8 @@ class RecordingEngine(InferenceEngine):
 class ScriptedEngine(InferenceEngine):
     """Emits ``script(prompt_text)`` tokenized, one token per ``step``, logprob -0.1 * (position + 1)."""
 
-    def __init__(self, tokenizer, script: Callable[[str], str]) -> None:
-        self.tokenizer, self.script, self.max_model_len = tokenizer, script, 4096
+    def __init__(self, tokenizer, script: Callable[[str], str], max_model_len: int = 4096) -> None:
+        self.tokenizer, self.script, self.max_model_len = tokenizer, script, max_model_len
         self.waiting: list[Request] = []
         self.running: list[tuple[Request, list[int], list[int]]] = []
         self.log: list[Completion] = []
@@ -235,6 +241,19 @@ def test_sampled_end_of_turn_and_reward(qwen3_tokenizer):
     assert r.inference_logprobs == pytest.approx(first.logprobs + [0.0] * len(env_ids) + second.logprobs)
     assert r.reward == 1.0 and r.metrics["env/solved"] == 1.0 and r.metrics["num_turns"] == 2.0
     assert r.metrics["rerender_mismatches"] == 0.0 and r.info["graph_match"]
+
+
+def test_overlong_prompt_stops_cleanly(qwen3_tokenizer):
+    """Turn 2 would outgrow max_model_len: the rollout stops there (``prompt_too_long``, counted), keeps
+    turn 1 and is scored, not failed (as the classic bridge's OverlongPromptError)."""
+    env = _env(GUESS, num_examples=1)
+    first_len = len(render_chat_ids(qwen3_tokenizer, env.example("train", 0)["prompt"]))
+    engine = ScriptedEngine(qwen3_tokenizer, lambda p: "5<|im_end|>", max_model_len=first_len + 8)
+    (group,) = env.run_groups(engine, "train", [0], 1, SamplingParams(max_tokens=4), seed=0)
+    r = group[0]
+    assert len(engine.log) == 1 and r.completion_ids == engine.log[0].token_ids
+    assert r.metrics["overlong_prompts"] == 1.0 and r.metrics["failed"] == 0.0 and r.metrics["num_turns"] == 1.0
+    assert r.info["stop_condition"] == "prompt_too_long" and r.metrics["env/solved"] == 0.0
 
 
 def test_raising_reward_is_counted(qwen3_tokenizer):
