@@ -9,18 +9,29 @@ from prime_spmd.inference.engine import InferenceEngine
 
 
 def build_engine(
-    inference_cfg: InferenceConfig, model_cfg: ModelConfig, device: torch.device, seq_len: int
+    inference_cfg: InferenceConfig,
+    model_cfg: ModelConfig,
+    device: torch.device,
+    seq_len: int,
+    *,
+    tp: int = 1,
+    seed: int = 0,
 ) -> InferenceEngine:
     """Load the model and tokenizer of ``model_cfg`` and wrap them in the configured engine.
 
     ``seq_len`` is the KV-cache length per sequence unless ``--inference.max_model_len`` is set.
-    The native engine runs in bfloat16 on CUDA and float32 on CPU unless ``--model.dtype`` says otherwise.
+    Both engines run in bfloat16 on CUDA and float32 on CPU unless ``--model.dtype`` says otherwise.
+    ``tp`` (``--topology.engine_tp``) is the vLLM engine's tensor-parallel size; the native engine
+    refuses tp > 1. vLLM: collective over the inference default process group (every inference rank
+    calls this at the same point with the same ``seed``; see ``build_vllm_engine``).
     """
     max_len = inference_cfg.max_model_len or seq_len
     if inference_cfg.engine == "vllm":
-        from prime_spmd.inference.vllm_engine import VLLMEngine
+        from prime_spmd.inference.vllm_engine import build_vllm_engine
 
-        return VLLMEngine.from_config(inference_cfg, model_cfg, max_len)
+        return build_vllm_engine(model_cfg, inference_cfg, device=device, tp=tp, seed=seed, max_model_len=max_len)
+    if tp != 1:
+        raise ValueError(f"--topology.engine_tp={tp} needs --inference.engine=vllm (the native engine runs tp 1)")
     from prime_spmd.inference.native import NativeEngine
     from prime_spmd.models.loading import load_model, load_tokenizer, resolve_dtype
 

