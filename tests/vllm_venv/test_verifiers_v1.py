@@ -361,3 +361,47 @@ def test_rl_cli_trains_on_v1_env(tiny_model: Path, tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (ev / "samples.jsonl").read_text().splitlines()]
     assert summary["num_examples"] == 2 and len(rows) == 4
     assert all("Guess my number" in r["prompt"] and "Wrong (2). Try again." in r["completion"] for r in rows)
+
+
+def _rl(rank: int, world: int, cfg) -> None:
+    from prime_spmd.trainer.rl import run_rl
+
+    run_rl(cfg)
+
+
+def test_rl_disjoint_one_trainer_one_engine(tiny_model: Path, tmp_path: Path) -> None:
+    """The v1 env on an inference rank of its own (weights and rollouts over the bridges), 1 trainer rank."""
+    from prime_spmd.config.job import RLJobConfig
+    from prime_spmd.config.rl_sections import RolloutConfig
+    from prime_spmd.config.sections import (
+        CkptConfig,
+        InferenceConfig,
+        LogConfig,
+        ModelConfig,
+        OptimConfig,
+        SamplingConfig,
+        TopologyConfig,
+        TrainerConfig,
+    )
+    from tests.dist_utils import run_ranks
+
+    out = tmp_path / "disjoint"
+    cfg = RLJobConfig(
+        output_dir=str(out),
+        model=ModelConfig(path=str(tiny_model)),
+        topology=TopologyConfig(num_inference_ranks=1, timeout_s=120),
+        trainer=TrainerConfig(max_steps=3, micro_batch_tokens=640, seq_len=160, seed=1, num_threads=1),
+        optim=OptimConfig(lr=1e-3),
+        rollout=RolloutConfig(prompts_per_step=2, group_size=4, max_async=1),
+        sampling=SamplingConfig(max_tokens=8),
+        inference=InferenceConfig(max_batch_size=8, weight_bucket_mb=1),
+        env=EnvConfig(name=str(ROOT / SINGLE), args={"num_examples": "8"}),
+        ckpt=CkptConfig(interval_steps=0, save_hf=False),
+        log=LogConfig(progress=False, plots=False),
+    )
+    run_ranks(_rl, 2, cfg)
+    m = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["policy_lag_mean"] for r in m] == [0.0, 1.0, 1.0]
+    for r in m:
+        assert r["reward_mean"] == pytest.approx(r["env/exact"] + r["env/length_bonus"], abs=1e-9)
+        assert r["failed_rollouts"] == 0.0 and r["train_samples"] > 0 and r["grad_norm"] > 0
