@@ -131,6 +131,8 @@ class V1EngineClient(vf.Client):
         turn: Any = None,
         headers: Any = None,
     ) -> vf.Response:
+        """One model call of rollout ``session_id`` (the trace id), from the interception server: render or
+        stitch the prompt, sample it on the engine, record the turn, return the engine's ids and logprobs."""
         if not isinstance(dialect, ChatDialect):
             raise ProviderError(
                 f"prime-spmd serves the chat-completions dialect only, got {type(dialect).__name__}", status_code=400
