@@ -189,9 +189,9 @@ def main() -> None:
         barrier()
         t0 = time.perf_counter()
         if topo.mode == "colocated":
-            dt = sender.copy_to(engine)
+            dt = sender.copy_to(engine, version=it)
         elif topo.is_trainer:
-            dt = sender.send(bridge, device)
+            dt = sum(sender.send(bridge, device, version=it))
         else:
             dt = receiver.recv(bridge)
         _sync_cuda(device)

@@ -69,6 +69,14 @@ def plan_buckets(spec: WeightSpec, bucket_bytes: int) -> list[list[int]]:
     return buckets
 
 
+def elapsed_s(t0: float, device: torch.device) -> float:
+    """Seconds since ``t0`` (``time.perf_counter``), after the device finished the queued work: NCCL ops
+    and copies return to the host before the GPU ran them, so host time alone undercounts a sync."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     return int(torch.Size(shape).numel())
 
@@ -178,35 +186,47 @@ class WeightSender:
         return True
 
     @torch.no_grad()
-    def send(self, bridge: Bridge | None, device: torch.device) -> float:
-        """Broadcast the current weights to the inference ranks; returns seconds spent."""
+    def send(self, bridge: Bridge | None, device: torch.device, version: int) -> tuple[float, float]:
+        """Broadcast the current weights, as weights version ``version``, to the inference ranks.
+
+        Every trainer rank calls it; only the controller has a bridge. Returns (wait s, transfer s) with the
+        device work included: the wait is the one-number version header, which completes only once every
+        inference rank finished its generation and posted the receive; the transfer is the rest.
+        """
         t0 = time.perf_counter()
+        wait_s = 0.0
         params = [p for _, p in hf_named_parameters(self.lm)]
         bufs: dict = {}
         stage = None
         if self.rank == CONTROLLER_RANK:
             assert bridge is not None
+            # a header first: the receivers report the version they hold, which the schedule checks
+            bridge.broadcast(torch.tensor([version], dtype=torch.int64, device=device), src=CONTROLLER_RANK)
+            wait_s = elapsed_s(t0, device)
             stage = torch.empty(self._max_bucket, dtype=self.spec.dtype, device=device)
         for b in range(len(self.buckets)):
             flat = stage[: self._offsets[b][1]] if stage is not None else None
             self._gather(b, params, flat, bufs)
             if flat is not None:
                 bridge.broadcast(flat, src=CONTROLLER_RANK)
-        return time.perf_counter() - t0
+        return wait_s, elapsed_s(t0, device) - wait_s
 
     @torch.no_grad()
-    def copy_to(self, engine: InferenceEngine) -> float:
-        """Colocated mode: load the current full weights into this rank's engine in place."""
+    def copy_to(self, engine: InferenceEngine, version: int) -> float:
+        """Colocated mode: load the current full weights into this rank's engine in place and mark them
+        as weights version ``version``; returns seconds spent (device work included)."""
         t0 = time.perf_counter()
         named = hf_named_parameters(self.lm)
         params = [p for _, p in named]
+        device = self._device(params)
         if self._single_rank(params):
             # nothing to gather: one load_weights call (one cache reset), straight from the parameters
             engine.load_weights(
                 (name, (p.to_local() if hasattr(p, "to_local") else p).detach().to(self.spec.dtype))
                 for name, p in named
             )
-            return time.perf_counter() - t0
+            engine.weights_version = version
+            return elapsed_s(t0, device)
         bufs: dict = {}
         stage = torch.empty(self._max_bucket, dtype=self.spec.dtype, device=self._device(params))
 
@@ -220,7 +240,8 @@ class WeightSender:
                     yield self.spec.names[i], flat[offs[j] : offs[j] + n].view(self.spec.shapes[i])
 
         engine.load_weights(weights())  # consumes each bucket's views before the next gather reuses `stage`
-        return time.perf_counter() - t0
+        engine.weights_version = version
+        return elapsed_s(t0, device)
 
 
 class WeightReceiver:
@@ -234,11 +255,16 @@ class WeightReceiver:
 
     @torch.no_grad()
     def recv(self, bridge: Bridge) -> float:
+        """Receive one ``WeightSender.send`` into the engine; sets ``engine.weights_version`` to the version
+        the trainer sent once every bucket is loaded. Returns seconds spent (device work included)."""
         t0 = time.perf_counter()
+        header = torch.zeros(1, dtype=torch.int64, device=self.device)
+        bridge.broadcast(header, src=CONTROLLER_RANK)
         stage = torch.empty(self._max_bucket, dtype=self.spec.dtype, device=self.device)  # reused by every bucket
         for idx, sizes in zip(self.buckets, self._sizes):
             flat = stage[: sum(sizes)]
             bridge.broadcast(flat, src=CONTROLLER_RANK)
             views = flat.split(sizes)
             self.engine.load_weights((self.spec.names[i], v.view(self.spec.shapes[i])) for i, v in zip(idx, views))
-        return time.perf_counter() - t0
+        self.engine.weights_version = int(header.item())
+        return elapsed_s(t0, self.device)

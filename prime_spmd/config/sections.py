@@ -60,12 +60,15 @@ class TopologyConfig:
     """Collective backend: auto is nccl on CUDA, gloo on CPU."""
     timeout_s: int = 1800
     """Collective timeout: a rank stuck this long in a collective fails the job instead of hanging."""
+    bridge_timeout_s: int = 0
+    """Timeout of the cross-role bridges (a controller waits there for a whole generation). 0: timeout_s + 1 s per --sampling.max_tokens."""
 
     def __post_init__(self) -> None:
         _check(self.num_inference_ranks >= 0, "topology.num_inference_ranks", self.num_inference_ranks, "must be >= 0")
         _check(self.engine_tp >= 1, "topology.engine_tp", self.engine_tp, "must be >= 1")
         _check(self.ep >= 1, "topology.ep", self.ep, "must be >= 1")
         _check(self.timeout_s > 0, "topology.timeout_s", self.timeout_s, "must be > 0")
+        _check(self.bridge_timeout_s >= 0, "topology.bridge_timeout_s", self.bridge_timeout_s, "must be >= 0 (0: auto)")
         if self.num_inference_ranks % self.engine_tp:
             raise ValueError(
                 f"--topology.num_inference_ranks={self.num_inference_ranks} is not a multiple of "

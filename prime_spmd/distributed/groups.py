@@ -64,7 +64,7 @@ class Bridge:
             who = f"peer rank {peer}" if peer is not None else f"ranks {self.members}"
             raise RuntimeError(
                 f"bridge {self.name!r} on rank {self.rank}: {op} with {who} failed (a peer died, or did not "
-                "answer within --topology.timeout_s)"
+                "answer within --topology.bridge_timeout_s)"
             ) from e
 
     def _idx(self, global_rank: int) -> int:
@@ -180,8 +180,11 @@ def _store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
     return store
 
 
-def init_distributed(cfg: TopologyConfig) -> DistContext:
+def init_distributed(cfg: TopologyConfig, bridge_timeout_s: float | None = None) -> DistContext:
     """Plan roles from RANK/WORLD_SIZE and build this rank's default group and bridges.
+
+    ``bridge_timeout_s`` (None: ``cfg.timeout_s``) is the bridges' watchdog: a rank waits there for the
+    other role's whole step (the controller for a generation), which can outlast any collective.
 
     Every rank of the job calls it once, at start. Side effects: initializes the default process
     group (the role's world), sets the CUDA device.
@@ -207,10 +210,11 @@ def init_distributed(cfg: TopologyConfig) -> DistContext:
     if topo.mode == "disjoint":
         weight_members = [CONTROLLER_RANK] + topo.inference_ranks
         data_members = [CONTROLLER_RANK] + topo.engine_leaders
+        bridge_timeout = timedelta(seconds=bridge_timeout_s or cfg.timeout_s)
         if rank in weight_members:
-            ctx.weight_bridge = Bridge("weights", store, weight_members, rank, backend, timeout)
+            ctx.weight_bridge = Bridge("weights", store, weight_members, rank, backend, bridge_timeout)
         if rank in data_members:
-            ctx.data_bridge = Bridge("data", store, data_members, rank, "gloo", timeout)
+            ctx.data_bridge = Bridge("data", store, data_members, rank, "gloo", bridge_timeout)
     logger.info(
         f"topology: {topo.mode}, world {world_size}: trainer ranks {topo.trainer_ranks}, "
         f"inference ranks {topo.inference_ranks} ({topo.num_engines} engine(s) x tp {topo.engine_tp}), backend {backend}"

@@ -89,15 +89,25 @@ def generate_share(
     engine_index: int,
     num_engines: int,
 ) -> Batch:
-    """Generate and score this engine's share of batch b with weights version ``version``."""
+    """Generate and score this engine's share of batch b with weights version ``version`` (the schedule's).
+
+    Raises ``RuntimeError`` when the engine holds another version (a weight update that did not arrive,
+    or arrived twice); every rollout carries the version the engine reported.
+    """
     assert version == version_of_batch(b, cfg.rollout.max_async), (b, version)
+    if engine.weights_version != version:
+        raise RuntimeError(
+            f"batch {b}: the engine holds weights version {engine.weights_version}, but the schedule generates "
+            f"it with version {version} (max_async {cfg.rollout.max_async})"
+        )
     t0 = time.perf_counter()
     ids = batch_example_ids(cfg, env, b, engine_index, num_engines)
     seed = batch_seed(cfg.trainer.seed, b)
     groups = env.run_groups(engine, "train", ids, cfg.rollout.group_size, sampling_params(cfg), seed)
+    assert engine.weights_version == version, "weights changed during generation"
     for g in groups:
         for r in g:
-            r.policy_version = version
+            r.policy_version = engine.weights_version
     return Batch(index=b, groups=groups, gen_time_s=time.perf_counter() - t0)
 
 
@@ -118,6 +128,12 @@ def _attempt() -> str:
 def _go_key(j: int) -> str:
     """Store key the controller sets after step j in disjoint mode: b"go" or b"stop"."""
     return f"rl/{_attempt()}/go/{j}"
+
+
+def bridge_timeout_s(cfg: RLJobConfig) -> float:
+    """Watchdog of the cross-role bridges: --topology.bridge_timeout_s, or (0) --topology.timeout_s plus
+    1 s per --sampling.max_tokens token, since a controller waits on the bridge for a whole generation."""
+    return cfg.topology.bridge_timeout_s or cfg.topology.timeout_s + 1.0 * cfg.sampling.max_tokens
 
 
 def _stop_request_key() -> str:
@@ -209,12 +225,17 @@ class _TrainerLoop:
             )
 
     # ---- weights and batches ----------------------------------------------------------------
-    def sync_weights(self) -> float:
-        """Collective over trainer ranks (+ the weight bridge in disjoint mode)."""
+    def sync_weights(self, version: int) -> tuple[float, float]:
+        """Send weights ``version``; collective over trainer ranks (+ the weight bridge in disjoint mode).
+
+        Returns (wait s, transfer s): in disjoint mode the broadcast cannot complete before every inference
+        rank finished the batch it is generating and posted its receive; the trainer idles for that wait
+        (docs/architecture.md), which ``WeightSender.send`` times apart from the transfer.
+        """
         if self.colocated:
             assert self.engine is not None
-            return self.sender.copy_to(self.engine)
-        return self.sender.send(self.ctx.weight_bridge, self.ctx.device)
+            return 0.0, self.sender.copy_to(self.engine, version)
+        return self.sender.send(self.ctx.weight_bridge, self.ctx.device, version)
 
     def generate_colocated(self, b: int, version: int) -> None:
         """Every rank generates its share of batch b; the controller gathers them (default group)."""
@@ -250,7 +271,7 @@ class _TrainerLoop:
         if not self.colocated and topo.is_controller:
             assert self.ctx.weight_bridge is not None
             self.ctx.weight_bridge.broadcast_object(self.sender.spec, src=CONTROLLER_RANK, device=self.ctx.device)
-        self.sync_weights()  # w_start
+        self.sync_weights(start)  # w_start
         if self.colocated:
             for b in pregenerated_batches(start, k, n):
                 self.generate_colocated(b, version_of_batch(b, k))
@@ -312,7 +333,7 @@ class _TrainerLoop:
         )
         self.stop_agreed = stats["stop"] > 0 and j + 1 < n
         train_s = time.perf_counter() - t_train
-        sync_s, gen_s = 0.0, 0.0
+        sync_wait_s, sync_s, gen_s = 0.0, 0.0, 0.0
         b = batch_after_step(j, k, n)
         try:
             self.guard.update(j, stats["nonfinite"] > 0)
@@ -321,7 +342,7 @@ class _TrainerLoop:
                 failed = self.guard.max_skipped_steps and self.guard.in_a_row >= self.guard.max_skipped_steps
                 self.ctx.store.set(_go_key(j), "stop" if self.stop_agreed or failed else "go")
         if b is not None and not self.stop_agreed:
-            sync_s = self.sync_weights()
+            sync_wait_s, sync_s = self.sync_weights(j + 1)
             if self.colocated:
                 t0 = time.perf_counter()
                 self.generate_colocated(b, j + 1)
@@ -344,6 +365,7 @@ class _TrainerLoop:
             "empty_batch": stats["empty_batch"],
             "train_time_s": train_s,
             "weight_sync_s": sync_s,
+            "weight_sync_wait_s": sync_wait_s,
             "wait_s": wait,
             "step_time_s": step_s,
             "gen_tokens_per_s": bm["generated_tokens"] / step_s,
@@ -403,7 +425,7 @@ def run_rl(cfg: RLJobConfig) -> dict[str, float]:
 
 def _run_rl(cfg: RLJobConfig, stop: StopSignal) -> dict[str, float]:
     set_threads(cfg.trainer.num_threads)
-    ctx = init_distributed(cfg.topology)
+    ctx = init_distributed(cfg.topology, bridge_timeout_s=bridge_timeout_s(cfg))
     topo = ctx.topo
     out = Path(cfg.output_dir)
     if topo.rank == 0:

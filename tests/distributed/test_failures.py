@@ -4,7 +4,7 @@
   closed/reset by peer", rank 0 exits non-zero, both agents exit non-zero within seconds; the killed rank's
   agent names it (rank 1, SIGKILL) as its root cause.
 - The inference rank hangs (a fault hook, below, sleeps forever in generation): the controller's
-  weight broadcast times out after --topology.timeout_s, node 0's agent exits; node 1's agent loses
+  weight broadcast times out after --topology.bridge_timeout_s, node 0's agent exits; node 1's agent loses
   the rendezvous store node 0 hosted and stops its hung worker with SIGTERM. Bound: timeout_s + ~1 s.
   (Not covered, and not handled by torchrun: every rank of the store-hosting node hung outside a
   collective; there srun --kill-on-bad-exit or the Job's backoffLimit 0 ends the job, see docs/scaling.md.)
@@ -36,7 +36,8 @@ def _agents_argv(entry: list[str], port: int, out: Path, timeout_s: int) -> list
     job = [
         *entry, "rl", "--config", "configs/reverse_text/rl.toml", "--output_dir", str(out),
         "--model.path", str(out.parent / "model"), "--trainer.max_steps", "400", "--ckpt.interval_steps", "0",
-        "--topology.num_inference_ranks", "1", "--topology.timeout_s", str(timeout_s), *SMALL_RL_FLAGS,
+        "--topology.num_inference_ranks", "1", "--topology.timeout_s", str(timeout_s),
+        "--topology.bridge_timeout_s", str(timeout_s), *SMALL_RL_FLAGS,
     ]  # fmt: skip
     return [
         ["torchrun", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
@@ -120,7 +121,7 @@ def test_hung_inference_rank_times_out_and_ends_every_agent(tmp_path: Path) -> N
     elapsed = time.monotonic() - t0
     everything = "\n".join(p.read_text() for p in logs)
     assert None not in codes and all(c != 0 for c in codes), (codes, everything)
-    # timeout_s for rank 0's bridge op; node 1's agent then loses the store and sends its hung worker
+    # bridge_timeout_s for rank 0's bridge op; node 1's agent then loses the store and sends its hung worker
     # SIGTERM, which the worker takes as "stop at the next step boundary" (graceful stop, docs/resume.md)
     # and, being hung, never reaches: torchrun SIGKILLs it after its 30 s grace. Measured 38 s.
     assert TIMEOUT_S <= elapsed < TIMEOUT_S + 30 + 20, elapsed

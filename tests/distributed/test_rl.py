@@ -111,11 +111,11 @@ def _sync(rank: int, world: int, cfg: RLJobConfig) -> dict[str, torch.Tensor] | 
         train_step(parts.policy, parts.optimizer, parts.scheduler, mbs, sft_loss, device=ctx.device)
         sender = WeightSender(parts.policy.lm, torch.float32, bucket, topo.rank)
         if topo.mode == "colocated":
-            sender.copy_to(engine)
+            sender.copy_to(engine, version=1)
         else:
             if topo.is_controller:
                 ctx.weight_bridge.broadcast_object(sender.spec, src=CONTROLLER_RANK, device=ctx.device)
-            sender.send(ctx.weight_bridge, ctx.device)
+            sender.send(ctx.weight_bridge, ctx.device, version=1)
         sd = strip_prefix(full_state_dict(parts.policy))
         if topo.is_controller:
             out = {"trainer": sd}
@@ -123,6 +123,7 @@ def _sync(rank: int, world: int, cfg: RLJobConfig) -> dict[str, torch.Tensor] | 
         if topo.mode == "disjoint":
             spec = ctx.weight_bridge.broadcast_object(None, src=CONTROLLER_RANK, device=ctx.device)
             WeightReceiver(spec, bucket, engine, ctx.device).recv(ctx.weight_bridge)
+        assert engine.weights_version == 1, engine.weights_version
         eng = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
         out = {**(out or {}), "engine": eng}
     ctx.close()

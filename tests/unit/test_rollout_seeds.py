@@ -32,6 +32,7 @@ def test_revisited_prompt_gets_new_noise_and_same_batch_repeats(tmp_path) -> Non
     assert batch_example_ids(cfg, env, 0, 0, 1) == batch_example_ids(cfg, env, 1, 0, 1) == [0, 1]
 
     def completions(b: int) -> list[list[int]]:
+        engine.weights_version = b  # max_async 0: batch b is generated with w_b
         return [r.completion_ids for g in generate_share(cfg, env, engine, b, b, 0, 1).groups for r in g]
 
     first, revisit, again = completions(0), completions(1), completions(0)
