@@ -46,6 +46,8 @@ def field_docs(cls: type) -> dict[str, str]:
 def _type(tp: typing.Any) -> str:
     if typing.get_origin(tp) is typing.Literal:
         return " \\| ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is list:
+        return f"list[{_type(typing.get_args(tp)[0])}]"
     return getattr(tp, "__name__", str(tp)).replace("|", "\\|")
 
 
@@ -86,6 +88,13 @@ def render() -> str:
             if dataclasses.is_dataclass(sec) and sec not in seen:
                 seen.add(sec)
                 out += [f"### `[{f.name}]` {sec.__name__}", "", *render_section(sec, f.name + "."), ""]
+                sub_hints = typing.get_type_hints(sec)
+                for g in dataclasses.fields(sec):  # nested sections, e.g. [model.lora]
+                    sub = sub_hints[g.name]
+                    if dataclasses.is_dataclass(sub) and sub not in seen:
+                        seen.add(sub)
+                        path = f"{f.name}.{g.name}"
+                        out += [f"### `[{path}]` {sub.__name__}", "", *render_section(sub, path + "."), ""]
     return "\n".join(out).rstrip() + "\n"
 
 

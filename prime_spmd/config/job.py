@@ -101,6 +101,12 @@ class RLJobConfig:
                     "trainer computes logprobs of the unfiltered tempered distribution (the importance ratio "
                     f"would be biased); set --sampling.{flag} {off} (eval may filter)"
                 )
+        if self.model.lora.rank and self.inference.engine == "vllm":
+            raise ValueError(
+                f"--model.lora.rank={self.model.lora.rank} with --inference.engine=vllm is not supported yet "
+                "(adapter sync into vLLM's LoRA support is not wired; docs/lora.md): use --inference.engine=native "
+                "or --model.lora.rank=0"
+            )
         if self.inference.max_model_len and self.inference.max_model_len < self.trainer.seq_len:
             raise ValueError(
                 f"--inference.max_model_len={self.inference.max_model_len} is shorter than "
@@ -134,6 +140,11 @@ class EvalJobConfig:
     """Sampling seed."""
 
     def validate(self) -> None:
+        if self.model.lora.rank:
+            raise ValueError(
+                f"--model.lora.rank={self.model.lora.rank}: eval runs a plain model; evaluate the merged export of "
+                "a LoRA run (<output_dir>/hf) with --model.lora.rank=0"
+            )
         if self.samples_per_example < 1:
             raise ValueError(f"--samples_per_example={self.samples_per_example} is invalid: must be >= 1")
 

@@ -39,6 +39,11 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
         if not isinstance(value, dict):
             raise bad
         return {str(k): str(v) for k, v in value.items()}
+    if origin is list:
+        if not isinstance(value, list):
+            raise bad
+        (arm,) = get_args(tp)
+        return [_coerce(v, arm, f"{key}[{i}]", source) for i, v in enumerate(value)]
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
         for arm in get_args(tp):
             try:

@@ -16,6 +16,34 @@ def _check(cond: bool, flag: str, value: object, rule: str) -> None:
         raise ValueError(f"--{flag}={value!r} is invalid: {rule}")
 
 
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(kw_only=True, slots=True)
+class LoraConfig:
+    rank: int = 0
+    """LoRA rank r of the adapters (0: off, train every weight); with r > 0 only the adapters train (docs/lora.md)."""
+    alpha: float = 16.0
+    """LoRA alpha: the adapter update is scaled by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input during training (0: off; RL with dropout > 0 biases the importance ratio)."""
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_DEFAULT_TARGETS))
+    """nn.Linear modules to adapt, by name suffix (q_proj matches model.layers.0.self_attn.q_proj); stacked MoE experts are never adapted."""
+
+    def __post_init__(self) -> None:
+        _check(self.rank >= 0, "model.lora.rank", self.rank, "must be >= 0 (0: LoRA off)")
+        _check(math.isfinite(self.alpha) and self.alpha > 0, "model.lora.alpha", self.alpha, "must be a number > 0")
+        _check(0 <= self.dropout < 1, "model.lora.dropout", self.dropout, "must be in [0, 1)")
+        targets = list(self.target_modules)
+        _check(bool(targets), "model.lora.target_modules", targets, "name at least one linear module, e.g. q_proj")
+        bad = [t for t in targets if not t or t != t.strip() or t.startswith(".") or t.endswith(".")]
+        _check(
+            not bad, "model.lora.target_modules", targets, f"{bad} are not module names (e.g. q_proj, self_attn.o_proj)"
+        )
+        dupes = sorted({t for t in targets if targets.count(t) > 1})
+        _check(not dupes, "model.lora.target_modules", targets, f"{dupes} listed twice")
+
+
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
     path: str = ""
@@ -34,6 +62,8 @@ class ModelConfig:
     """Allow model code from the model directory (transformers trust_remote_code)."""
     router_aux_loss_coef: float | None = None
     """MoE: weight of the router load-balance loss added to the training loss (None: the HF config's router_aux_loss_coef; 0: off)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters (off unless --model.lora.rank > 0)."""
 
     def __post_init__(self) -> None:
         _check(bool(self.path), "model.path", self.path, "set it to a local model directory or hub id")

@@ -13,7 +13,9 @@ from prime_spmd.config.sections import ModelConfig, OptimConfig, TrainerConfig
 from prime_spmd.distributed.fsdp import parallelize, unwrapped_name
 from prime_spmd.distributed.groups import DistContext
 from prime_spmd.distributed.mesh import build_trainer_mesh
+from prime_spmd.log import logger
 from prime_spmd.models.loading import load_model, load_tokenizer, maybe_build_tiny, resolve_dtype
+from prime_spmd.models.lora import apply_lora
 from prime_spmd.trainer.optim import build_optimizer, build_scheduler
 from prime_spmd.trainer.policy import PolicyModel, decoder_layer_lists, resolve_loss_impl, resolve_router_aux_coef
 
@@ -50,7 +52,8 @@ def set_threads(num_threads: int) -> None:
 def build_trainer(
     model_cfg: ModelConfig, trainer_cfg: TrainerConfig, optim_cfg: OptimConfig, ctx: DistContext
 ) -> TrainerParts:
-    """Load the LM (fp32 master weights), apply EP (ep > 1), AC and FSDP2, build AdamW + schedule.
+    """Load the LM (fp32 master weights), add LoRA adapters (--model.lora.rank > 0: only they train), apply
+    EP (ep > 1), AC and FSDP2, build AdamW (trainable parameters only) + schedule.
 
     Collective over the trainer role: every trainer rank calls it.
     """
@@ -60,6 +63,14 @@ def build_trainer(
     lm = load_model(model_cfg, device, dtype=torch.float32)
     if getattr(lm, "config", None) is not None:
         lm.config.use_cache = False
+    if model_cfg.lora.rank:  # before FSDP2: the adapters are sharded with their block (docs/lora.md)
+        adapted = apply_lora(lm, model_cfg.lora, seed=trainer_cfg.seed, base_model=model_cfg.path)
+        num_trainable = sum(p.numel() for p in lm.parameters() if p.requires_grad)
+        num_total = sum(p.numel() for p in lm.parameters())
+        logger.info(
+            f"LoRA r={model_cfg.lora.rank} alpha={model_cfg.lora.alpha} on {len(adapted)} modules: "
+            f"{num_trainable:,} trainable of {num_total:,} parameters"
+        )
     router_aux_coef = resolve_router_aux_coef(model_cfg.router_aux_loss_coef, lm)
     policy = PolicyModel(lm, resolve_loss_impl(trainer_cfg.loss_impl, device), router_aux_coef)
     mesh = build_trainer_mesh(ctx.topo, device)

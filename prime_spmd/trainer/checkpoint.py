@@ -8,6 +8,10 @@ Layout of ``<output_dir>/checkpoints/``:
 - ``step_000010.tmp/``: being written. A checkpoint is written under the .tmp name and renamed
   by rank 0 after every rank finished (rename is atomic), so a kill mid-write never leaves a
   corrupt checkpoint under a complete name; stale .tmp dirs are deleted at the next start.
+
+LoRA (docs/lora.md): ``dcp/`` holds the trainable parameters (the adapters) and their optimizer state
+only; the frozen base is reloaded from --model.path on resume. Each checkpoint also holds
+``adapter/`` in PEFT's layout, and ``save_hf`` writes the merged model plus ``<run>/adapter``.
 """
 
 from __future__ import annotations
@@ -33,6 +37,16 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from prime_spmd.log import logger
+
+
+def _has_frozen(model: nn.Module) -> bool:
+    return any(not p.requires_grad for p in model.parameters())
+
+
+def _options(model: nn.Module) -> StateDictOptions:
+    """Frozen parameters (the LoRA base) stay out of checkpoints: they are reloaded from the model dir."""
+    frozen = _has_frozen(model)
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
 
 def _barrier() -> None:
@@ -92,9 +106,10 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
         torch.save(rng_state(), tmp / f"rng_rank{self.rank}.pt")
+        _save_adapter_if_lora(model, tmp / "adapter", self.rank)
         _barrier()
         if self.rank == 0:
             for name, data in (blobs or {}).items():
@@ -112,10 +127,11 @@ class Checkpointer:
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Load model + optimizer shards and this rank's RNG; return the saved controller state."""
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        options = _options(model)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         sd = {"model": model_sd, "optim": optim_sd}
         dcp.load(sd, checkpoint_id=str(path / "dcp"))
-        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=options)
         rng_file = path / f"rng_rank{self.rank}.pt"
         if rng_file.is_file():
             set_rng_state(torch.load(rng_file, weights_only=False))
@@ -153,12 +169,33 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def _save_adapter_if_lora(model: nn.Module, out_dir: Path, rank: int) -> None:
+    """LoRA: gather the adapters (collective over the trainer role: every trainer rank calls it) and
+    write them in PEFT's layout on trainer rank 0. Does nothing without LoRA."""
+    from prime_spmd.distributed.fsdp import unwrapped_name
+    from prime_spmd.models.lora import lora_modules, save_adapter
+
+    lm = getattr(model, "lm", model)
+    if not lora_modules(lm):
+        return
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    sd = {unwrapped_name(k).removeprefix("lm."): v for k, v in get_model_state_dict(model, options=options).items()}
+    if rank == 0:
+        save_adapter(sd, lm.lora_config, lm.lora_base_model, out_dir)
+
+
 def save_hf(lm: nn.Module, state_dict: dict[str, torch.Tensor], out_dir: str | Path, tokenizer=None) -> Path:
     """Write HF-format safetensors that ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads.
 
     ``state_dict`` has the LM's own (HF) parameter names. Written to a temp dir and renamed.
-    Call on one rank only.
+    LoRA (adapters in ``state_dict``): the merged model goes to ``out_dir`` and the adapters, in
+    PEFT's layout, to ``<out_dir>/../adapter``. Call on one rank only.
     """
+    from prime_spmd.models.lora import is_adapter, lora_scale, merge_state_dict, save_adapter
+
+    if any(is_adapter(k) for k in state_dict):
+        save_adapter(state_dict, lm.lora_config, lm.lora_base_model, Path(out_dir).with_name("adapter"))
+        state_dict = merge_state_dict(state_dict, lora_scale(lm))
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
