@@ -20,6 +20,8 @@ class AdvantageResult:
 
 
 def shaped_reward(r: Rollout, cfg: RolloutConfig, max_tokens: int) -> float:
+    """``reward - length_penalty * sampled tokens / max(max_tokens, 1)``; sampled tokens are
+    ``sum(completion_mask)`` (an environment's tokens between turns do not count)."""
     if not cfg.length_penalty:
         return r.reward
     return r.reward - cfg.length_penalty * sum(r.completion_mask) / max(max_tokens, 1)
@@ -27,6 +29,9 @@ def shaped_reward(r: Rollout, cfg: RolloutConfig, max_tokens: int) -> float:
 
 def compute_advantages(groups: list[list[Rollout]], cfg: RolloutConfig, max_tokens: int) -> AdvantageResult:
     """Advantage = reward - group mean (divided by the group's std with --rollout.std_normalize).
+
+    Rewards are ``shaped_reward``'s. The std is the sample std (n - 1 in the denominator) plus 1e-6;
+    a group of one is not divided (its advantage is 0).
 
     Groups whose advantages are all zero (every sample got the same reward) are dropped and counted
     when --rollout.drop_zero_advantage_groups is set.

@@ -1,5 +1,8 @@
 """An RL step's loss and gradients are the same with every logprob/loss implementation
-(reference, chunked, Triton under the interpreter, loss-fused) on a tiny model."""
+(reference, chunked, Triton under the interpreter, loss-fused) on a tiny model.
+
+Every impl calls the same ``RLLoss.token_loss``, so this cannot catch a wrong formula: that is
+tests/unit/test_loss_formula.py (hand-computed values) and tests/distributed/test_loss_normalization.py."""
 
 from __future__ import annotations
 
@@ -46,6 +49,13 @@ def test_rl_step_matches_reference(tmp_path, impl: str) -> None:
     (mb,) = pack(samples, 64, 1)[0]
     loss = RLLoss(LossConfig())
     ref_loss, ref_grads = _loss_and_grads(lm, "reference", mb, loss)
+    # not vacuous: both advantage signs, and the fused path sees masked and kept trained tokens
+    adv = mb.fields["advantages"][mb.loss_mask]
+    assert (adv > 0).any() and (adv < 0).any()
+    lp, _ = PolicyModel(copy.deepcopy(lm)).logprobs(mb.input_ids, mb.position_ids, mb.targets, 0.8)
+    fields = {**mb.fields, "loss_mask": mb.loss_mask.float()}
+    masked = loss.stats(lp.detach(), torch.zeros_like(lp), fields)["masked_tokens"]
+    assert 0 < masked < mb.loss_mask.sum(), masked
     got_loss, got_grads = _loss_and_grads(lm, impl, mb, loss)
     # fp32 everywhere: measured max relative error (loss and grads) 6.7e-7 (2026-12-02); 1e-4 leaves margin.
     torch.testing.assert_close(got_loss, ref_loss, rtol=1e-5, atol=1e-6)
