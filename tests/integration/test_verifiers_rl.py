@@ -58,7 +58,6 @@ def _check_rubric_metrics(m: list[dict], steps: int, k: int) -> None:
         assert 0 < r["env/length_bonus"] <= 0.1
         assert r["failed_rollouts"] == 0.0 and r["env/reward_errors"] == 0.0
         assert r["train_samples"] > 0 and r["loss"] == r["loss"]
-        assert r["mismatch_kl"] >= 0
     # Step 0 trains on a batch generated with the weights being trained: no mismatch (fp32, CPU).
     assert m[0]["mismatch_kl"] < 1e-9
 

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import re
+import time
 
 import numpy as np
 import pytest
@@ -117,6 +118,11 @@ def test_wandb_offline(tmp_path, monkeypatch):
     run_id = (tmp_path / "run" / WANDB_ID_FILE).read_text().strip()
     files = list(wandb_dir.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))
     assert len(files) == 1, list(wandb_dir.rglob("*"))
+    # wandb's service process may still be writing the offline file when finish() returns (seen under
+    # load: only the 7-byte header at first); give it a few seconds
+    deadline = time.monotonic() + 10
+    while b"0.987654321" not in files[0].read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.1)
     data = files[0].read_bytes()  # history values are stored as JSON text inside protobuf records
     assert b"reward_mean_value" in data and b"0.123456789" in data and b"0.987654321" in data
     assert len(read_lines(tmp_path / "run" / METRICS_FILE)) == 2
