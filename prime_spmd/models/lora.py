@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from prime_spmd.config.sections import LoraConfig
+from prime_spmd.log import logger
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
@@ -80,18 +81,19 @@ def apply_lora(lm: nn.Module, cfg: LoraConfig, seed: int = 0, base_model: str = 
     into ``adapter_config.json``).
 
     Every trainer rank calls it with the same ``seed`` before FSDP2 (identical adapters everywhere).
-    Raises ``ValueError`` when a target matches no linear layer (naming what the model has).
+    Raises ``ValueError`` when no target matches a linear layer (naming what the model has); targets
+    that match nothing while others do are logged as a warning.
     """
     assert cfg.rank > 0, "apply_lora with --model.lora.rank 0"
     gen = torch.Generator().manual_seed(seed)
     linear = {n: m for n, m in lm.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, LoraLinear)}
     unmatched = [t for t in cfg.target_modules if not any(_matches(n, [t]) for n in linear)]
-    if unmatched:
-        leaf = sorted({n.rsplit(".", 1)[-1] for n in linear})
-        raise ValueError(
-            f"--model.lora.target_modules: {unmatched} match no nn.Linear module of {type(lm).__name__} "
-            f"(its linear layers end with: {leaf}; stacked MoE experts cannot be adapted)"
-        )
+    leaf = sorted({n.rsplit(".", 1)[-1] for n in linear})
+    where = f"of {type(lm).__name__} (its linear layers end with: {leaf}; stacked MoE experts cannot be adapted)"
+    if len(unmatched) == len(cfg.target_modules):
+        raise ValueError(f"--model.lora.target_modules: {unmatched} match no nn.Linear module {where}")
+    if unmatched:  # e.g. the default MLP targets on a model whose every MLP is MoE
+        logger.warning(f"--model.lora.target_modules: {unmatched} match no nn.Linear module {where}; not adapted")
     for p in lm.parameters():
         p.requires_grad_(False)
     names = [n for n in linear if _matches(n, cfg.target_modules)]

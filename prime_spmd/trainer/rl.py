@@ -448,5 +448,7 @@ def _run_rl(cfg: RLJobConfig, stop: StopSignal) -> dict[str, float]:
     else:
         assert engine is not None
         _InferenceLoop(cfg, ctx, env, engine, stop).run(start)
+    if engine is not None and hasattr(engine, "close"):
+        engine.close()  # vLLM: its teardown needs the process groups that ctx.close destroys
     ctx.close()
     return result
