@@ -2,14 +2,18 @@
 
 One ``step()``:
   1. admit waiting requests into free slots (lowest slot first) and prefill them, batched and
-     right-padded, in chunks of at most ``prefill_tokens`` padded tokens; sample their first token;
-  2. one decode step for every running slot: rows 0..nb-1 of the cache (nb = the smallest batch
-     bucket covering the highest running slot), attending cache positions [0, Lb) (Lb = the smallest
-     length bucket covering the longest running sequence). On CUDA each (nb, Lb) decode is a
-     captured CUDA graph, replayed with new inputs;
-  3. sample (sampling.py), copy tokens + logprobs to the host once, apply stop rules, free slots.
-Free slots inside [0, nb) decode a dummy token at position 0 of their own slot: harmless, the
-next request admitted there overwrites it in prefill.
+     right-padded, in chunks of at most ``prefill_tokens`` padded tokens; sample their first token
+     and write each slot's decode state (next input token, position, sampling params) on the device;
+  2. launch one decode step for every running slot that may need another token: rows 0..nb-1 of
+     the cache (nb = the smallest batch bucket covering the highest such slot), attending cache
+     positions [0, Lb) (Lb = the smallest length bucket covering the longest sequence). The step
+     (forward, sampling, logprobs, advancing the device state) reads and writes only device
+     buffers; on CUDA it is one captured CUDA graph per (nb, Lb, sampler flags);
+  3. collect the previous step's tokens + logprobs (copied to pinned host memory behind it), apply
+     stop rules, free slots. The host thus works one step behind the device and never waits for
+     the step it just launched; a sequence that stops on a token wastes one decoded row.
+Free or finished slots inside [0, nb) decode a dummy token in their own slot: harmless, the next
+request admitted there overwrites it in prefill.
 
 See docs/inference.md for the logprob contract and the seeding scheme.
 """
@@ -27,7 +31,7 @@ import torch
 from prime_spmd.inference.engine import Completion, InferenceEngine, Request
 from prime_spmd.inference.kv_cache import bucket_sizes, pick_bucket
 from prime_spmd.inference.runner import build_runner
-from prime_spmd.inference.sampling import SamplingTensors, gumbel_noise, sample
+from prime_spmd.inference.sampling import SamplingTensors, sample_flat
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -54,6 +58,9 @@ class _Seq:
     stop_ids: frozenset[int]
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    num_launched: int = 0
+    """Tokens whose sampling has been launched on the device (>= len(tokens): the host lags one step)."""
+    finished: bool = False
 
     @property
     def length(self) -> int:
@@ -89,21 +96,32 @@ class NativeEngine(InferenceEngine):
         self.device = device
         self.max_batch_size, self.max_model_len = max_batch_size, max_model_len
         self.prefill_tokens = max(prefill_tokens, max_model_len)
-        self.runner = build_runner(self.model, max_batch_size, max_model_len, device)
+        self.runner = build_runner(self.model, max_batch_size, max_model_len, device, compile_decode=cuda_graphs)
         self.vocab_size = self.runner.vocab_size
         self.batch_buckets = bucket_sizes(max_batch_size, 1, "pow2")
         self.len_buckets = bucket_sizes(max_model_len, min(256, max_model_len), "linear")
         # MoE expert dispatch sizes its buffers on the host (data-dependent shapes): no graphs
         has_moe = any("MoE" in type(m).__name__ for m in self.model.modules())
         self.use_graphs = cuda_graphs and device.type == "cuda" and self.runner.cache is not None and not has_moe
-        # the Gumbel noise is ~25 elementwise passes over [B, V]; compiled (CUDA only) it is one
-        self._noise_fn = gumbel_noise
+        # the sampler is ~30 elementwise/reduction passes over [B, V]; compiled (CUDA only) a few
+        self._sample = sample_flat
         if compile_sampler and device.type == "cuda":
-            self._noise_fn = torch.compile(gumbel_noise, dynamic=True)
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+            self._sample = torch.compile(sample_flat, dynamic=True)
+        self._graphs: dict[tuple[int, int, bool, bool], torch.cuda.CUDAGraph] = {}
         self._pool = None
-        self._ids_buf = torch.zeros(max_batch_size, dtype=torch.long, device=device)
-        self._pos_buf = torch.zeros(max_batch_size, dtype=torch.long, device=device)
+        # per-slot decode state on the device, written at admission and advanced by each decode step
+        s_ = max_batch_size
+        self._ids = torch.zeros(s_, dtype=torch.long, device=device)
+        self._pos = torch.zeros(s_, dtype=torch.long, device=device)
+        self._steps = torch.zeros(s_, dtype=torch.long, device=device)
+        self._seeds = torch.zeros(s_, dtype=torch.long, device=device)
+        self._top_k = torch.zeros(s_, dtype=torch.long, device=device)
+        self._floats = torch.ones(3, s_, dtype=torch.float32, device=device)  # temperature, top_p, min_p
+        self._out = torch.zeros(2, s_, dtype=torch.float64, device=device)  # token, logprob
+        pin = device.type == "cuda"
+        self._host_out = [torch.zeros(2, s_, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
+        self._num_launches = 0
+        self._pending: tuple[list[_Seq], torch.Tensor, torch.cuda.Event | None] | None = None
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: dict[int, _Seq] = {}
         self._free = list(range(max_batch_size))
@@ -130,13 +148,15 @@ class NativeEngine(InferenceEngine):
         self._waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running)
+        return bool(self._waiting or self._running or self._pending)
 
     def step(self) -> list[Completion]:
         done: list[Completion] = []
         self._admit(done)
-        if self._running:
-            self._decode(done)
+        launched = self._launch_decode()
+        if self._pending is not None:
+            self._collect(self._pending, done)
+        self._pending = launched
         return done
 
     def reset_cache(self) -> None:
@@ -190,54 +210,113 @@ class NativeEngine(InferenceEngine):
         ids = torch.zeros(len(seqs), t, dtype=torch.long)
         for i, q in enumerate(seqs):
             ids[i, : len(q.req.prompt_ids)] = torch.tensor(q.req.prompt_ids)
-        slots = torch.tensor([q.slot for q in seqs])
-        last = torch.tensor([len(q.req.prompt_ids) - 1 for q in seqs])
-        logits = self.runner.prefill(ids.to(self.device), slots.to(self.device), last.to(self.device))
+        slots = torch.tensor([q.slot for q in seqs]).to(self.device)
+        lens = torch.tensor([len(q.req.prompt_ids) for q in seqs]).to(self.device)
+        logits = self.runner.prefill(ids.to(self.device), slots, lens - 1)
+        st = self._sampling_tensors(seqs)
+        tokens, logprobs = self._sample(logits, *self._flat(st))
+        # the slots' decode state: next input token, its position, sampling params, next step index
+        self._ids[slots] = tokens
+        self._pos[slots] = lens
+        self._steps[slots] = 1
+        self._seeds[slots], self._top_k[slots] = st.seeds_B, st.top_k_B
+        self._floats[:, slots] = torch.stack([st.temperature_B, st.top_p_B, st.min_p_B])
+        both = torch.stack([tokens.double(), logprobs.double()]).cpu()  # prefill's one device->host sync
         for q in seqs:
             self._running[q.slot] = q
-        self._sample_and_update(logits, seqs, done)
+            q.num_launched = 1
+        self._record(seqs, both[0].long().tolist(), both[1].tolist(), done)
 
-    def _decode(self, done: list[Completion]) -> None:
-        seqs = list(self._running.values())
-        nb = pick_bucket(self.batch_buckets, max(self._running) + 1)
-        ids = [0] * nb
-        pos = [0] * nb
-        for q in seqs:
-            ids[q.slot] = q.tokens[-1]
-            pos[q.slot] = q.length - 1
-        kv_len = pick_bucket(self.len_buckets, max(pos) + 1)
-        self._ids_buf[:nb].copy_(torch.tensor(ids), non_blocking=True)
-        self._pos_buf[:nb].copy_(torch.tensor(pos), non_blocking=True)
-        logits = self._run_decode(nb, kv_len)
-        rows = torch.tensor([q.slot for q in seqs], device=self.device)
-        self._sample_and_update(logits[rows], seqs, done)
+    @staticmethod
+    def _flat(st: SamplingTensors) -> tuple:
+        return (
+            st.temperature_B,
+            st.top_k_B,
+            st.top_p_B,
+            st.min_p_B,
+            st.seeds_B,
+            st.steps_B,
+            st.needs_sort,
+            st.needs_min_p,
+        )
 
-    def _run_decode(self, nb: int, kv_len: int) -> torch.Tensor:
-        ids, pos = self._ids_buf[:nb], self._pos_buf[:nb]
+    def _needs_more(self, q: _Seq) -> bool:
+        """Can ``q`` still need a token beyond those launched (as far as the host knows now)?"""
+        n = q.num_launched
+        return not q.finished and n < q.req.sampling.max_tokens and len(q.req.prompt_ids) + n < self.max_model_len
+
+    def _launch_decode(self) -> tuple[list[_Seq], torch.Tensor, torch.cuda.Event | None] | None:
+        """Launch one decode step for the running sequences that may need a token; no host sync."""
+        seqs = [q for q in self._running.values() if self._needs_more(q)]
+        if not seqs:
+            return None
+        nb = pick_bucket(self.batch_buckets, max(q.slot for q in seqs) + 1)
+        max_pos = max(len(q.req.prompt_ids) + q.num_launched - 1 for q in seqs)
+        kv_len = pick_bucket(self.len_buckets, max_pos + 1)
+        sp = [q.req.sampling for q in seqs]
+        needs_sort = any(s.temperature > 0 and (s.top_k > 0 or s.top_p < 1.0) for s in sp)
+        needs_min_p = any(s.temperature > 0 and s.min_p > 0 for s in sp)
+        key = (nb, kv_len, needs_sort, needs_min_p)
         if not self.use_graphs:
-            return self.runner.decode(ids, pos, kv_len)
-        key = (nb, kv_len)
-        if key not in self._graphs:
-            self._graphs[key] = self._capture(nb, kv_len)
-        graph, out = self._graphs[key]
-        graph.replay()
-        return out
+            self._decode_step(*key)
+        else:
+            if key not in self._graphs:
+                self._graphs[key] = self._capture(*key)
+            self._graphs[key].replay()
+        for q in seqs:
+            q.num_launched += 1
+        host = self._host_out[self._num_launches % 2]
+        self._num_launches += 1
+        host[:, :nb].copy_(self._out[:, :nb], non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return seqs, host, event
 
-    def _capture(self, nb: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Capture one decode of (nb rows, kv_len positions); the graphs share one memory pool."""
-        ids, pos = self._ids_buf[:nb], self._pos_buf[:nb]
+    def _decode_step(self, nb: int, kv_len: int, needs_sort: bool, needs_min_p: bool) -> None:
+        """One decode of slots 0..nb-1 from and into the device state; graph-capturable (no host sync)."""
+        ids, pos = self._ids[:nb], self._pos[:nb]
+        logits = self.runner.decode(ids, pos, kv_len)
+        f = self._floats[:, :nb]
+        tokens, logprobs = self._sample(
+            logits, f[0], self._top_k[:nb], f[1], f[2], self._seeds[:nb], self._steps[:nb], needs_sort, needs_min_p
+        )
+        ids.copy_(tokens)
+        pos.add_(1).clamp_(max=self.max_model_len - 1)  # free rows keep decoding; stay in the cache
+        self._steps[:nb].add_(1)
+        self._out[0, :nb].copy_(tokens)
+        self._out[1, :nb].copy_(logprobs)
+
+    def _capture(self, nb: int, kv_len: int, needs_sort: bool, needs_min_p: bool) -> torch.cuda.CUDAGraph:
+        """Capture one decode step; the graphs share one memory pool. Warm-up runs (compiles,
+        allocator, cuBLAS workspaces) advance the device state, so it is saved and restored; the
+        K/V they write past each sequence's position are overwritten before they are attended."""
+        key = (nb, kv_len, needs_sort, needs_min_p)
+        saved = [t.clone() for t in (self._ids, self._pos, self._steps)]
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up outside the graph (allocator, cuBLAS workspaces)
-                self.runner.decode(ids, pos, kv_len)
+            for _ in range(2):
+                self._decode_step(*key)
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        for t, v in zip((self._ids, self._pos, self._steps), saved):
+            t.copy_(v)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self.runner.decode(ids, pos, kv_len)
-        return graph, out
+            self._decode_step(*key)
+        return graph
+
+    def _collect(
+        self, pending: tuple[list[_Seq], torch.Tensor, torch.cuda.Event | None], done: list[Completion]
+    ) -> None:
+        seqs, host, event = pending
+        if event is not None:
+            event.synchronize()  # the step's one wait, a step after its launch
+        live = [q for q in seqs if not q.finished]
+        self._record(live, [int(host[0, q.slot]) for q in live], [float(host[1, q.slot]) for q in live], done)
 
     def _sampling_tensors(self, seqs: list[_Seq]) -> SamplingTensors:
         sp = [q.req.sampling for q in seqs]
@@ -255,16 +334,14 @@ class NativeEngine(InferenceEngine):
             needs_min_p=any(s.temperature > 0 and s.min_p > 0 for s in sp),
         )
 
-    def _sample_and_update(self, logits_BV: torch.Tensor, seqs: list[_Seq], done: list[Completion]) -> None:
-        tokens, logprobs = sample(logits_BV, self._sampling_tensors(seqs), self._noise_fn)
-        both = torch.stack([tokens.double(), logprobs.double()]).cpu()  # the step's one device->host sync
-        tok_list, lp_list = both[0].long().tolist(), both[1].tolist()
+    def _record(self, seqs: list[_Seq], tok_list: list[int], lp_list: list[float], done: list[Completion]) -> None:
         self.num_generated_tokens += len(seqs)
         for q, tok, lp in zip(seqs, tok_list, lp_list):
             q.tokens.append(tok)
             q.logprobs.append(lp)
             reason = self._finish_reason(q, tok)
             if reason is not None:
+                q.finished = True
                 del self._running[q.slot]
                 self._free.append(q.slot)
                 done.append(self._completion(q, reason))

@@ -72,10 +72,103 @@ def fp32_out_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], w.shape[0])
 
 
-class LlamaStyleRunner:
-    """Prefill and decode for HF Llama-style decoders with a ``SlotKVCache``."""
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's Llama/Qwen RMSNorm, op for op: fp32 statistics, cast back, then scale by ``w``."""
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
-    def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, device: torch.device) -> None:
+
+def make_decode_layer(num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float):
+    """One decoder layer of a decode step as a pure function of tensors (``torch.compile`` fuses it).
+
+    Args per call: ``x_BE`` residual [B, E] (E hidden), the layer's weights (aliases of the model's
+    parameters: ``qkv_w`` [(H + 2 Hkv) D, E], ``gate_up_w`` [2I, E]), the layer's cache ``k_SHLD`` /
+    ``v_SHLD`` [S, Hkv, L, D] (written in place at ``pos_B``), ``cos_BD``/``sin_BD`` at ``pos_B``,
+    ``mask_BL`` additive float32 [B, Lb] (Lb = attended length). Returns the new residual [B, E].
+    """
+    g = num_heads // num_kv_heads
+    nq, nk = num_heads * head_dim, num_kv_heads * head_dim
+
+    def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return x * cos + _rotate_half(x) * sin
+
+    def layer(x_BE, ln1_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, o_b, ln2_w, gate_up_w, down_w,
+              k_SHLD, v_SHLD, cos_BD, sin_BD, pos_B, mask_BL):  # fmt: skip
+        b, kv_len = x_BE.shape[0], mask_BL.shape[1]
+        qkv = F.linear(rms_norm(x_BE, ln1_w, eps), qkv_w, qkv_b)
+        q = qkv[:, :nq].view(b, num_heads, head_dim)
+        k = qkv[:, nq : nq + nk].view(b, num_kv_heads, head_dim)
+        v = qkv[:, nq + nk :].view(b, num_kv_heads, head_dim)
+        if q_norm_w is not None:
+            q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
+        q, k = rope(q, cos_BD[:, None], sin_BD[:, None]), rope(k, cos_BD[:, None], sin_BD[:, None])
+        rows_B = torch.arange(b, device=x_BE.device)
+        k_SHLD[rows_B, :, pos_B] = k  # [B, Hkv, D] at (slot b, position pos_B[b])
+        v_SHLD[rows_B, :, pos_B] = v
+        kc, vc = k_SHLD[:b, :, :kv_len], v_SHLD[:b, :, :kv_len]  # [B, Hkv, Lb, D] views
+        scores = torch.matmul(q.view(b, num_kv_heads, g, head_dim), kc.transpose(-1, -2)).float() * scale
+        p = torch.softmax(scores + mask_BL[:, None, None], dim=-1).to(vc.dtype)
+        o = torch.matmul(p, vc).reshape(b, nq)  # [B, Hkv, G, D] -> [B, H D]
+        x_BE = x_BE + F.linear(o, o_w, o_b)
+        gu = F.linear(rms_norm(x_BE, ln2_w, eps), gate_up_w)
+        inter = gu.shape[1] // 2
+        return x_BE + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], down_w)
+
+    return layer
+
+
+def fuse_linears(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the weights (and biases) of ``linears`` along the output dim and re-point each
+    parameter's ``.data`` at its slice, so one GEMM computes all of them and an in-place weight
+    update (``copy_``, what ``load_weights`` does) lands in the fused buffer. Parameter objects and
+    names are unchanged; their storage moves once, here."""
+    w = torch.cat([m.weight.detach() for m in linears])
+    has_bias = [m.bias is not None for m in linears]
+    assert all(has_bias) or not any(has_bias), "mixed biases"
+    b = torch.cat([m.bias.detach() for m in linears]) if has_bias[0] else None
+    o = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight.data = w[o : o + n]
+        if b is not None:
+            m.bias.data = b[o : o + n]
+        o += n
+    return w, b
+
+
+def _plain_dense_layers(model: torch.nn.Module) -> bool:
+    """Every layer is the plain HF shape the fused decode assumes: nn.Linear projections, a SiLU
+    gate/up/down MLP, RMSNorms with ``weight`` + ``variance_epsilon``."""
+    cfg = getattr(model, "config", None)
+    if _is_custom(model) or getattr(cfg, "hidden_act", None) != "silu":
+        return False
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        lins = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        lins += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if not all(type(m) is torch.nn.Linear for m in lins):
+            return False
+        norms = [layer.input_layernorm, layer.post_attention_layernorm] + [
+            getattr(attn, n) for n in ("q_norm", "k_norm") if hasattr(attn, n)
+        ]
+        if not all(type(n).__name__.endswith("RMSNorm") and hasattr(n, "variance_epsilon") for n in norms):
+            return False
+        if any(m.bias is not None for m in lins[4:]):
+            return False
+    return True
+
+
+class LlamaStyleRunner:
+    """Prefill and decode for HF Llama-style decoders with a ``SlotKVCache``.
+
+    Plain dense HF models (``_plain_dense_layers``) decode through ``make_decode_layer`` with fused
+    QKV and gate/up weights, compiled on CUDA (``compile_decode``); others (our custom Qwen3, MoE)
+    decode through the model's own submodules.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, num_slots: int, max_len: int, device: torch.device, compile_decode: bool = True
+    ) -> None:
         self.custom = _is_custom(model)
         cfg = model.args if self.custom else model.config
         self.model, self.inner = model, model.model
@@ -96,6 +189,31 @@ class LlamaStyleRunner:
             device=device,
         )
         self.rebuild_rope()
+        self.layer_args: list[tuple] | None = None
+        if _plain_dense_layers(model):
+            self._setup_fused_decode(model, cfg, compile_decode and device.type == "cuda")
+
+    def _setup_fused_decode(self, model: torch.nn.Module, cfg, compile_decode: bool) -> None:
+        layers = model.model.layers
+        a0 = layers[0].self_attn
+        eps = layers[0].input_layernorm.variance_epsilon
+        fn = make_decode_layer(self.num_heads, self.num_kv_heads, self.head_dim, eps, self._scale(a0))
+        # one compiled graph serves all layers (same shapes, weights passed as arguments); B and Lb
+        # become dynamic after the first recompile, so every (rows, length) bucket reuses it
+        self.decode_layer = torch.compile(fn, fullgraph=True) if compile_decode else fn
+        self.layer_args = []
+        with torch.no_grad():
+            for layer in layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                qkv_w, qkv_b = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+                gate_up_w, _ = fuse_linears([mlp.gate_proj, mlp.up_proj])
+                qn = attn.q_norm.weight if hasattr(attn, "q_norm") else None
+                kn = attn.k_norm.weight if hasattr(attn, "k_norm") else None
+                ln1, ln2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+                o = attn.o_proj
+                self.layer_args.append(
+                    (ln1, qkv_w, qkv_b, qn, kn, o.weight, o.bias, ln2, gate_up_w, mlp.down_proj.weight)
+                )
 
     def rebuild_rope(self) -> None:
         """cos/sin tables [L, D] from the model's own rotary module (any rope_type it supports)."""
@@ -166,6 +284,8 @@ class LlamaStyleRunner:
     @torch.no_grad()
     def decode(self, ids_B: torch.Tensor, pos_B: torch.Tensor, kv_len: int) -> torch.Tensor:
         """One token for each of slots 0..B-1 at ``pos_B``; attends positions [0, kv_len); float logits [B, V]."""
+        if self.layer_args is not None:
+            return self._decode_fused(ids_B, pos_B, kv_len)
         b = ids_B.shape[0]
         g = self.num_heads // self.num_kv_heads
         x = self.inner.embed_tokens(ids_B)[:, None]  # [B, 1, hidden]: MoE blocks want 3-D input
@@ -189,6 +309,15 @@ class LlamaStyleRunner:
             x = x + attn.o_proj(o.reshape(b, 1, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self._lm_head(self.inner.norm(x[:, 0]))
+
+    def _decode_fused(self, ids_B: torch.Tensor, pos_B: torch.Tensor, kv_len: int) -> torch.Tensor:
+        x = self.inner.embed_tokens(ids_B)  # [B, E]
+        cos, sin = self.cos_LD[pos_B], self.sin_LD[pos_B]  # [B, D]
+        visible = torch.arange(kv_len, device=ids_B.device)[None, :] <= pos_B[:, None]
+        mask_BL = torch.zeros(visible.shape, device=ids_B.device).masked_fill(~visible, float("-inf"))
+        for li, args in enumerate(self.layer_args):
+            x = self.decode_layer(x, *args, self.cache.k[li], self.cache.v[li], cos, sin, pos_B, mask_BL)
+        return self._lm_head(self.inner.norm(x))
 
 
 class GenericRunner:
@@ -226,10 +355,12 @@ class GenericRunner:
         return self._last_logits(self.seqs[: ids_B.shape[0]])
 
 
-def build_runner(model: torch.nn.Module, num_slots: int, max_len: int, device: torch.device):
+def build_runner(
+    model: torch.nn.Module, num_slots: int, max_len: int, device: torch.device, compile_decode: bool = True
+):
     """The fastest runner that supports ``model``."""
     if hasattr(model, "make_inference_runner"):
         return model.make_inference_runner(num_slots, max_len, device)
     if is_llama_style(model):
-        return LlamaStyleRunner(model, num_slots, max_len, device)
+        return LlamaStyleRunner(model, num_slots, max_len, device, compile_decode)
     return GenericRunner(model, num_slots, max_len, device)

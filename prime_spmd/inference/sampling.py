@@ -140,3 +140,29 @@ def sample(logits_BV: torch.Tensor, st: SamplingTensors, noise_fn=gumbel_noise) 
     tokens_B = torch.where(st.temperature_B <= 0, greedy_tok_B, sampled_B)
     logprobs_B = logp_BV.gather(1, tokens_B[:, None]).squeeze(1)
     return tokens_B, logprobs_B
+
+
+def sample_flat(
+    logits_BV: torch.Tensor,
+    temperature_B: torch.Tensor,
+    top_k_B: torch.Tensor,
+    top_p_B: torch.Tensor,
+    min_p_B: torch.Tensor,
+    seeds_B: torch.Tensor,
+    steps_B: torch.Tensor,
+    needs_sort: bool,
+    needs_min_p: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample`` over plain tensors and flags (what the engine ``torch.compile``s and captures in
+    its decode graph: filtering, log-softmax, noise and argmax fuse into a few kernels)."""
+    st = SamplingTensors(
+        temperature_B=temperature_B,
+        top_k_B=top_k_B,
+        top_p_B=top_p_B,
+        min_p_B=min_p_B,
+        seeds_B=seeds_B,
+        steps_B=steps_B,
+        needs_sort=needs_sort,
+        needs_min_p=needs_min_p,
+    )
+    return sample(logits_BV, st, gumbel_noise)
