@@ -54,7 +54,7 @@ def _rl(model: Path, out: Path, nproc: int, *extra: str) -> list[dict]:
     # One thread per rank: 2 ranks x 2 threads on 2 cores oversubscribe (vLLM warns of spin-wait contention).
     threads = os.environ.get("OMP_NUM_THREADS", "2") if nproc == 1 else "1"
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": threads}
-    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     tail = "\n".join((res.stdout + res.stderr).splitlines()[-40:])
     assert res.returncode == 0, tail
     assert "Traceback" not in res.stderr, tail  # e.g. vLLM's teardown after the process groups are gone
