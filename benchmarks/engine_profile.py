@@ -6,6 +6,9 @@ summed GPU kernel time, the number of kernels launched, and the top kernels. GPU
 the step is bound by host work or launch gaps, not by the kernels.
 
     python benchmarks/engine_profile.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,64 --out-dir $OUT
+
+``--groups N``: also time the prefill of N prompts x ``--group-size`` samples (GRPO groups) with and
+without prefill sharing (max_tokens 1, median of 3).
 """
 
 from __future__ import annotations
@@ -76,6 +79,58 @@ def profile_batch(model, bs: int, args, device: torch.device, out_dir: Path | No
     return res
 
 
+def measure_prefill_sharing(model, args, device: torch.device) -> list[dict]:
+    """Prefill of ``--groups`` prompts x ``--group-size`` samples (max_tokens 1), shared vs not."""
+    from prime_spmd.inference.engine import Request, SamplingParams
+    from prime_spmd.inference.native import NativeEngine
+
+    n = args.groups * args.group_size
+    base = prompts(args.groups, args.group_prompt_len, model.config.vocab_size)
+    rows = []
+    sp = dict(temperature=1.0, max_tokens=1, ignore_eos=True)
+    for share in (False, True):
+        eng = NativeEngine(
+            model, None, max_batch_size=n, max_model_len=args.group_prompt_len + 8, device=device, share_prefill=share
+        )
+        reqs = lambda: [  # noqa: E731
+            Request(prompt_ids=base[i // args.group_size], sampling=SamplingParams(**sp, seed=i), request_id=i)
+            for i in range(n)
+        ]
+        eng.generate(reqs())
+        eng.num_prefill_tokens = eng.num_prompt_tokens = 0
+        times = []
+        for _ in range(3):
+            common.sync(device)
+            t0 = time.perf_counter()
+            eng.generate(reqs())
+            common.sync(device)
+            times.append(time.perf_counter() - t0)
+        secs = sorted(times)[1]
+        kv_tok = eng.runner.cache.nbytes_per_token()
+        rows.append(
+            dict(
+                share_prefill=share,
+                requests=n,
+                group_size=args.group_size,
+                prompt_len=args.group_prompt_len,
+                seconds=secs,
+                prompt_tok_s=n * args.group_prompt_len / secs,
+                model_prefill_tokens=eng.num_prefill_tokens // 3,
+                kv_written_by_prefill_GiB=eng.num_prefill_tokens // 3 * kv_tok / 2**30,
+                kv_allocated_GiB=2 * eng.runner.cache.k.numel() * eng.runner.cache.k.element_size() / 2**30,
+            )
+        )
+        r = rows[-1]
+        print(
+            f"prefill share={share}: {r['prompt_tok_s']:.0f} prompt tok/s ({secs * 1e3:.1f} ms), model ran "
+            f"{r['model_prefill_tokens']} tokens, KV written {r['kv_written_by_prefill_GiB']:.2f} GiB of "
+            f"{r['kv_allocated_GiB']:.2f} allocated",
+            flush=True,
+        )
+        del eng
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
@@ -85,13 +140,17 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out-dir", default="")
+    ap.add_argument("--groups", type=int, default=0, help="prefill-sharing measurement: prompts (0: skip)")
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--group-prompt-len", type=int, default=1024)
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out_dir = Path(args.out_dir) if args.out_dir else None
     model = build_model(args.model_shape, args.prompt_len + args.new_tokens, device, dtype)
     results = []
-    for bs in [int(b) for b in args.batch_sizes.split(",")]:
+    sharing = measure_prefill_sharing(model, args, device) if args.groups else []
+    for bs in [int(b) for b in args.batch_sizes.split(",") if b]:
         r = profile_batch(model, bs, args, device, out_dir)
         results.append(r)
         print(
@@ -104,7 +163,7 @@ def main() -> None:
     meta = common.run_metadata(device, model_shape=args.model_shape, command=" ".join(sys.argv))
     if out_dir is not None:
         (out_dir / f"profile_{args.model_shape}.json").write_text(
-            json.dumps(dict(meta=meta, results=results), indent=2)
+            json.dumps(dict(meta=meta, results=results, prefill_sharing=sharing), indent=2)
         )
 
 

@@ -51,6 +51,13 @@ class SlotKVCache:
         kl.index_put_((rows, pos), k_BHD.reshape(b * h, d))
         vl.index_put_((rows, pos), v_BHD.reshape(b * h, d))
 
+    def copy_prefix(self, src_N: torch.Tensor, dst_N: torch.Tensor, num_tokens: int) -> None:
+        """Copy positions [0, num_tokens) of slots ``src_N`` into slots ``dst_N``, all layers (prefix
+        sharing: a GRPO group's prompt is prefilled once). Costs a copy, not a prefill; the memory
+        is still one slot per sequence (block sharing would need a paged cache)."""
+        self.k[:, dst_N, :, :num_tokens] = self.k[:, src_N, :, :num_tokens]
+        self.v[:, dst_N, :, :num_tokens] = self.v[:, src_N, :, :num_tokens]
+
     def read(self, layer: int, num_rows: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of K and V [num_rows, Hkv, kv_len, D] (slots 0..num_rows-1)."""
         return self.k[layer, :num_rows, :, :kv_len], self.v[layer, :num_rows, :, :kv_len]

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from prime_spmd.inference.engine import Completion, InferenceEngine, Request
-from prime_spmd.inference.kv_cache import bucket_sizes, pick_bucket
+from prime_spmd.inference.kv_cache import SlotKVCache, bucket_sizes, pick_bucket
 from prime_spmd.inference.runner import build_runner
 from prime_spmd.inference.sampling import SamplingTensors, sample_flat
 
@@ -87,6 +87,7 @@ class NativeEngine(InferenceEngine):
         prefill_tokens: int = 16384,
         seed: int = 0,
         compile_sampler: bool = True,
+        share_prefill: bool = True,
     ) -> None:
         device = torch.device(device) if device is not None else next(model.parameters()).device
         if dtype is not None:
@@ -129,6 +130,13 @@ class NativeEngine(InferenceEngine):
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         self._eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.num_generated_tokens = 0
+        # requests admitted together with identical prompts (a GRPO group) prefill once; the other
+        # slots get a copy of the prompt's K/V (runners with a SlotKVCache only)
+        self.share_prefill = share_prefill and isinstance(self.runner.cache, SlotKVCache)
+        self.num_prefill_tokens = 0
+        """Prompt tokens run through the model (shared prompts counted once)."""
+        self.num_prompt_tokens = 0
+        """Prompt tokens admitted."""
 
     # ---- interface -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -195,24 +203,42 @@ class NativeEngine(InferenceEngine):
             admitted.append(_Seq(req=req, slot=slot, seed=seed, stop_ids=frozenset(stop)))
         if not admitted:
             return
-        admitted.sort(key=lambda q: len(q.req.prompt_ids))
+        # identical prompts end up adjacent, so a group shares one chunk (and one prefill)
+        admitted.sort(key=lambda q: (len(q.req.prompt_ids), tuple(q.req.prompt_ids)))
         chunk: list[_Seq] = []
+        num_unique = 0
         for q in admitted:
             t = len(q.req.prompt_ids)
-            if chunk and (len(chunk) + 1) * t > self.prefill_tokens:
+            new = not (self.share_prefill and chunk and chunk[-1].req.prompt_ids == q.req.prompt_ids)
+            if new and chunk and (num_unique + 1) * t > self.prefill_tokens:
                 self._prefill(chunk, done)
-                chunk = []
+                chunk, num_unique = [], 0
             chunk.append(q)
+            num_unique += new
         self._prefill(chunk, done)
 
     def _prefill(self, seqs: list[_Seq], done: list[Completion]) -> None:
-        t = max(len(q.req.prompt_ids) for q in seqs)
-        ids = torch.zeros(len(seqs), t, dtype=torch.long)
-        for i, q in enumerate(seqs):
+        """Prefill ``seqs`` (sorted so that identical prompts are adjacent), sample their first tokens."""
+        leaders: list[_Seq] = []  # one per distinct prompt
+        row = []  # seqs[i]'s row among the leaders
+        for q in seqs:
+            if not (self.share_prefill and leaders and leaders[-1].req.prompt_ids == q.req.prompt_ids):
+                leaders.append(q)
+            row.append(len(leaders) - 1)
+        t = max(len(q.req.prompt_ids) for q in leaders)
+        ids = torch.zeros(len(leaders), t, dtype=torch.long)
+        for i, q in enumerate(leaders):
             ids[i, : len(q.req.prompt_ids)] = torch.tensor(q.req.prompt_ids)
+        self.num_prefill_tokens += sum(len(q.req.prompt_ids) for q in leaders)
+        self.num_prompt_tokens += sum(len(q.req.prompt_ids) for q in seqs)
+        lead_slots = torch.tensor([q.slot for q in leaders]).to(self.device)
+        lead_last = torch.tensor([len(q.req.prompt_ids) - 1 for q in leaders]).to(self.device)
+        logits = self.runner.prefill(ids.to(self.device), lead_slots, lead_last)
+        if len(leaders) < len(seqs):
+            self._copy_shared_prompts(seqs, [leaders[r] for r in row])
+            logits = logits[torch.tensor(row, device=self.device)]
         slots = torch.tensor([q.slot for q in seqs]).to(self.device)
         lens = torch.tensor([len(q.req.prompt_ids) for q in seqs]).to(self.device)
-        logits = self.runner.prefill(ids.to(self.device), slots, lens - 1)
         st = self._sampling_tensors(seqs)
         tokens, logprobs = self._sample(logits, *self._flat(st))
         # the slots' decode state: next input token, its position, sampling params, next step index
@@ -226,6 +252,19 @@ class NativeEngine(InferenceEngine):
             self._running[q.slot] = q
             q.num_launched = 1
         self._record(seqs, both[0].long().tolist(), both[1].tolist(), done)
+
+    def _copy_shared_prompts(self, seqs: list[_Seq], leader_of: list[_Seq]) -> None:
+        """Copy each leader's prompt K/V (all layers) into the slots of the seqs that share it."""
+        by_len: dict[int, tuple[list[int], list[int]]] = {}
+        for q, lead in zip(seqs, leader_of):
+            if q is not lead:
+                src, dst = by_len.setdefault(len(q.req.prompt_ids), ([], []))
+                src.append(lead.slot)
+                dst.append(q.slot)
+        for t, (src, dst) in by_len.items():
+            self.runner.cache.copy_prefix(
+                torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device), t
+            )
 
     @staticmethod
     def _flat(st: SamplingTensors) -> tuple:

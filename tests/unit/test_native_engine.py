@@ -239,3 +239,20 @@ def test_cuda_graph_decode_keeps_the_contract(model_dir):
     stop = SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[ref[4]], ignore_eos=True)
     o = eng.generate([Request(prompt_ids=greedy[0].prompt_ids, sampling=stop)])[0]
     assert o.token_ids == ref[: ref.index(ref[4]) + 1] and o.finish_reason == "stop"
+
+
+def test_groups_prefill_their_prompt_once(model_dir):
+    """A GRPO group (same prompt, own seeds) admitted together runs one prefill row and copies its
+    K/V; completions and logprobs equal those of an engine that prefills every request."""
+    sp = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    texts = [TEXTS[0]] * 4 + [TEXTS[2]] * 3 + [TEXTS[4]]
+    shared, _, tok = _engine(model_dir, max_batch_size=8)
+    plain, _, _ = _engine(model_dir, max_batch_size=8, share_prefill=False)
+    got = shared.generate(_reqs(tok, sp, texts, seed0=40))
+    want = plain.generate(_reqs(tok, sp, texts, seed0=40))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert torch.allclose(torch.tensor([o.logprobs for o in got]), torch.tensor([o.logprobs for o in want]), atol=1e-6)
+    assert len({tuple(o.token_ids) for o in got[:4]}) > 1  # own seeds: the group's samples differ
+    lens = [len(tok.encode(t)) for t in texts]
+    assert shared.num_prompt_tokens == plain.num_prompt_tokens == plain.num_prefill_tokens == sum(lens)
+    assert shared.num_prefill_tokens == lens[0] + lens[4] + lens[7]
