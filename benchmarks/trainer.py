@@ -4,6 +4,8 @@ GPU (H200, bf16):
     python benchmarks/trainer.py --flavor qwen3-0.6b --impls custom,hf --out benchmarks/results/trainer_dense.json
     python benchmarks/trainer.py --flavor qwen3-moe-8l --impls custom,hf --out benchmarks/results/trainer_moe.json
 CPU smoke check:   python benchmarks/trainer.py --device cpu --small
+LoRA vs full (issue 20; H200 numbers in docs/benchmarks.md):
+    python benchmarks/trainer.py --flavor qwen3-0.6b --impls custom --lora_rank 0,16 --out benchmarks/results/trainer_lora.json
 
 Models are random-init from the flavor's HF config (prime_spmd/models/qwen3/__init__.py FLAVORS):
 ``custom`` is our Qwen3ForCausalLM (MoE experts: --moe_impl), ``hf`` is transformers' model with sdpa.
@@ -13,7 +15,11 @@ Params and compute in bf16 on GPU, AdamW (fused on CUDA), one sequence of --toke
 (--doc_len packs it into documents). MFU = model FLOPs / step time / --peak_tflops, with
 model FLOPs per token = 6 * (active matmul params incl. LM head) + 6 * L * 2 * N * Dh * S_eff
 (causal attention, S_eff = mean attended keys per token); the measured 8192^3 matmul ceiling is
-reported beside it.
+reported beside it. ``--lora_rank r`` (r > 0) adds LoRA adapters (alpha = 2r, the 7 projections,
+prime_spmd/models/lora.py) and trains only them; model FLOPs stay the full model's forward and
+backward (the frozen base still needs activation grads; its weight-grad GEMMs are skipped, so MFU
+is a lower bound there). Each row also reports the bytes one weight sync sends in bf16
+(``sync_bytes``: every parameter, or the adapters only) and the trainable parameter count.
 """
 
 import argparse
@@ -35,6 +41,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=16384, help="tokens per step (one packed row)")
     p.add_argument("--doc_len", type=int, default=0, help="pack documents of this length (0: one document)")
     p.add_argument("--steps", type=int, default=5, help="timed steps (median reported) after 2 warmup steps")
+    p.add_argument("--lora_rank", default="0", help="comma-separated LoRA ranks to run (0: full fine-tuning)")
     p.add_argument("--peak_tflops", type=float, default=989.0, help="bf16 dense peak for MFU (H200 SXM: 989)")
     p.add_argument("--out", type=Path, default=None, help="write results as JSON here")
     return p.parse_args()
@@ -47,10 +54,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common  # noqa: E402
 from kernels.lm_logprob.op import lm_head_logprobs  # noqa: E402
+from prime_spmd.config.sections import LoraConfig  # noqa: E402
 from prime_spmd.models import hidden  # noqa: E402
+from prime_spmd.models.lora import apply_lora  # noqa: E402
 from prime_spmd.models.qwen3 import FLAVORS  # noqa: E402
 from prime_spmd.models.qwen3.hf import build_model  # noqa: E402
 from prime_spmd.models.qwen3.model import Qwen3Args, set_moe_impl  # noqa: E402
+from prime_spmd.weights import build_spec  # noqa: E402
 
 SMALL = dict(
     model_type="qwen3_moe", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -117,14 +127,21 @@ def main() -> None:
     flops = model_flops_per_token(cfg, T, doc_len) * T
     lm_impl = "triton" if device == "cuda" else "reference"
     results = []
-    for impl in ARGS.impls.split(","):
+    runs = [(impl, int(r)) for impl in ARGS.impls.split(",") for r in ARGS.lora_rank.split(",")]
+    for impl, lora_rank in runs:
         model = build(impl, cfg, device, dtype)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
+        if lora_rank:
+            apply_lora(model, LoraConfig(rank=lora_rank, alpha=2.0 * lora_rank))
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        spec = build_spec(model, torch.bfloat16)
+        sync_bytes = 2 * sum(torch.Size(s).numel() for s in spec.shapes)
+        opt = torch.optim.AdamW(trainable, lr=1e-5, fused=device == "cuda")
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         ms = common.time_ms(step_fn(model, opt, inputs, pos, targets, lm_impl), device, ARGS.steps, warmup=2)
         row = dict(
-            impl=impl, flavor="small" if ARGS.small else ARGS.flavor, tokens=T, doc_len=doc_len,
+            impl=impl, flavor="small" if ARGS.small else ARGS.flavor, tokens=T, doc_len=doc_len, lora_rank=lora_rank,
+            trainable_params=sum(p.numel() for p in trainable), sync_bytes=sync_bytes,
             moe_impl=ARGS.moe_impl if impl == "custom" else "hf", step_ms=ms, tokens_per_s=T / (ms * 1e-3),
             tflops=flops / (ms * 1e-3) / 1e12, mfu_pct=100 * flops / (ms * 1e-3) / 1e12 / ARGS.peak_tflops,
             pct_of_matmul_ceiling=100 * flops / (ms * 1e-3) / 1e12 / ceiling,
@@ -136,11 +153,13 @@ def main() -> None:
         if device == "cuda":
             torch.cuda.empty_cache()
     print(f"\nmatmul ceiling {ceiling:.0f} TFLOP/s; MFU vs {ARGS.peak_tflops:.0f} TFLOP/s peak")
-    columns = ["impl", "flavor", "tokens", "step ms", "tokens/s", "TFLOP/s", "MFU", "% of ceiling", "peak GiB"]
+    columns = ["impl", "flavor", "lora r", "tokens", "step ms", "tokens/s", "TFLOP/s", "MFU", "% of ceiling", "peak GiB",
+               "sync MB"]  # fmt: skip
     table = [
-        [f"{r['impl']} ({r['moe_impl']})", r["flavor"], r["tokens"], f"{r['step_ms']:.1f}", f"{r['tokens_per_s']:.0f}",
+        [f"{r['impl']} ({r['moe_impl']})", r["flavor"], r["lora_rank"] or "full", r["tokens"], f"{r['step_ms']:.1f}",
+         f"{r['tokens_per_s']:.0f}",
          f"{r['tflops']:.1f}", f"{r['mfu_pct']:.1f}%", f"{r['pct_of_matmul_ceiling']:.1f}%",
-         "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"]
+         "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}", f"{r['sync_bytes'] / 1e6:.2f}"]
         for r in results
     ]  # fmt: skip
     common.print_markdown_table(columns, table)

@@ -19,6 +19,11 @@ rank involved, and on CUDA ends with ``torch.cuda.synchronize`` (NCCL work is as
 The reference bandwidth is a plain broadcast of one tensor of the same byte count over the same
 bridge (disjoint) or one ``copy_`` of that many bytes (colocated). After timing, the engines'
 weights are compared with the trainer's (float64 sums per parameter, exact on both sides).
+
+``--lora-rank r`` (issue 20) adds LoRA adapters (alpha 2r, the 7 projections) before FSDP2: only
+the adapters travel and each engine merges them into its copy of the base (weights.py), so the
+timed sync includes the merge GEMMs. The weight comparison is skipped there (the engine holds merged
+weights; tests/unit/test_lora.py and tests/distributed/test_lora_fsdp.py check the merge).
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ def _args() -> argparse.Namespace:
         default="auto",
         help="engine/wire dtype: auto is bfloat16 on CUDA, float32 on CPU (as --model.dtype)",
     )
+    p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank: sync the adapters only (0: full weights)")
     p.add_argument("--no-check", action="store_true", help="skip the weight comparison after timing")
     p.add_argument("--out", default="", help="JSON file for the results (written by global rank 0)")
     return p.parse_args()
@@ -138,6 +144,11 @@ def main() -> None:
         from prime_spmd.weights import WeightSender
 
         lm = _build_lm(fields, device, torch.float32, meta=True)
+        if a.lora_rank:
+            from prime_spmd.config.sections import LoraConfig
+            from prime_spmd.models.lora import apply_lora
+
+            apply_lora(lm, LoraConfig(rank=a.lora_rank, alpha=2.0 * a.lora_rank))
         policy = PolicyModel(lm, "reference")
         mesh = build_trainer_mesh(topo, device)
         parallelize(policy, decoder_layer_lists(lm), mesh, param_dtype=wire, activation_checkpointing=False)
@@ -150,6 +161,8 @@ def main() -> None:
         from prime_spmd.models.tiny import build_char_tokenizer
 
         elm = _build_lm(fields, device, wire, meta=False)
+        if a.lora_rank:
+            _fill(elm, seed=99)  # the base the adapters are merged into
         engine = NativeEngine(
             elm,
             build_char_tokenizer(),
@@ -226,7 +239,7 @@ def main() -> None:
 
     # Check: the engines hold exactly the trainer's weights (cast to the wire dtype).
     check = None
-    if not a.no_check:
+    if not a.no_check and not a.lora_rank:
         sums = None
         if topo.is_trainer:
             from prime_spmd.weights import hf_named_parameters
@@ -266,6 +279,7 @@ def main() -> None:
         res = dict(
             shape=a.shape,
             layers=fields["num_hidden_layers"],
+            lora_rank=a.lora_rank,
             mode=topo.mode,
             world=world,
             trainer_ranks=a.trainer_ranks,

@@ -133,7 +133,7 @@ def base_name(adapter_name: str) -> str:
 
 def merged_weight(w0_OI: torch.Tensor, a_RI: torch.Tensor, b_OR: torch.Tensor, scale: float) -> torch.Tensor:
     """W0 + scale * B @ A, computed in fp32, returned in W0's dtype."""
-    return (w0_OI.float() + scale * (b_OR.float() @ a_RI.float())).to(w0_OI.dtype)
+    return torch.addmm(w0_OI.float(), b_OR.float(), a_RI.float(), alpha=scale).to(w0_OI.dtype)
 
 
 def merge_state_dict(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
