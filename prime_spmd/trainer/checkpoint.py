@@ -49,6 +49,16 @@ def _options(model: nn.Module) -> StateDictOptions:
     return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
 
+def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """``get_state_dict`` without frozen parameters; tied aliases of a frozen parameter (a tied LM head)
+    are dropped too, which ``ignore_frozen_params`` alone keeps (torch 2.13)."""
+    from prime_spmd.distributed.fsdp import unwrapped_name
+
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
+    frozen = {unwrapped_name(n) for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in model_sd.items() if k not in frozen}, optim_sd
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -106,7 +116,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
+        model_sd, optim_sd = _state_dicts(model, optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
         torch.save(rng_state(), tmp / f"rng_rank{self.rank}.pt")
         _save_adapter_if_lora(model, tmp / "adapter", self.rank)
@@ -127,11 +137,12 @@ class Checkpointer:
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Load model + optimizer shards and this rank's RNG; return the saved controller state."""
-        options = _options(model)
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+        model_sd, optim_sd = _state_dicts(model, optimizer)
         sd = {"model": model_sd, "optim": optim_sd}
         dcp.load(sd, checkpoint_id=str(path / "dcp"))
-        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=options)
+        set_state_dict(
+            model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=_options(model)
+        )
         rng_file = path / f"rng_rank{self.rank}.pt"
         if rng_file.is_file():
             set_rng_state(torch.load(rng_file, weights_only=False))
