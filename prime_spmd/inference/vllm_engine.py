@@ -334,10 +334,18 @@ def reprocess_tied_layers(model: torch.nn.Module) -> list[str]:
     the initial weights: mismatch KL 0.15 after an update of a tiny Qwen3, measured 2026-12-03. On
     CUDA the unquantized embedding method derives nothing and this is a no-op.
     """
+    # Only the unquantized embedding method: its processing reads the (already reloaded) weight and
+    # derives the GEMM handle again. A quantized method's processing is not idempotent on its output.
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
     owners: dict[int, list[tuple[str, torch.nn.Module]]] = {}
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
-        if isinstance(weight, torch.Tensor) and weight.numel() > 0 and hasattr(module, "quant_method"):
+        if (
+            isinstance(weight, torch.Tensor)
+            and weight.numel() > 0
+            and isinstance(getattr(module, "quant_method", None), UnquantizedEmbeddingMethod)
+        ):
             owners.setdefault(weight.data_ptr(), []).append((name, module))
     done = []
     for group in owners.values():
