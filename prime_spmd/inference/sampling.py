@@ -126,16 +126,14 @@ def gumbel_noise(seeds_B: torch.Tensor, steps_B: torch.Tensor, vocab_size: int) 
     return -torch.log(-torch.log(uniform_noise(seeds_B, steps_B, vocab_size)))
 
 
-def _argmax_split(y_BV: torch.Tensor, max_chunks: int = 256, max_rows: int = 8) -> torch.Tensor:
-    """``argmax(y_BV, -1)`` (first maximum); for at most ``max_rows`` rows as a max over
-    C = gcd(V, max_chunks) chunks, then over the chunk maxima. Compiled, the noise hash fuses into
-    the first pass, which then runs on B * C programs instead of B: one program per row took 113 us
-    for the 152k vocab at batch 1 on the H200 (2026-12-03), 7% of a Qwen3-0.6B decode step; split
-    it, batch 1 went 538 -> 567 tok/s. Split at every batch size, batch 64 fell 23.5k -> 16.9k and
-    batch 256 49.0k -> 38.0k tok/s (not investigated), hence ``max_rows``."""
+def _argmax_split(y_BV: torch.Tensor, max_chunks: int = 256) -> torch.Tensor:
+    """``argmax(y_BV, -1)`` (first maximum) as a max over C = gcd(V, max_chunks) chunks, then over
+    the chunk maxima. Compiled, the noise hash fuses into the first pass, which then runs on B * C
+    programs instead of B: one program per row took 113 us for the 152k vocab at batch 1 on the
+    H200 (2026-12-03), 7% of a Qwen3-0.6B decode step."""
     b, v = y_BV.shape
     c = math.gcd(v, max_chunks)
-    if c == 1 or b > max_rows:
+    if c == 1:
         return torch.argmax(y_BV, dim=-1)
     m_BC, i_BC = y_BV.view(b, c, v // c).max(dim=-1)
     j_B = torch.argmax(m_BC, dim=-1)  # first chunk holding the maximum

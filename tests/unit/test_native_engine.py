@@ -262,7 +262,7 @@ def test_split_argmax_is_first_argmax():
     from prime_spmd.inference.sampling import _argmax_split
 
     g = torch.Generator().manual_seed(0)
-    for v in (151936, 4096, 97):  # 128, 256 and 1 chunk(s); 6 rows: split
+    for v in (151936, 4096, 97):  # 128, 256 and 1 chunk(s)
         y = torch.randn(6, v, generator=g)
         y[0, v // 3] = y[0, v - 1] = 100.0  # a tie across chunks: the first index wins, as in argmax
         assert torch.equal(_argmax_split(y), torch.argmax(y, dim=-1))
