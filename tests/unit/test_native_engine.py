@@ -256,13 +256,3 @@ def test_groups_prefill_their_prompt_once(model_dir):
     lens = [len(tok.encode(t)) for t in texts]
     assert shared.num_prompt_tokens == plain.num_prompt_tokens == plain.num_prefill_tokens == sum(lens)
     assert shared.num_prefill_tokens == lens[0] + lens[4] + lens[7]
-
-
-def test_split_argmax_is_first_argmax():
-    from prime_spmd.inference.sampling import _argmax_split
-
-    g = torch.Generator().manual_seed(0)
-    for v in (151936, 4096, 97):  # 128, 256 and 1 chunk(s)
-        y = torch.randn(6, v, generator=g)
-        y[0, v // 3] = y[0, v - 1] = 100.0  # a tie across chunks: the first index wins, as in argmax
-        assert torch.equal(_argmax_split(y), torch.argmax(y, dim=-1))
