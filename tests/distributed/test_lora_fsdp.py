@@ -149,7 +149,7 @@ def test_lora_fsdp_two_ranks_resume_frozen_base(tmp_path: Path) -> None:
     assert r0["base_same"] and r0["num_moved"] == 2 * 7 and r0["num_keys"] > 2 * 2 * 7, r0
 
 
-def _rl_cfg(out: Path, model: Path, lora: LoraConfig | None, num_inference: int) -> RLJobConfig:
+def _rl_cfg(out: Path, model: Path, lora: LoraConfig | None, num_inference: int, resume: bool = False) -> RLJobConfig:
     return RLJobConfig(
         output_dir=str(out),
         model=ModelConfig(path=str(model), impl="custom", lora=lora or LoraConfig()),
@@ -159,7 +159,7 @@ def _rl_cfg(out: Path, model: Path, lora: LoraConfig | None, num_inference: int)
         rollout=RolloutConfig(prompts_per_step=4, group_size=4, max_async=0),
         sampling=SamplingConfig(max_tokens=12),
         inference=InferenceConfig(max_batch_size=16, weight_bucket_mb=1),
-        ckpt=CkptConfig(interval_steps=0),
+        ckpt=CkptConfig(interval_steps=2, resume=resume),
         log=LogConfig(progress=False, plots=False),
     )
 
@@ -172,7 +172,8 @@ def _rl(rank: int, world: int, cfg: RLJobConfig) -> None:
 
 def test_lora_rl_disjoint_adapter_sync_is_on_policy(tmp_path: Path) -> None:
     """k = 0 with 1 trainer + 1 inference rank: every batch is on-policy, so the engine's merged weights
-    must give the trainer's (unmerged) logprobs; the adapters move and the run exports merged + PEFT."""
+    must give the trainer's (unmerged) logprobs; the adapters move and the run exports merged + PEFT.
+    Resuming from the step-2 checkpoint (base reloaded from disk, adapters from DCP) repeats steps 2..3."""
     from prime_spmd.models.tiny import build_tiny_model
 
     model = build_tiny_model(tmp_path / "base", "qwen3-nano", seed=0, initializer_range=0.3)
@@ -185,3 +186,13 @@ def test_lora_rl_disjoint_adapter_sync_is_on_policy(tmp_path: Path) -> None:
     assert max(r["mismatch_kl"] for r in m) < 1e-9, [r["mismatch_kl"] for r in m]
     assert all(r["grad_norm"] > 0 for r in m)
     assert (out / "adapter" / "adapter_model.safetensors").is_file() and (out / "hf" / "config.json").is_file()
+    res = tmp_path / "resumed"
+    (res / "checkpoints").mkdir(parents=True)
+    shutil.copytree(out / "checkpoints" / "step_000002", res / "checkpoints" / "step_000002")
+    (res / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in m[:2]))
+    run_ranks(_rl, 2, _rl_cfg(res, model, LORA, num_inference=1, resume=True))
+    got = _metrics(res)
+    assert [r["step"] for r in got] == list(range(4))
+    for a, b in zip(m[2:], got[2:]):
+        for key in ("reward_mean", "loss", "grad_norm", "mismatch_kl", "entropy"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
