@@ -16,7 +16,7 @@ import pytest
 from prime_spmd.config import EvalJobConfig, RLJobConfig, load_toml
 from prime_spmd.envs.verifiers_bridge import VerifiersEnvironment
 from prime_spmd.inference.engine import SamplingParams
-from tests.unit.test_verifiers_bridge import ScriptedEngine, qwen3_tokenizer  # noqa: F401 (fixture)
+from tests.unit.test_verifiers_bridge import ScriptedEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,7 +54,7 @@ def test_tool_recipe_runs(tmp_path: Path) -> None:
     assert summary["num_examples"] == 4
 
 
-def test_tool_env_calls_reverse_and_scores_the_answer(qwen3_tokenizer) -> None:  # noqa: F811
+def test_tool_env_calls_reverse_and_scores_the_answer(qwen3_tokenizer) -> None:
     """A model that calls the tool gets the reversal back as a tool message and answers with it."""
     from prime_spmd.envs.vf_reverse_tool import load_environment
 

@@ -15,7 +15,7 @@ from prime_spmd.config.sections import SamplingConfig
 from prime_spmd.envs.verifiers_bridge import VerifiersEnvironment
 from prime_spmd.inference.engine import SamplingParams
 from tests.envs_for_tests import _dataset
-from tests.unit.test_verifiers_bridge import ScriptedEngine, qwen3_tokenizer  # noqa: F401 (fixture)
+from tests.unit.test_verifiers_bridge import ScriptedEngine
 
 
 @pytest.mark.parametrize(
@@ -48,7 +48,7 @@ def _env_with_sampling_args(args: dict) -> VerifiersEnvironment:
     return VerifiersEnvironment(env, name="overrides", reward_timeout_s=None)
 
 
-def test_env_sampling_override_is_refused_for_training(qwen3_tokenizer) -> None:  # noqa: F811
+def test_env_sampling_override_is_refused_for_training(qwen3_tokenizer) -> None:
     env = _env_with_sampling_args({"temperature": 0.5})
     sp = SamplingParams(temperature=1.0, max_tokens=4)
     with pytest.raises(ValueError, match=r"'overrides'.*temperature=0.5.*--sampling.temperature=1.0"):

