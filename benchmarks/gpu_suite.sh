@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU runs recorded in docs/benchmarks.md, in parts that fit one device call each.
-#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | loss | moe | trainer | rl
+#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | loss | moe | trainer | lora | rl
 # Each step has its own time limit so that one slow step does not lose the others' results.
 set -uo pipefail
 PART=$1; OUT=${2:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -21,6 +21,11 @@ case $PART in
   trainer)
     run trainer_dense 240 python3 benchmarks/trainer.py --flavor qwen3-0.6b --impls custom,hf --out "$OUT/trainer_dense.json"
     run trainer_moe 240 python3 benchmarks/trainer.py --flavor qwen3-moe-8l --impls custom --out "$OUT/trainer_moe.json" ;;
+  lora)
+    run trainer_lora 300 python3 benchmarks/trainer.py --flavor qwen3-0.6b --impls custom,hf --lora_rank 0,16 --out "$OUT/trainer_lora.json"
+    for r in 0 16; do
+      run "ws_colocated_r$r" 180 torchrun --standalone --nproc-per-node 1 benchmarks/weight_sync.py --shape qwen3-0.6b --trainer-ranks 1 --lora-rank "$r" --iters 10 --out "$OUT/ws_colocated_r$r.json"
+    done ;;
   rl)
     run rl_colocated 300 python3 -m prime_spmd rl --config configs/reverse_text/rl.toml --output_dir "$OUT/rl" --model.path /tmp/rlmodel --model.init_tiny qwen3-1m --trainer.max_steps 20 --log.no_progress ;;
 esac
