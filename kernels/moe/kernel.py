@@ -15,51 +15,29 @@ Row tiles: each program of the row-tiled kernels takes one BLOCK_M tile that lie
 the tile -> (expert, row range) table is built on device (``tile_schedule``), sized by the static
 bound ceil(M / BLOCK_M) + E, so nothing syncs with the host and empty experts cost nothing.
 
+Launch configs (tile sizes, warps, stages): one per kernel and shape class from ``configs.pick`` by
+default; ``configs.AUTOTUNE`` (env PRIME_SPMD_MOE_AUTOTUNE=1) launches the ``*_tuned`` autotuner
+wrappers instead (configs.py says why).
+
 Interpreter (CPU, TRITON_INTERPRET=1): tiles upcast to fp32 before ``tl.dot`` (bf16 dots give
-garbage there) and one autotune config (several fail). On GPU, bf16 tiles go to the tensor cores.
+garbage there) and one config (several fail). On GPU, bf16 tiles go to the tensor cores.
 
 Legend: M sorted rows, D hidden, I intermediate, E experts, N/K GEMM output/reduction dims.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+from kernels.moe import configs
+
+INTERPRET = configs.INTERPRET
 BLOCK_M = 32 if INTERPRET else 128  # rows per tile: fixed (the tile table depends on it), not autotuned
 GROUP_M = 8  # row tiles per program group in the row kernels' launch order (L2 reuse)
 FUSE_SWIGLU_BWD = True  # SwiGLU backward in the dz GEMM's epilogue (False: a separate elementwise kernel)
-
-
-def _configs(bn: tuple[int, ...], bk: tuple[int, ...], warps: tuple[int, ...], stages: tuple[int, ...]):
-    if INTERPRET:
-        return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
-    return [
-        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-        for n in bn
-        for k in bk
-        for w in warps
-        for s in stages
-    ]
-
-
-# GPU search space: 128/256-wide N tiles x warps x stages (64-wide tiles and 64-row wgrad tiles dropped, untested); kept
-# small because every config of every kernel compiles on first use (the full 3x2x2 + 32 wgrad configs took
-# ~200 s of compile in a benchmark run).
-ROW_CONFIGS = _configs((128, 256), (64,), (4, 8), (3, 4))
-WGRAD_CONFIGS = [
-    triton.Config(
-        {"BLOCK_N": c.kwargs["BLOCK_N"], "BLOCK_K": c.kwargs["BLOCK_K"], "BLOCK_MW": bm},
-        num_warps=c.num_warps,
-        num_stages=c.num_stages,
-    )
-    for c in _configs((128,), (32, 64), (4, 8), (3, 4))
-    for bm in ((32,) if INTERPRET else (128,))
-]
+ROW_CONFIGS, WGRAD_CONFIGS = configs.ROW_CONFIGS, configs.WGRAD_CONFIGS
 
 
 def tile_schedule(offs_E: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -140,7 +118,6 @@ def _swiglu_bwd_tile(dz, gu_ptr, scale_ptr, dgu_ptr, rows, rmask, cols, cmask, N
     return tl.sum(silu * u * dz, axis=1)
 
 
-@triton.autotune(configs=ROW_CONFIGS, key=["N", "K", "BLOCK_M"])
 @triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, h_ptr, gu_ptr, tok_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr,
@@ -179,7 +156,6 @@ def _gate_up_kernel(
         tl.store(gptr + N, acc_u.to(gu_ptr.dtype.element_ty), mask=omask)
 
 
-@triton.autotune(configs=ROW_CONFIGS, key=["N", "K", "A_GATHER", "OUT_SCATTER", "BLOCK_M"])
 @triton.jit
 def _grouped_gemm_kernel(
     a_ptr, b_ptr, out_ptr, a_idx_ptr, out_idx_ptr, scale_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr,
@@ -211,9 +187,6 @@ def _grouped_gemm_kernel(
     tl.store(out_ptr + orow[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=omask)
 
 
-@triton.autotune(
-    configs=ROW_CONFIGS, key=["N", "K", "BLOCK_M"], reset_to_zero=["dwp_ptr"]
-)  # configs write different dwp columns
 @triton.jit
 def _dz_swiglu_bwd_kernel(
     dout_ptr, w2_ptr, gu_ptr, scale_ptr, tok_ptr, dgu_ptr, dwp_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr,
@@ -253,7 +226,6 @@ def _swiglu_bwd_kernel(
     tl.store(dw_ptr + rows, dw, mask=rmask)
 
 
-@triton.autotune(configs=WGRAD_CONFIGS, key=["MW", "N", "A_GATHER", "B_GATHER"])
 @triton.jit
 def _grouped_wgrad_kernel(
     a_ptr, b_ptr, out_ptr, a_idx_ptr, b_idx_ptr, scale_ptr, offs_ptr,
@@ -294,8 +266,51 @@ def _grouped_wgrad_kernel(
     tl.store(optr, acc.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
+# The autotuned variants (opt-in, configs.AUTOTUNE): each new key sweeps every config of the space.
+TUNED = {
+    "gate_up": triton.autotune(configs=ROW_CONFIGS, key=["N", "K", "BLOCK_M"])(_gate_up_kernel),
+    "grouped_gemm": triton.autotune(configs=ROW_CONFIGS, key=["N", "K", "A_GATHER", "OUT_SCATTER", "BLOCK_M"])(
+        _grouped_gemm_kernel
+    ),
+    # configs write different dwp columns
+    "dz_swiglu_bwd": triton.autotune(configs=ROW_CONFIGS, key=["N", "K", "BLOCK_M"], reset_to_zero=["dwp_ptr"])(
+        _dz_swiglu_bwd_kernel
+    ),
+    "grouped_wgrad": triton.autotune(configs=WGRAD_CONFIGS, key=["MW", "N", "A_GATHER", "B_GATHER"])(
+        _grouped_wgrad_kernel
+    ),
+}
+JIT = {
+    "gate_up": _gate_up_kernel,
+    "grouped_gemm": _grouped_gemm_kernel,
+    "dz_swiglu_bwd": _dz_swiglu_bwd_kernel,
+    "grouped_wgrad": _grouped_wgrad_kernel,
+}
+
+
 def _upcast(t: torch.Tensor) -> bool:
     return INTERPRET or t.dtype == torch.float32
+
+
+def _config(kernel: str, t: torch.Tensor, N: int, K: int, MW: int | None = None) -> triton.Config | None:
+    """This launch's config from the table (None: the autotuner chooses), for inputs like ``t``."""
+    if configs.AUTOTUNE:
+        return None
+    budget = configs.smem_budget(t.device.index or 0) if t.is_cuda and not INTERPRET else 0
+    return configs.pick(kernel, N, K, block_m=BLOCK_M, elem_bytes=t.element_size(), smem_budget=budget, MW=MW)
+
+
+def _launch(kernel: str, cfg: triton.Config | None, grid, *args, **kwargs) -> None:
+    """Launch ``kernel`` with ``cfg``, or through its autotuner when ``cfg`` is None."""
+    if cfg is None:
+        TUNED[kernel][grid](*args, **kwargs)
+    else:
+        JIT[kernel][grid](*args, **kwargs, **configs.launch_kwargs(cfg))
+
+
+def autotuned() -> dict[str, dict[str, int]]:
+    """What the autotuners picked in this process: '<kernel> <autotune key>' -> config as TABLE writes it."""
+    return {f"{name} {key}": configs.describe(c) for name, tuner in TUNED.items() for key, c in tuner.cache.items()}
 
 
 def gate_up_swiglu(
@@ -309,8 +324,8 @@ def gate_up_swiglu(
     gu = x_TD.new_empty(M if store_gu else 0, F)
     assert x_TD.stride(1) == 1 and w13_EFD.stride(2) == 1
     grid = lambda meta: (num_tiles * triton.cdiv(inter, meta["BLOCK_N"]),)  # noqa: E731
-    _gate_up_kernel[grid](
-        x_TD, w13_EFD, h, gu, tok_M, tile_e, r0, r1,
+    _launch(
+        "gate_up", _config("gate_up", x_TD, inter, D), grid, x_TD, w13_EFD, h, gu, tok_M, tile_e, r0, r1,
         num_tiles, inter, D, x_TD.stride(0), w13_EFD.stride(0), w13_EFD.stride(1), w13_EFD.stride(2), h.stride(0), F,
         STORE_GU=store_gu, UPCAST=_upcast(x_TD), BLOCK_M=BLOCK_M, GROUP_M=GROUP_M,
     )  # fmt: skip
@@ -333,7 +348,8 @@ def grouped_gemm(
     out = a.new_empty(num_out_rows, N)
     dummy = tile_e
     grid = lambda meta: (num_tiles * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
-    _grouped_gemm_kernel[grid](
+    _launch(
+        "grouped_gemm", _config("grouped_gemm", a, N, K), grid,
         a, b_ENK, out, dummy if a_idx is None else a_idx, dummy if out_idx is None else out_idx,
         dummy if scale is None else scale, tile_e, r0, r1,
         num_tiles, N, K, a.stride(0), b_ENK.stride(0), b_ENK.stride(1), b_ENK.stride(2), out.stride(0),
@@ -354,12 +370,13 @@ def dz_swiglu_bwd(
     inter = F // 2
     assert dout_TD.stride(1) == 1 and gu_MF.stride(1) == 1
     dgu = torch.empty_like(gu_MF)
-    min_bn = min(c.kwargs["BLOCK_N"] for c in ROW_CONFIGS)
+    cfg = _config("dz_swiglu_bwd", dout_TD, inter, dout_TD.shape[1])
+    min_bn = min(c.kwargs["BLOCK_N"] for c in ([cfg] if cfg is not None else ROW_CONFIGS))
     dwp = torch.zeros(M, triton.cdiv(inter, min_bn), device=gu_MF.device, dtype=torch.float32)
     w2 = w2_EDI.transpose(1, 2)  # [E, N=I, K=D] view
     grid = lambda meta: (num_tiles * triton.cdiv(inter, meta["BLOCK_N"]),)  # noqa: E731
-    _dz_swiglu_bwd_kernel[grid](
-        dout_TD, w2, gu_MF, scale_M, tok_M, dgu, dwp, tile_e, r0, r1,
+    _launch(
+        "dz_swiglu_bwd", cfg, grid, dout_TD, w2, gu_MF, scale_M, tok_M, dgu, dwp, tile_e, r0, r1,
         num_tiles, inter, dout_TD.shape[1], dout_TD.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
         gu_MF.stride(0), dwp.stride(0),
         UPCAST=_upcast(dout_TD), BLOCK_M=BLOCK_M, GROUP_M=GROUP_M,
@@ -395,8 +412,9 @@ def grouped_wgrad(
     out = a.new_empty(E, MW, N)
     dummy = offs_E
     grid = lambda meta: (triton.cdiv(MW, meta["BLOCK_MW"]) * triton.cdiv(N, meta["BLOCK_N"]), E)  # noqa: E731
-    _grouped_wgrad_kernel[grid](
-        a, b, out, dummy if a_idx is None else a_idx, dummy if b_idx is None else b_idx,
+    cfg = _config("grouped_wgrad", a, N, 1, MW=MW)  # K: its reduction runs over rows, a per-expert count
+    _launch(
+        "grouped_wgrad", cfg, grid, a, b, out, dummy if a_idx is None else a_idx, dummy if b_idx is None else b_idx,
         dummy if scale is None else scale, offs_E,
         MW, N, a.stride(0), b.stride(0), out.stride(0), out.stride(1),
         A_GATHER=a_idx is not None, B_GATHER=b_idx is not None, HAS_SCALE=scale is not None, UPCAST=_upcast(a),
