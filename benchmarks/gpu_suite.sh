@@ -16,8 +16,11 @@ case $PART in
     run mismatch 120 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --out "$OUT/mismatch.json" ;;
   loss)
     run loss 420 python3 benchmarks/loss_kernel.py --out "$OUT/loss_kernel.json" ;;
-  moe)
-    run moe 300 python3 benchmarks/moe.py --impls grouped_mm,triton --out "$OUT/moe.json" ;;
+  moe)  # first use (fresh Triton cache, then the same cache again), then warm speed: default table vs full autotune
+    cache=$(mktemp -d)
+    run moe_first_call_cold 150 env TRITON_CACHE_DIR="$cache" python3 benchmarks/moe.py --first_call --tokens 4096 --out "$OUT/moe_first_call_cold.json"
+    run moe_first_call_cached 90 env TRITON_CACHE_DIR="$cache" python3 benchmarks/moe.py --first_call --tokens 4096 --out "$OUT/moe_first_call_cached.json"
+    run moe 420 env TRITON_CACHE_DIR="$(mktemp -d)" TRITON_PRINT_AUTOTUNING=1 python3 benchmarks/moe.py --impls grouped_mm,triton --configs heuristic,autotune --out "$OUT/moe.json" ;;
   trainer)
     run trainer_dense 240 python3 benchmarks/trainer.py --flavor qwen3-0.6b --impls custom,hf --out "$OUT/trainer_dense.json"
     run trainer_moe 240 python3 benchmarks/trainer.py --flavor qwen3-moe-8l --impls custom --out "$OUT/trainer_moe.json" ;;
