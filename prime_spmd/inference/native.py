@@ -30,7 +30,7 @@ import torch
 
 from prime_spmd.inference.engine import Completion, InferenceEngine, Request
 from prime_spmd.inference.kv_cache import SlotKVCache, bucket_sizes, pick_bucket
-from prime_spmd.inference.runner import build_runner
+from prime_spmd.inference.runner import DecodeAttention, build_runner
 from prime_spmd.inference.sampling import SamplingTensors, sample_flat
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -71,7 +71,9 @@ class NativeEngine(InferenceEngine):
     """Continuous-batching engine over ``model`` (an HF causal LM or a model with its own runner).
 
     ``model`` is used in place (its parameters are read at every forward). ``dtype`` casts the
-    model once at construction (None keeps it). Call every method from one thread.
+    model once at construction (None keeps it). ``decode_attention``: "bmm" (batched matmuls over
+    the length bucket) or "triton" (the flash-decoding kernel, kernels/decode_attention); used by
+    the Llama-style runner. Call every method from one thread.
     """
 
     def __init__(
@@ -88,6 +90,7 @@ class NativeEngine(InferenceEngine):
         seed: int = 0,
         compile_sampler: bool = True,
         share_prefill: bool = True,
+        decode_attention: DecodeAttention = "bmm",
     ) -> None:
         device = torch.device(device) if device is not None else next(model.parameters()).device
         if dtype is not None:
@@ -97,7 +100,9 @@ class NativeEngine(InferenceEngine):
         self.device = device
         self.max_batch_size, self.max_model_len = max_batch_size, max_model_len
         self.prefill_tokens = max(prefill_tokens, max_model_len)
-        self.runner = build_runner(self.model, max_batch_size, max_model_len, device, compile_decode=cuda_graphs)
+        self.runner = build_runner(
+            self.model, max_batch_size, max_model_len, device, compile_decode=cuda_graphs, attention=decode_attention
+        )
         self.vocab_size = self.runner.vocab_size
         self.batch_buckets = bucket_sizes(max_batch_size, 1, "pow2")
         self.len_buckets = bucket_sizes(max_model_len, min(256, max_model_len), "linear")

@@ -18,12 +18,15 @@ length attended, ``H`` query heads, ``Hkv`` kv heads, ``G`` = H / Hkv, ``D`` hea
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 
 from prime_spmd.inference.kv_cache import SlotKVCache
 
 LLAMA_STYLE = {"qwen3", "qwen2", "llama", "mistral"}
+DecodeAttention = Literal["bmm", "triton"]
 
 
 def is_llama_style(model: torch.nn.Module) -> bool:
@@ -78,13 +81,18 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def make_decode_layer(num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float):
+def make_decode_layer(
+    num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float, attention: DecodeAttention = "bmm"
+):
     """One decoder layer of a decode step as a pure function of tensors (``torch.compile`` fuses it).
 
     Args per call: ``x_BE`` residual [B, E] (E hidden), the layer's weights (aliases of the model's
     parameters: ``qkv_w`` [(H + 2 Hkv) D, E], ``gate_up_w`` [2I, E]), the layer's cache ``k_SHLD`` /
-    ``v_SHLD`` [S, Hkv, L, D] (written in place at ``pos_B``), ``cos_BD``/``sin_BD`` at ``pos_B``,
-    ``mask_BL`` additive float32 [B, Lb] (Lb = attended length). Returns the new residual [B, E].
+    ``v_SHLD`` [S, Hkv, L, D] (written in place at ``pos_B``), ``cos_BD``/``sin_BD`` at ``pos_B``, then
+    what ``attention`` reads: "bmm": ``mask_BL`` additive float32 [B, Lb] (Lb = attended length; the
+    two matmuls read all Lb positions of every row); "triton": ``lens_B`` int [B] (row b attends
+    positions [0, lens_B[b])) and ``kv_len`` = Lb, a static bound sizing the kernel's grid
+    (kernels/decode_attention). Returns the new residual [B, E].
     """
     g = num_heads // num_kv_heads
     nq, nk = num_heads * head_dim, num_kv_heads * head_dim
@@ -93,8 +101,8 @@ def make_decode_layer(num_heads: int, num_kv_heads: int, head_dim: int, eps: flo
         return x * cos + _rotate_half(x) * sin
 
     def layer(x_BE, ln1_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, o_b, ln2_w, gate_up_w, down_w,
-              k_SHLD, v_SHLD, cos_BD, sin_BD, pos_B, mask_BL):  # fmt: skip
-        b, kv_len = x_BE.shape[0], mask_BL.shape[1]
+              k_SHLD, v_SHLD, cos_BD, sin_BD, pos_B, mask_BL, lens_B, kv_len):  # fmt: skip
+        b = x_BE.shape[0]
         qkv = F.linear(rms_norm(x_BE, ln1_w, eps), qkv_w, qkv_b)
         q = qkv[:, :nq].view(b, num_heads, head_dim)
         k = qkv[:, nq : nq + nk].view(b, num_kv_heads, head_dim)
@@ -105,10 +113,15 @@ def make_decode_layer(num_heads: int, num_kv_heads: int, head_dim: int, eps: flo
         rows_B = torch.arange(b, device=x_BE.device)
         k_SHLD[rows_B, :, pos_B] = k  # [B, Hkv, D] at (slot b, position pos_B[b])
         v_SHLD[rows_B, :, pos_B] = v
-        kc, vc = k_SHLD[:b, :, :kv_len], v_SHLD[:b, :, :kv_len]  # [B, Hkv, Lb, D] views
-        scores = torch.matmul(q.view(b, num_kv_heads, g, head_dim), kc.transpose(-1, -2)).float() * scale
-        p = torch.softmax(scores + mask_BL[:, None, None], dim=-1).to(vc.dtype)
-        o = torch.matmul(p, vc).reshape(b, nq)  # [B, Hkv, G, D] -> [B, H D]
+        if attention == "triton":
+            o = torch.ops.prime_spmd.decode_attention(q.contiguous(), k_SHLD, v_SHLD, lens_B, kv_len, scale, 0)
+            o = o.reshape(b, nq)
+        else:
+            lb = mask_BL.shape[1]
+            kc, vc = k_SHLD[:b, :, :lb], v_SHLD[:b, :, :lb]  # [B, Hkv, Lb, D] views
+            scores = torch.matmul(q.view(b, num_kv_heads, g, head_dim), kc.transpose(-1, -2)).float() * scale
+            p = torch.softmax(scores + mask_BL[:, None, None], dim=-1).to(vc.dtype)
+            o = torch.matmul(p, vc).reshape(b, nq)  # [B, Hkv, G, D] -> [B, H D]
         x_BE = x_BE + F.linear(o, o_w, o_b)
         gu = F.linear(rms_norm(x_BE, ln2_w, eps), gate_up_w)
         inter = gu.shape[1] // 2
@@ -163,12 +176,25 @@ class LlamaStyleRunner:
 
     Plain dense HF models (``_plain_dense_layers``) decode through ``make_decode_layer`` with fused
     QKV and gate/up weights, compiled on CUDA (``compile_decode``); others (our custom Qwen3, MoE)
-    decode through the model's own submodules.
+    decode through the model's own submodules. ``attention`` picks the decode attention of both
+    paths: "bmm" (two batched matmuls + softmax over the whole length bucket) or "triton" (the
+    flash-decoding kernel of kernels/decode_attention, which reads each row's own positions only).
     """
 
     def __init__(
-        self, model: torch.nn.Module, num_slots: int, max_len: int, device: torch.device, compile_decode: bool = True
+        self,
+        model: torch.nn.Module,
+        num_slots: int,
+        max_len: int,
+        device: torch.device,
+        compile_decode: bool = True,
+        attention: DecodeAttention = "bmm",
     ) -> None:
+        if attention not in ("bmm", "triton"):
+            raise ValueError(f"decode attention {attention!r}: choose bmm or triton")
+        if attention == "triton":
+            import kernels.decode_attention.op  # noqa: F401  registers torch.ops.prime_spmd.decode_attention
+        self.attention = attention
         self.custom = _is_custom(model)
         cfg = model.args if self.custom else model.config
         self.model, self.inner = model, model.model
@@ -197,7 +223,7 @@ class LlamaStyleRunner:
         layers = model.model.layers
         a0 = layers[0].self_attn
         eps = layers[0].input_layernorm.variance_epsilon
-        fn = make_decode_layer(self.num_heads, self.num_kv_heads, self.head_dim, eps, self._scale(a0))
+        fn = make_decode_layer(self.num_heads, self.num_kv_heads, self.head_dim, eps, self._scale(a0), self.attention)
         # one compiled graph serves all layers (same shapes, weights passed as arguments); B and Lb
         # become dynamic after the first recompile, so every (rows, length) bucket reuses it
         self.decode_layer = torch.compile(fn, fullgraph=True) if compile_decode else fn
@@ -294,6 +320,7 @@ class LlamaStyleRunner:
         # attend to positions <= pos; additive mask [B, 1, 1, Lb] in float32
         visible = torch.arange(kv_len, device=ids_B.device)[None, :] <= pos_B[:, None]
         mask = torch.zeros(visible.shape, device=ids_B.device).masked_fill(~visible, float("-inf"))[:, None, None]
+        lens_B = (pos_B + 1).clamp(max=kv_len)
         for li, layer in enumerate(self.inner.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)[:, 0]
@@ -301,11 +328,16 @@ class LlamaStyleRunner:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             self.cache.write_decode(li, pos_B, k, v)
-            kc, vc = self.cache.read(li, b, kv_len)  # [B, Hkv, Lb, D]
-            q = q.view(b, self.num_kv_heads, g, self.head_dim)
-            scores = torch.matmul(q, kc.transpose(-1, -2)).float() * self._scale(attn) + mask  # [B, Hkv, G, Lb]
-            p = torch.softmax(scores, dim=-1).to(vc.dtype)
-            o = torch.matmul(p, vc)  # [B, Hkv, G, D]
+            if self.attention == "triton":
+                o = torch.ops.prime_spmd.decode_attention(
+                    q.contiguous(), self.cache.k[li], self.cache.v[li], lens_B, kv_len, self._scale(attn), 0
+                )
+            else:
+                kc, vc = self.cache.read(li, b, kv_len)  # [B, Hkv, Lb, D]
+                q = q.view(b, self.num_kv_heads, g, self.head_dim)
+                scores = torch.matmul(q, kc.transpose(-1, -2)).float() * self._scale(attn) + mask  # [B, Hkv, G, Lb]
+                p = torch.softmax(scores, dim=-1).to(vc.dtype)
+                o = torch.matmul(p, vc)  # [B, Hkv, G, D]
             x = x + attn.o_proj(o.reshape(b, 1, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self._lm_head(self.inner.norm(x[:, 0]))
@@ -313,10 +345,15 @@ class LlamaStyleRunner:
     def _decode_fused(self, ids_B: torch.Tensor, pos_B: torch.Tensor, kv_len: int) -> torch.Tensor:
         x = self.inner.embed_tokens(ids_B)  # [B, E]
         cos, sin = self.cos_LD[pos_B], self.sin_LD[pos_B]  # [B, D]
-        visible = torch.arange(kv_len, device=ids_B.device)[None, :] <= pos_B[:, None]
-        mask_BL = torch.zeros(visible.shape, device=ids_B.device).masked_fill(~visible, float("-inf"))
+        if self.attention == "triton":
+            # row b attends positions <= pos_B[b]; rows past the bucket (free slots) are clamped to it
+            mask_BL, lens_B, lb = None, (pos_B + 1).clamp(max=kv_len), kv_len
+        else:
+            visible = torch.arange(kv_len, device=ids_B.device)[None, :] <= pos_B[:, None]
+            mask_BL = torch.zeros(visible.shape, device=ids_B.device).masked_fill(~visible, float("-inf"))
+            lens_B, lb = None, 0  # a constant: the bmm path reads Lb from the mask's shape
         for li, args in enumerate(self.layer_args):
-            x = self.decode_layer(x, *args, self.cache.k[li], self.cache.v[li], cos, sin, pos_B, mask_BL)
+            x = self.decode_layer(x, *args, self.cache.k[li], self.cache.v[li], cos, sin, pos_B, mask_BL, lens_B, lb)
         return self._lm_head(self.inner.norm(x))
 
 
@@ -356,11 +393,17 @@ class GenericRunner:
 
 
 def build_runner(
-    model: torch.nn.Module, num_slots: int, max_len: int, device: torch.device, compile_decode: bool = True
+    model: torch.nn.Module,
+    num_slots: int,
+    max_len: int,
+    device: torch.device,
+    compile_decode: bool = True,
+    attention: DecodeAttention = "bmm",
 ):
-    """The fastest runner that supports ``model``."""
+    """The fastest runner that supports ``model`` (``attention``: see ``LlamaStyleRunner``; the other
+    runners have their own attention and ignore it)."""
     if hasattr(model, "make_inference_runner"):
         return model.make_inference_runner(num_slots, max_len, device)
     if is_llama_style(model):
-        return LlamaStyleRunner(model, num_slots, max_len, device, compile_decode)
+        return LlamaStyleRunner(model, num_slots, max_len, device, compile_decode, attention)
     return GenericRunner(model, num_slots, max_len, device)
