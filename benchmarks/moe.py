@@ -141,8 +141,6 @@ def check_close(T, D, E, inter, K, dtype, device) -> None:
 
 def breakdown(T, D, E, inter, K, routing, dtype, device) -> list[dict]:
     """Ours vs torch._grouped_mm per backward stage (same inputs): where the backward time goes."""
-    from kernels.moe import kernel
-
     x, router, bias, w13, w2 = make_layer(T, D, E, inter, dtype, device, routing)
     with torch.no_grad():
         probs = torch.softmax(torch.nn.functional.linear(x, router).float() + bias, dim=-1)
