@@ -49,3 +49,10 @@ def qwen3_model(qwen3_tokenizer):
     )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """Where device-aware tests put their tensors: cuda when a GPU is present (Triton kernels compiled,
+    the native engine with CUDA graphs), else cpu (Triton under the interpreter, set above)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

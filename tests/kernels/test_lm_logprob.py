@@ -1,6 +1,8 @@
-"""Fused LM-head logprob + entropy: Triton (interpreter on CPU) and chunked torch vs the reference.
+"""Fused LM-head logprob + entropy: Triton (interpreter on CPU, compiled on CUDA: the `device` fixture)
+and chunked torch vs the reference.
 
-Shapes stay tiny (N <= 37, H <= 64, V <= 300) so the interpreter keeps the file well under a minute.
+Shapes stay tiny (N <= 37, H <= 64, V <= 300) so the interpreter keeps the file well under a minute;
+real shapes in bf16 are in tests/gpu/test_lm_head_real_shapes.py.
 Every Triton output and scratch buffer is NaN-poisoned through `kernel._empty`, so an element the
 kernels forget to write fails the comparison.
 """
@@ -12,7 +14,7 @@ from kernels.lm_logprob import kernel
 from kernels.lm_logprob.chunked import chunked_logprobs
 from kernels.lm_logprob.op import lm_head_logprobs, lm_logprob_bwd, lm_logprob_fwd
 from kernels.lm_logprob.reference import reference_logprobs, temperature_per_token
-from tests.kernels._helpers import make_lm_head_inputs, nan_empty, rel_err
+from tests.kernels._helpers import make_lm_head_inputs, nan_empty, pin_one_config, rel_err
 
 # Errors are max |got - want| / max |want|, measured over seeds 0-2 of these cases.
 # fp32: measured <= 4.4e-6 (logprob, entropy, d hidden, d weight).
@@ -28,15 +30,18 @@ CHUNKED_BF16_TOL = 5e-2
 
 
 @pytest.fixture(autouse=True)
-def poison_buffers(monkeypatch):
+def poison_buffers_and_pin_config(monkeypatch, request):
+    pin_one_config(monkeypatch, (kernel._fwd_tuned, kernel._grad_tuned), request.node.nodeid)
     monkeypatch.setattr(kernel, "_empty", nan_empty)
 
 
-def make_inputs(num_tokens, hidden_size, vocab, dtype, temperature, seed=0):
+def make_inputs(num_tokens, hidden_size, vocab, dtype, temperature, device, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    hidden, weight, targets, temperature = make_lm_head_inputs(num_tokens, hidden_size, vocab, dtype, temperature, gen)
-    grad_lp = torch.randn(num_tokens, generator=gen)
-    grad_ent = torch.randn(num_tokens, generator=gen)
+    hidden, weight, targets, temperature = make_lm_head_inputs(
+        num_tokens, hidden_size, vocab, dtype, temperature, gen, device
+    )
+    grad_lp = torch.randn(num_tokens, generator=gen).to(device)
+    grad_ent = torch.randn(num_tokens, generator=gen).to(device)
     return hidden, weight, targets, temperature, grad_lp, grad_ent
 
 
@@ -70,8 +75,8 @@ CASES = [
 
 
 @pytest.mark.parametrize("num_tokens,hidden_size,vocab,dtype,temperature", CASES)
-def test_triton_matches_reference(num_tokens, hidden_size, vocab, dtype, temperature):
-    inputs = make_inputs(num_tokens, hidden_size, vocab, dtype, temperature)
+def test_triton_matches_reference(num_tokens, hidden_size, vocab, dtype, temperature, device):
+    inputs = make_inputs(num_tokens, hidden_size, vocab, dtype, temperature, device)
     want = run_impl("reference", *inputs)
     got = run_impl("triton", *inputs)
     if dtype == torch.float32:
@@ -80,22 +85,22 @@ def test_triton_matches_reference(num_tokens, hidden_size, vocab, dtype, tempera
         assert_close(got, want, BF16_FWD_TOL, BF16_BWD_TOL)
 
 
-def test_triton_logprob_only_and_chunked_backward(monkeypatch):
+def test_triton_logprob_only_and_chunked_backward(monkeypatch, device):
     """No entropy grad (HAS_GENT off) and a backward split in 3 token chunks with a ragged last one."""
     num_tokens, vocab = 37, 300
     monkeypatch.setattr(kernel, "GRAD_BUFFER_ELEMENTS", 16 * vocab)
-    inputs = make_inputs(num_tokens, 64, vocab, torch.float32, "per_token", seed=1)
+    inputs = make_inputs(num_tokens, 64, vocab, torch.float32, "per_token", device, seed=1)
     want = run_impl("reference", *inputs, with_entropy=False)
     got = run_impl("triton", *inputs, with_entropy=False)
     assert_close(got, want, FP32_TOL, FP32_TOL)
 
 
-def test_triton_tied_embedding():
+def test_triton_tied_embedding(device):
     """The LM head is the embedding table: gradients from both uses add up in one tensor."""
     gen = torch.Generator().manual_seed(2)
     vocab, hidden_size, num_tokens = 97, 32, 21
-    table = (torch.randn(vocab, hidden_size, generator=gen) * 0.5).requires_grad_()
-    ids = torch.randint(0, vocab, (num_tokens,), generator=gen)
+    table = (torch.randn(vocab, hidden_size, generator=gen) * 0.5).to(device).requires_grad_()
+    ids = torch.randint(0, vocab, (num_tokens,), generator=gen).to(device)
     targets = torch.roll(ids, -1)
     grads = {}
     for impl in ("reference", "triton"):
@@ -106,8 +111,10 @@ def test_triton_tied_embedding():
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, CHUNKED_FP32_TOL), (torch.bfloat16, CHUNKED_BF16_TOL)])
-def test_chunked_matches_reference(dtype, tol):
-    hidden, weight, targets, temperature, grad_lp, grad_ent = make_inputs(37, 64, 300, dtype, "per_token", seed=3)
+def test_chunked_matches_reference(dtype, tol, device):
+    hidden, weight, targets, temperature, grad_lp, grad_ent = make_inputs(
+        37, 64, 300, dtype, "per_token", device, seed=3
+    )
     temperature_N = temperature_per_token(temperature, 37, hidden.device)
     got_lp, got_ent = chunked_logprobs(hidden, weight, targets, temperature_N, chunk_tokens=8)
     want_lp, want_ent = reference_logprobs(hidden, weight, targets, temperature_N)
@@ -116,20 +123,20 @@ def test_chunked_matches_reference(dtype, tol):
     assert_close(got, want, tol, tol)
 
 
-def test_opcheck():
-    hidden, weight, targets, _, grad_lp, grad_ent = make_inputs(17, 32, 70, torch.float32, 1.0, seed=4)
-    temperature_N = torch.full((17,), 0.8)
+def test_opcheck(device):
+    hidden, weight, targets, _, grad_lp, grad_ent = make_inputs(17, 32, 70, torch.float32, 1.0, device, seed=4)
+    temperature_N = torch.full((17,), 0.8, device=device)
     torch.library.opcheck(lm_logprob_fwd, (hidden, weight, targets, temperature_N))
     _, entropy, lse = lm_logprob_fwd(hidden.detach(), weight.detach(), targets, temperature_N)
     bwd_args = (grad_lp, grad_ent, hidden.detach(), weight.detach(), targets, temperature_N, lse, entropy)
     torch.library.opcheck(lm_logprob_bwd, bwd_args)
 
 
-def test_bad_inputs_raise():
-    hidden, weight, targets, *_ = make_inputs(4, 32, 50, torch.float32, 1.0)
+def test_bad_inputs_raise(device):
+    hidden, weight, targets, *_ = make_inputs(4, 32, 50, torch.float32, 1.0, device)
     with pytest.raises(ValueError, match="share a dtype"):
         lm_head_logprobs(hidden, weight.bfloat16(), targets, impl="triton")
     with pytest.raises(ValueError, match="impl"):
         lm_head_logprobs(hidden, weight, targets, impl="fast")
     with pytest.raises(ValueError, match="temperature"):
-        lm_head_logprobs(hidden, weight, targets, torch.ones(3))
+        lm_head_logprobs(hidden, weight, targets, torch.ones(3, device=device))

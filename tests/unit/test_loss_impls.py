@@ -1,5 +1,6 @@
 """An RL step's loss and gradients are the same with every logprob/loss implementation
-(reference, chunked, Triton under the interpreter, loss-fused) on a tiny model.
+(reference, chunked, Triton, loss-fused) on a tiny model: on CPU with Triton under the interpreter,
+with a GPU on CUDA (the `device` fixture), kernels compiled.
 
 Every impl calls the same ``RLLoss.token_loss``, so this cannot catch a wrong formula: that is
 tests/unit/test_loss_formula.py (hand-computed values) and tests/distributed/test_loss_normalization.py."""
@@ -26,12 +27,13 @@ def _loss_and_grads(lm, impl: str, mb, loss) -> tuple[torch.Tensor, dict[str, to
 
 
 @pytest.mark.parametrize("impl", ["chunked", "triton", "fused"])
-def test_rl_step_matches_reference(tmp_path, impl: str) -> None:
+def test_rl_step_matches_reference(tmp_path, impl: str, device) -> None:
     from transformers import AutoModelForCausalLM
 
     from prime_spmd.models.tiny import build_tiny_model
 
-    lm = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path, "qwen3-nano", initializer_range=0.3))
+    path = build_tiny_model(tmp_path, "qwen3-nano", initializer_range=0.3)
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     g = torch.Generator().manual_seed(0)
     samples = []
     for n in (9, 14, 6):
@@ -47,6 +49,7 @@ def test_rl_step_matches_reference(tmp_path, impl: str) -> None:
             )
         )
     (mb,) = pack(samples, 64, 1)[0]
+    mb = mb.to(device)
     loss = RLLoss(LossConfig())
     ref_loss, ref_grads = _loss_and_grads(lm, "reference", mb, loss)
     # not vacuous: both advantage signs, and the fused path sees masked and kept trained tokens

@@ -1,5 +1,9 @@
-"""Native engine vs transformers on a tiny Qwen3 (CPU fp32): greedy parity, logprob contract,
-weight loading, seeds, stop rules, the generic fallback runner and the asyncio front."""
+"""Native engine vs transformers on a tiny Qwen3 (fp32): greedy parity, logprob contract,
+weight loading, seeds, stop rules, the generic fallback runner and the asyncio front.
+
+Device-aware (the `device` fixture): with a GPU the engines run on CUDA with the compiled fused decode
+layer and sampler, one CUDA graph per decode step (asserted in `_engine`); without one, on CPU.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +20,10 @@ from prime_spmd.inference.native import NativeEngine
 from prime_spmd.models.tiny import build_tiny_model
 
 TEXTS = ["hello world", "abc", "the quick brown fox jumps", "x", "reverse me please", "qwerty uiop"]
+# max |engine - teacher-forced| logprob, fp32. CPU: measured 5.5e-6 (greedy test, 2026-12-03).
+# CUDA: the compiled decode layer and sampler vs an eager forward; to be confirmed on H200 (recorded
+# as the test property max_logprob_diff).
+LOGPROB_ATOL = {"cpu": 1e-5, "cuda": 1e-4}
 
 
 @pytest.fixture(scope="module")
@@ -29,11 +37,15 @@ def _load(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
 
 
-def _engine(path, **kw):
+def _engine(path, device, **kw):
+    """(engine, its model, tokenizer); the model is moved to ``device`` (CUDA: graphs must be on)."""
     model, tok = _load(path)
     kw.setdefault("max_batch_size", 2)
     kw.setdefault("max_model_len", 64)
-    return NativeEngine(model, tok, device="cpu", **kw), model, tok
+    eng = NativeEngine(model, tok, device=device, **kw)
+    if device.type == "cuda" and isinstance(eng.runner, runner_mod.LlamaStyleRunner):
+        assert eng.use_graphs and eng.runner.layer_args is not None
+    return eng, model, tok
 
 
 def _reqs(tok, sampling: SamplingParams, texts=TEXTS, seed0: int | None = None):
@@ -47,28 +59,31 @@ def _reqs(tok, sampling: SamplingParams, texts=TEXTS, seed0: int | None = None):
 
 
 def _hf_greedy(model, prompt_ids, n):
-    ids = torch.tensor([prompt_ids])
+    ids = torch.tensor([prompt_ids], device=next(model.parameters()).device)
     out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt_ids) :].tolist()
 
 
-def test_greedy_matches_hf_generate_with_continuous_batching(model_dir):
+def test_greedy_matches_hf_generate_with_continuous_batching(model_dir, device, record_property):
     # 6 prompts of different lengths through 2 slots: finished slots are refilled while others decode
-    eng, model, tok = _engine(model_dir)
+    eng, model, tok = _engine(model_dir, device)
     reqs = _reqs(tok, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     reqs[1].sampling.max_tokens = 5  # finishes early, its slot is refilled mid-flight
     outs = eng.generate(reqs)
+    diff = 0.0
     for r, o in zip(reqs, outs):
         assert o.token_ids == _hf_greedy(model, r.prompt_ids, r.sampling.max_tokens), o.request_id
         assert o.finish_reason == "length"
-        tf = teacher_forced_logprobs(model, r.prompt_ids, o.token_ids, temperature=0)
-        assert torch.allclose(torch.tensor(o.logprobs), tf, atol=1e-5)
+        tf = teacher_forced_logprobs(model, r.prompt_ids, o.token_ids, temperature=0).cpu()
+        diff = max(diff, (torch.tensor(o.logprobs) - tf).abs().max().item())
+    record_property("max_logprob_diff", diff)
+    assert diff < LOGPROB_ATOL[device.type], diff
     assert not eng.has_unfinished()
 
 
-def test_generic_runner_fallback_matches_hf(model_dir, monkeypatch):
+def test_generic_runner_fallback_matches_hf(model_dir, monkeypatch, device):
     monkeypatch.setattr(runner_mod, "is_llama_style", lambda m: False)
-    eng, model, tok = _engine(model_dir)
+    eng, model, tok = _engine(model_dir, device)
     assert isinstance(eng.runner, runner_mod.GenericRunner)
     reqs = _reqs(tok, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), TEXTS[:3])
     for r, o in zip(reqs, eng.generate(reqs)):
@@ -76,31 +91,32 @@ def test_generic_runner_fallback_matches_hf(model_dir, monkeypatch):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_sampled_logprobs_match_teacher_forced(model_dir, temperature):
-    eng, model, tok = _engine(model_dir, max_batch_size=4)
+def test_sampled_logprobs_match_teacher_forced(model_dir, temperature, device, record_property):
+    eng, model, tok = _engine(model_dir, device, max_batch_size=4)
     reqs = _reqs(tok, SamplingParams(temperature=temperature, max_tokens=32, ignore_eos=True), seed0=100)
     outs = eng.generate(reqs)
     trainer = torch.cat(
         [teacher_forced_logprobs(model, r.prompt_ids, o.token_ids, temperature) for r, o in zip(reqs, outs)]
     )
     inference = torch.cat([torch.tensor(o.logprobs) for o in outs])
-    stats = mismatch_stats(trainer, inference)
+    stats = mismatch_stats(trainer.cpu(), inference)
+    record_property("mismatch_stats", stats)
     # measured on CPU fp32: mean |diff| ~1e-7, KL ~1e-14
     assert stats["mean_abs_diff"] < 1e-5, stats
     assert stats["mismatch_kl"] < 1e-5, stats
     assert len(trainer) == 32 * len(reqs)
 
 
-def test_load_weights_in_place_matches_model_built_from_new_weights(model_dir, tmp_path):
+def test_load_weights_in_place_matches_model_built_from_new_weights(model_dir, tmp_path, device):
     other = build_tiny_model(tmp_path / "other", "qwen3-nano", seed=1, initializer_range=0.3)
-    eng, model, tok = _engine(model_dir)
+    eng, model, tok = _engine(model_dir, device)
     new_model, _ = _load(other)
     before = {n: p.data_ptr() for n, p in model.named_parameters()}
     sp = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True)
     eng.load_weights(new_model.state_dict().items())
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == before  # no re-allocation
     got = eng.generate(_reqs(tok, sp, TEXTS[:4], seed0=7))
-    ref_eng, _, _ = _engine(other)
+    ref_eng, _, _ = _engine(other, device)
     want = ref_eng.generate(_reqs(tok, sp, TEXTS[:4], seed0=7))
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     greedy = eng.generate(_reqs(tok, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), TEXTS[:2]))
@@ -111,17 +127,17 @@ def test_load_weights_in_place_matches_model_built_from_new_weights(model_dir, t
         eng.load_weights([("model.norm.weight", torch.zeros(3))])
 
 
-def test_seed_fixes_outputs_across_batch_composition(model_dir):
+def test_seed_fixes_outputs_across_batch_composition(model_dir, device):
     sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, ignore_eos=True)
-    eng, _, tok = _engine(model_dir, max_batch_size=4)
+    eng, _, tok = _engine(model_dir, device, max_batch_size=4)
     full = eng.generate(_reqs(tok, sp, seed0=11))
     again = eng.generate(_reqs(tok, sp, seed0=11))
     assert [o.token_ids for o in full] == [o.token_ids for o in again]
     # request 3 alone, in an engine with 1 slot, and shuffled among others in a 3-slot engine
-    alone_eng, _, _ = _engine(model_dir, max_batch_size=1)
+    alone_eng, _, _ = _engine(model_dir, device, max_batch_size=1)
     alone = alone_eng.generate(_reqs(tok, sp, seed0=11)[3:4])
     assert alone[0].token_ids == full[3].token_ids
-    eng3, _, _ = _engine(model_dir, max_batch_size=3)
+    eng3, _, _ = _engine(model_dir, device, max_batch_size=3)
     shuffled = list(reversed(_reqs(tok, sp, seed0=11)))
     out3 = {o.request_id: o.token_ids for o in eng3.generate(shuffled)}
     assert [out3[i] for i in range(len(TEXTS))] == [o.token_ids for o in full]
@@ -129,8 +145,8 @@ def test_seed_fixes_outputs_across_batch_composition(model_dir):
     assert [o.token_ids for o in other_seed] != [o.token_ids for o in full]
 
 
-def test_stop_ids_stop_strings_eos_and_max_len(model_dir):
-    eng, model, tok = _engine(model_dir)
+def test_stop_ids_stop_strings_eos_and_max_len(model_dir, device):
+    eng, model, tok = _engine(model_dir, device)
     prompt = tok.encode(TEXTS[0])
     ref = _hf_greedy(model, prompt, 20)
     # stop id: the 4th greedy token ends the completion (kept)
@@ -148,7 +164,8 @@ def test_stop_ids_stop_strings_eos_and_max_len(model_dir):
     # eos ends the completion unless ignore_eos
     eos = tok.eos_token_id
     sp_eos = SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[])
-    eng.model.lm_head.weight.data[eos] += 100.0  # make eos the argmax (tied embeddings: also the input)
+    # make eos the argmax (tied embeddings: also the input); on CUDA the captured graphs read the new row
+    eng.model.lm_head.weight.data[eos] += 100.0
     o = eng.generate([Request(prompt_ids=prompt, sampling=sp_eos)])[0]
     assert o.token_ids == [eos] and o.finish_reason == "stop"
     sp_eos.ignore_eos = True
@@ -162,8 +179,8 @@ def test_stop_ids_stop_strings_eos_and_max_len(model_dir):
         eng.add_request(Request(prompt_ids=[5] * 64))
 
 
-def test_async_engine_batches_concurrent_callers(model_dir):
-    eng, model, tok = _engine(model_dir, max_batch_size=4)
+def test_async_engine_batches_concurrent_callers(model_dir, device):
+    eng, model, tok = _engine(model_dir, device, max_batch_size=4)
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     front = AsyncEngine(eng)
 
@@ -175,24 +192,26 @@ def test_async_engine_batches_concurrent_callers(model_dir):
         assert o.token_ids == _hf_greedy(model, tok.encode(t), 6)
 
 
-def test_custom_qwen3_model_runs_on_the_fast_runner(model_dir):
+def test_custom_qwen3_model_runs_on_the_fast_runner(model_dir, device, record_property):
     from prime_spmd.config.sections import ModelConfig
     from prime_spmd.models.loading import load_model
 
-    custom = load_model(ModelConfig(path=str(model_dir), impl="custom"), torch.device("cpu"))
+    custom = load_model(ModelConfig(path=str(model_dir), impl="custom"), device, dtype=torch.float32)
     hf_model, tok = _load(model_dir)
-    eng = NativeEngine(custom, tok, max_batch_size=2, max_model_len=64, device="cpu")
+    eng = NativeEngine(custom, tok, max_batch_size=2, max_model_len=64, device=device)
     assert isinstance(eng.runner, runner_mod.LlamaStyleRunner)
+    assert eng.use_graphs == (device.type == "cuda")
     reqs = _reqs(tok, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), TEXTS[:3])
     for r, o in zip(reqs, eng.generate(reqs)):
         assert o.token_ids == _hf_greedy(hf_model, r.prompt_ids, 10)
     sampled = eng.generate(_reqs(tok, SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True), seed0=3))
     trainer = torch.cat([teacher_forced_logprobs(custom, o.prompt_ids, o.token_ids, 1.0) for o in sampled])
-    stats = mismatch_stats(trainer, torch.cat([torch.tensor(o.logprobs) for o in sampled]))
+    stats = mismatch_stats(trainer.cpu(), torch.cat([torch.tensor(o.logprobs) for o in sampled]))
+    record_property("mismatch_stats", stats)
     assert stats["mean_abs_diff"] < 1e-5 and stats["mismatch_kl"] < 1e-5, stats
 
 
-def test_load_weights_keeps_rope_buffers_in_place(tmp_path) -> None:
+def test_load_weights_keeps_rope_buffers_in_place(tmp_path, device) -> None:
     """Captured CUDA graphs read the RoPE tables by address: a weight update must not replace them
     (it did, and decode after the first sync read freed memory on the H200)."""
     from transformers import AutoModelForCausalLM
@@ -202,7 +221,11 @@ def test_load_weights_keeps_rope_buffers_in_place(tmp_path) -> None:
 
     path = build_tiny_model(tmp_path / "m", "qwen3-nano", initializer_range=0.3)
     engine = NativeEngine(
-        AutoModelForCausalLM.from_pretrained(path), build_char_tokenizer(), max_batch_size=2, max_model_len=32
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+        build_char_tokenizer(),
+        max_batch_size=2,
+        max_model_len=32,
+        device=device,
     )
     cos, sin = engine.runner.cos_LD, engine.runner.sin_LD
     ptrs = (cos.data_ptr(), sin.data_ptr())
@@ -214,7 +237,7 @@ def test_load_weights_keeps_rope_buffers_in_place(tmp_path) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs + compiled decode need a GPU")
-def test_cuda_graph_decode_keeps_the_contract(model_dir):
+def test_cuda_graph_decode_keeps_the_contract(model_dir, record_property):
     """The CUDA path (compiled fused decode layer + sampler, one graph per step, host one step
     behind) against HF greedy, the teacher-forced logprobs and the CPU engine's seeded samples."""
     model, tok = _load(model_dir)
@@ -229,8 +252,9 @@ def test_cuda_graph_decode_keeps_the_contract(model_dir):
     outs = eng.generate(_reqs(tok, sp, seed0=5))
     trainer = torch.cat([teacher_forced_logprobs(cpu_model, o.prompt_ids, o.token_ids, 1.0) for o in outs])
     stats = mismatch_stats(trainer, torch.cat([torch.tensor(o.logprobs) for o in outs]))
+    record_property("mismatch_stats_vs_cpu", stats)
     assert stats["mismatch_kl"] < 1e-6, stats  # fp32 on CUDA vs fp32 on CPU
-    cpu_eng, _, _ = _engine(model_dir, max_batch_size=3)
+    cpu_eng, _, _ = _engine(model_dir, torch.device("cpu"), max_batch_size=3)
     want = cpu_eng.generate(_reqs(tok, sp, seed0=5))
     same = sum(o.token_ids == w.token_ids for o, w in zip(outs, want))
     assert same == len(outs), f"{same}/{len(outs)} seeded completions equal across devices"
@@ -241,17 +265,20 @@ def test_cuda_graph_decode_keeps_the_contract(model_dir):
     assert o.token_ids == ref[: ref.index(ref[4]) + 1] and o.finish_reason == "stop"
 
 
-def test_groups_prefill_their_prompt_once(model_dir):
+def test_groups_prefill_their_prompt_once(model_dir, device):
     """A GRPO group (same prompt, own seeds) admitted together runs one prefill row and copies its
     K/V; completions and logprobs equal those of an engine that prefills every request."""
     sp = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
     texts = [TEXTS[0]] * 4 + [TEXTS[2]] * 3 + [TEXTS[4]]
-    shared, _, tok = _engine(model_dir, max_batch_size=8)
-    plain, _, _ = _engine(model_dir, max_batch_size=8, share_prefill=False)
+    shared, _, tok = _engine(model_dir, device, max_batch_size=8)
+    plain, _, _ = _engine(model_dir, device, max_batch_size=8, share_prefill=False)
     got = shared.generate(_reqs(tok, sp, texts, seed0=40))
     want = plain.generate(_reqs(tok, sp, texts, seed0=40))
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert torch.allclose(torch.tensor([o.logprobs for o in got]), torch.tensor([o.logprobs for o in want]), atol=1e-6)
+    # CPU: equal to 1e-6. CUDA: the shared row's prefill runs at another GEMM shape (cuBLAS may pick
+    # another kernel); to be confirmed on H200.
+    atol = 1e-6 if device.type == "cpu" else LOGPROB_ATOL["cuda"]
+    assert torch.allclose(torch.tensor([o.logprobs for o in got]), torch.tensor([o.logprobs for o in want]), atol=atol)
     assert len({tuple(o.token_ids) for o in got[:4]}) > 1  # own seeds: the group's samples differ
     lens = [len(tok.encode(t)) for t in texts]
     assert shared.num_prompt_tokens == plain.num_prompt_tokens == plain.num_prefill_tokens == sum(lens)
