@@ -72,13 +72,20 @@ def prompts(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
     return torch.randint(0, vocab, (batch, prompt_len), generator=g).tolist()
 
 
-def run_native(model, ids, new_tokens, device, cuda_graphs: bool) -> float:
+def run_native(model, ids, new_tokens, device, cuda_graphs: bool, attention: str = "bmm") -> tuple[float, list]:
+    """(seconds of the second ``generate``, its token ids per request)."""
     from prime_spmd.inference.engine import Request, SamplingParams
     from prime_spmd.inference.native import NativeEngine
 
     max_len = len(ids[0]) + new_tokens
     eng = NativeEngine(
-        model, None, max_batch_size=len(ids), max_model_len=max_len, device=device, cuda_graphs=cuda_graphs
+        model,
+        None,
+        max_batch_size=len(ids),
+        max_model_len=max_len,
+        device=device,
+        cuda_graphs=cuda_graphs,
+        decode_attention=attention,
     )
 
     def once() -> float:
@@ -95,7 +102,7 @@ def run_native(model, ids, new_tokens, device, cuda_graphs: bool) -> float:
         outs = eng.generate(reqs)
         common.sync(device)
         assert all(len(o.token_ids) == new_tokens for o in outs)
-        return time.perf_counter() - t
+        return time.perf_counter() - t, [o.token_ids for o in sorted(outs, key=lambda o: o.request_id)]
 
     once()  # warm-up: captures the CUDA graphs and compiles the sampler
     return once()
@@ -178,6 +185,18 @@ def roofline_tok_s(model, cfg, batch: int, prompt_len: int, new_tokens: int, dty
     return batch / (step_bytes / bw)
 
 
+def token_agreement(ref: list[list[int]], got: list[list[int]]) -> dict[str, float]:
+    """Seeded samples of two runs: the fraction of equal tokens, and of each sequence's tokens before
+    its first difference (a different token changes everything after it, so the second is the strict one)."""
+    n = sum(len(r) for r in ref)
+    same = sum(a == b for r, g in zip(ref, got) for a, b in zip(r, g))
+    prefix = 0
+    for r, g in zip(ref, got):
+        k = next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), len(r))
+        prefix += k
+    return dict(same_tokens=same / n, same_prefix=prefix / n)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -190,6 +209,11 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument(
+        "--decode-attention",
+        default="bmm",
+        help="native engine: comma list of bmm, triton (each a row; rows after the first also report token agreement)",
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -211,7 +235,20 @@ def main() -> None:
         roof = roofline_tok_s(model, cfg, bs, args.prompt_len, args.new_tokens, dtype, bw)
         for name in engines:
             if name == "native":
-                secs = run_native(model, ids, args.new_tokens, device, not args.no_cuda_graphs)
+                base_tokens = None
+                for attn in args.decode_attention.split(","):
+                    secs, toks = run_native(model, ids, args.new_tokens, device, not args.no_cuda_graphs, attn)
+                    row = dict(engine="native", decode_attention=attn, batch=bs, seconds=secs, roofline_tok_s=roof)
+                    row["tokens_per_s"] = bs * args.new_tokens / secs
+                    if base_tokens is None:
+                        base_tokens = toks
+                    else:
+                        row.update(token_agreement(base_tokens, toks))
+                    rows.append(row)
+                    extra = f", same tokens as the first: {row['same_tokens']:.3f}" if "same_tokens" in row else ""
+                    print(f"native[{attn}] batch {bs:4d}: {row['tokens_per_s']:10.1f} tok/s ({secs:.2f} s){extra}",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                continue
             elif name in ("hf", "hf-static"):
                 secs = run_hf(model, ids, args.new_tokens, device, static=name == "hf-static")
             elif name == "vllm":
@@ -246,7 +283,8 @@ def main() -> None:
     for r in rows:
         vs = f"{r['speedup_vs_hf']:.1f}x" if r["speedup_vs_hf"] else "-"
         tok_s, roof, frac = r["tokens_per_s"], r["roofline_tok_s"], r["roofline_fraction"]
-        table.append([r["engine"], r["batch"], f"{tok_s:.0f}", vs, f"{roof:.0f}", f"{100 * frac:.1f}%"])
+        label = f"native[{r['decode_attention']}]" if "decode_attention" in r else r["engine"]
+        table.append([label, r["batch"], f"{tok_s:.0f}", vs, f"{roof:.0f}", f"{100 * frac:.1f}%"])
     common.print_markdown_table(["engine", "batch", "tokens/s", "vs hf", "decode roofline tok/s", "of roofline"], table)
     if args.out:
         common.write_json(args.out, dict(meta=meta, rows=rows))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU runs recorded in docs/benchmarks.md, in parts that fit one device call each.
-#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | loss | moe | trainer | lora | rl
+#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | decode_attn | loss | moe | trainer | lora | rl
 # Each step has its own time limit so that one slow step does not lose the others' results.
 set -uo pipefail
 PART=$1; OUT=${2:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -14,6 +14,10 @@ case $PART in
   engine)
     run engine 300 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,64 --prompt-len 128 --new-tokens 256 --engine native,hf --out "$OUT/engine.json"
     run mismatch 120 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --out "$OUT/mismatch.json" ;;
+  decode_attn)  # issue 17: the Triton decode attention on CUDA (tests), alone (sweep), in the engine vs bmm
+    run decode_attn_tests 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_attention.py tests/unit/test_native_decode_attention.py
+    run decode_attn_kernel 100 python3 benchmarks/decode_attention.py --batch-sizes 1,64,256 --out "$OUT/decode_attention.json"
+    run decode_attn_engine 270 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,64,256 --prompt-len 128 --new-tokens 256 --engine native --decode-attention bmm,triton --out "$OUT/engine_decode_attn.json" ;;
   loss)
     run loss 420 python3 benchmarks/loss_kernel.py --out "$OUT/loss_kernel.json" ;;
   moe)  # first use (fresh Triton cache, then the same cache again), then warm speed: default table vs full autotune

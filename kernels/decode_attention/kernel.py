@@ -165,8 +165,10 @@ def decode_attention(
     num_splits: int = 0,
     num_warps: int = 4,
     num_stages: int = 2,
+    tile: int = 0,
 ) -> torch.Tensor:
-    """o [B, H, D] like q (see reference.py); ``num_splits`` 0 picks by shape (``pick_num_splits``).
+    """o [B, H, D] like q (see reference.py); ``num_splits`` 0 picks by shape (``pick_num_splits``),
+    ``tile`` 0 by ``block_n`` (benchmarks/decode_attention.py sweeps tile, warps and stages).
     q, k, v: the same float dtype, last dim contiguous; lens_B int32/int64 on the same device."""
     b, h, d = q_BHD.shape
     j = k_SJLD.shape[1]
@@ -176,7 +178,7 @@ def decode_attention(
             f"decode_attention: the head dim must be contiguous (strides q {q_BHD.stride()}, k {k_SJLD.stride()}, "
             f"v {v_SJLD.stride()})"
         )
-    bn = block_n(d)
+    bn = tile or block_n(d)
     if num_splits <= 0:
         num_splits = pick_num_splits(b, j, max_len, q_BHD.device, bn)
     split_len = triton.cdiv(triton.cdiv(max_len, num_splits), bn) * bn  # a multiple of the tile

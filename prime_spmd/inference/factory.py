@@ -44,4 +44,5 @@ def build_engine(
         max_model_len=max_len,
         device=device,
         cuda_graphs=inference_cfg.cuda_graphs,
+        decode_attention=inference_cfg.decode_attention,
     )

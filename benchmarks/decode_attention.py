@@ -1,0 +1,131 @@
+"""Decode attention alone: the bmm path (as compiled in the engine's decode layer) vs the Triton kernel.
+
+One "step" is one attention call per layer over each layer's own cache, captured in a CUDA graph
+(as the engine replays it), timed over replays. Reports us per layer and the bandwidth over the
+bytes a step must read (each row's own K/V positions, not the bucket), for a sweep of the kernel's
+tile / warps / stages / splits. Shapes default to Qwen3-0.6B (16 q heads, 8 kv heads, D 128,
+28 layers), bf16, rows at length ``--len`` in a cache bucket of ``--bucket`` positions.
+
+    python benchmarks/decode_attention.py --batch-sizes 1,64,256 --out decode_attention.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import common  # noqa: E402
+from kernels.decode_attention import kernel  # noqa: E402
+
+
+def bmm_attention(q_BHD, k_SJLD, v_SJLD, mask_BL, scale: float):
+    """The engine's bmm path (runner.make_decode_layer), alone."""
+    b, h, d = q_BHD.shape
+    j, lb = k_SJLD.shape[1], mask_BL.shape[1]
+    kc, vc = k_SJLD[:b, :, :lb], v_SJLD[:b, :, :lb]
+    scores = torch.matmul(q_BHD.view(b, j, h // j, d), kc.transpose(-1, -2)).float() * scale
+    p = torch.softmax(scores + mask_BL[:, None, None], dim=-1).to(vc.dtype)
+    return torch.matmul(p, vc).reshape(b, h, d)
+
+
+def time_graph(fn, num_layers: int, reps: int) -> float:
+    """us per call: ``fn(layer)`` for every layer captured in one CUDA graph, median over replays
+    (CPU, a smoke test under TRITON_INTERPRET=1: the layers called in a loop)."""
+    if not torch.cuda.is_available():
+        return 1e3 * common.time_ms(lambda: [fn(li) for li in range(num_layers)], "cpu", iters=reps) / num_layers
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for li in range(num_layers):
+            fn(li)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for li in range(num_layers):
+            fn(li)
+    ms = common.time_ms(g.replay, "cuda", iters=reps, warmup=3)
+    return 1e3 * ms / num_layers
+
+
+def bench_batch(b: int, args: argparse.Namespace, bmm) -> list[dict]:
+    """The bmm path and each kernel config at batch ``b``: us per layer, GB/s, error vs bmm."""
+    dev, dt = torch.device(args.device), torch.bfloat16
+    h, j, d, lb = args.heads, args.kv_heads, args.head_dim, args.bucket
+    scale = d**-0.5
+    torch.manual_seed(0)
+    ks = [torch.randn(b, j, lb, d, device=dev, dtype=dt) for _ in range(args.layers)]
+    vs = [torch.randn(b, j, lb, d, device=dev, dtype=dt) for _ in range(args.layers)]
+    q = torch.randn(b, h, d, device=dev, dtype=dt)
+    lens = torch.full((b,), args.len, device=dev, dtype=torch.long)
+    visible = torch.arange(lb, device=dev)[None] < lens[:, None]
+    mask = torch.zeros(b, lb, device=dev).masked_fill(~visible, float("-inf"))
+    need_bytes = 2 * b * j * args.len * d * 2  # K and V of each row's own positions
+    ref = bmm(q, ks[0], vs[0], mask, scale)
+    us = time_graph(lambda li: bmm(q, ks[li], vs[li], mask, scale), args.layers, args.reps)
+    rows = [dict(batch=b, impl="bmm", us_per_layer=us, GBps=need_bytes / us / 1e3)]
+    bn0 = kernel.block_n(d)
+    auto = kernel.pick_num_splits(b, j, lb, dev, bn0)
+    configs = [(bn0, 4, 2, 0)]
+    if args.sweep == "full":
+        configs += [(t, w, 2, 0) for t, w in itertools.product((32, 64, 128), (4, 8))] + [(bn0, 4, 3, 0)]
+        configs += [(bn0, 4, 2, n) for n in sorted({1, 2, 4, 8, 2 * auto} - {auto})]
+    for tile, warps, stages, ns in dict.fromkeys(configs):
+        run = functools.partial(_triton_layer, q, ks, vs, lens, lb, scale, ns, warps, stages, tile)
+        err = ((run(0).float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+        us = time_graph(run, args.layers, args.reps)
+        splits = ns or kernel.pick_num_splits(b, j, lb, dev, tile)
+        rows.append(
+            dict(batch=b, impl="triton", tile=tile, warps=warps, stages=stages, splits=splits,
+                 us_per_layer=us, GBps=need_bytes / us / 1e3, rel_err_vs_bmm=err)
+        )  # fmt: skip
+        print(f"b {b:4d} tile {tile:3d} w {warps} s {stages} splits {splits:2d}: {us:7.2f} us", file=sys.stderr)
+    return rows
+
+
+def _triton_layer(q, ks, vs, lens, lb, scale, ns, warps, stages, tile, li):
+    return kernel.decode_attention(
+        q, ks[li], vs[li], lens, lb, scale, ns, num_warps=warps, num_stages=stages, tile=tile
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--batch-sizes", default="1,64,256")
+    ap.add_argument("--len", type=int, default=256, help="positions each row attends")
+    ap.add_argument("--bucket", type=int, default=384, help="cache length the bmm path reads (the engine's bucket)")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--sweep", default="full", choices=["full", "default"])
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    bmm = torch.compile(bmm_attention, fullgraph=True, dynamic=False)
+    rows = [r for b in args.batch_sizes.split(",") for r in bench_batch(int(b), args, bmm)]
+    dev = torch.device(args.device)
+    meta = common.run_metadata(dev, dtype="torch.bfloat16", command=" ".join(sys.argv), args=vars(args))
+    print(f"\n{meta['device']}, torch {meta['torch']}, commit {meta['commit']}, {meta['date']}")
+    print(
+        f"H {args.heads}, J {args.kv_heads}, D {args.head_dim}, rows at length {args.len} in a {args.bucket} bucket, "
+        f"{args.layers} layers per graph\n"
+    )
+    table = []
+    for r in rows:
+        cfg = "-" if r["impl"] == "bmm" else f"{r['tile']}/{r['warps']}/{r['stages']}/{r['splits']}"
+        err = f"{r['rel_err_vs_bmm']:.1e}" if "rel_err_vs_bmm" in r else "-"
+        table.append([r["batch"], r["impl"], cfg, f"{r['us_per_layer']:.2f}", f"{r['GBps']:.0f}", err])
+    common.print_markdown_table(["batch", "impl", "tile/warps/stages/splits", "us/layer", "GB/s", "rel err"], table)
+    if args.out:
+        common.write_json(args.out, dict(meta=meta, rows=rows))
+
+
+if __name__ == "__main__":
+    main()
