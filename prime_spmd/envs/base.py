@@ -17,15 +17,24 @@ END_MARKERS = ("<|im_end|>", "<|endoftext|>")
 """Special tokens that end a turn wherever the tokenizer has them (besides its eos)."""
 
 
-def completion_text(tokenizer: Any, token_ids: list[int]) -> str:
-    """Decoded completion cut at the first eos / end-of-turn token (special tokens dropped).
-
-    The text environments score: the built-ins and the verifiers bridge (message content) alike.
-    """
+def end_token_ids(tokenizer: Any) -> set[int]:
+    """The ids that end a turn: the tokenizer's eos and whichever ``END_MARKERS`` it has."""
     vocab = tokenizer.get_vocab()
     ends = {vocab[m] for m in END_MARKERS if m in vocab}
     if getattr(tokenizer, "eos_token_id", None) is not None:
         ends.add(tokenizer.eos_token_id)
+    return ends
+
+
+def completion_text(tokenizer: Any, token_ids: list[int], ends: set[int] | None = None) -> str:
+    """Decoded completion cut at the first eos / end-of-turn token (special tokens dropped).
+
+    The text environments score: the built-ins and the verifiers bridge (message content) alike.
+    ``ends``: ``end_token_ids(tokenizer)``, computed once by a caller that decodes many completions
+    (``get_vocab`` builds the vocab dict on every call: 640 calls took 34-41 ms under cProfile).
+    """
+    if ends is None:
+        ends = end_token_ids(tokenizer)
     cut = next((i for i, t in enumerate(token_ids) if t in ends), len(token_ids))
     return tokenizer.decode(token_ids[:cut], skip_special_tokens=True)
 

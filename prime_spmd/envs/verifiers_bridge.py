@@ -28,7 +28,6 @@ import importlib
 import importlib.util
 import json
 import logging
-import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -38,17 +37,10 @@ import verifiers as vf
 
 from prime_spmd.config.sections import EnvConfig
 from prime_spmd.envs.base import Environment
-from prime_spmd.envs.trajectory import COUNTERS, stitch_turns
-from prime_spmd.envs.trajectory import failed_rollout as _failed_rollout
-from prime_spmd.envs.vf_client import (
-    SEED_KEY,
-    STATS_KEY,
-    ChatRenderer,
-    EngineClient,
-    refuse_sampling_overrides,
-    to_template_message,
-)
+from prime_spmd.envs.vf_client import SEED_KEY, STATS_KEY, ChatRenderer, EngineClient, refuse_sampling_overrides
+from prime_spmd.envs.vf_output import failed_group, output_to_rollout
 from prime_spmd.envs.vf_rewards import guard_rubric
+from prime_spmd.envs.vf_single_turn import MODEL, run_single_turn, single_turn_blocker
 from prime_spmd.inference.engine import AsyncEngine, InferenceEngine, SamplingParams, ThreadedAsyncEngine
 from prime_spmd.rl.types import Rollout
 
@@ -123,6 +115,9 @@ class VerifiersEnvironment(Environment):
     ``engine_thread``: step the engine on a worker thread (``ThreadedAsyncEngine``) so that environment
     code runs while the engine computes; only for engines ``ThreadedAsyncEngine`` allows (the native one).
     Off by default: on the H200 the in-loop driver was faster (docs/benchmarks_envs.md).
+    ``single_turn_fast_path``: run environments that ``single_turn_blocker`` (vf_single_turn.py) accepts
+    (``max_turns == 1``, e.g. ``vf.SingleTurnEnv``) with ``run_single_turn``: one engine batch per call,
+    the same rollouts; off, or with ``engine_thread``, every environment runs through ``run_group``.
     ``train_on_eval_split``: an environment without a train dataset trains on its eval split (with a
     warning); without it, asking for the train split of such an environment raises ``ValueError``.
     """
@@ -139,8 +134,10 @@ class VerifiersEnvironment(Environment):
         check_rerender: bool = True,
         engine_thread: bool = False,
         train_on_eval_split: bool = False,
+        single_turn_fast_path: bool = True,
     ) -> None:
         self.vf_env = vf_env
+        self.single_turn_fast_path = single_turn_fast_path
         self.train_on_eval_split = train_on_eval_split
         self.engine_thread = engine_thread
         self.name = name
@@ -153,6 +150,11 @@ class VerifiersEnvironment(Environment):
         self._splits: dict[str, Any] = {}
         self._rows: dict[tuple[str, int], dict[str, Any]] = {}
         self._renderer: ChatRenderer | None = None
+
+    @property
+    def fast_single_turn(self) -> bool:
+        """True when ``run_groups`` takes the single-turn fast path (see the class doc)."""
+        return self.single_turn_fast_path and not self.engine_thread and single_turn_blocker(self.vf_env) is None
 
     def _split(self, split: Literal["train", "eval"]) -> Any:
         if split not in self._splits:
@@ -179,12 +181,16 @@ class VerifiersEnvironment(Environment):
         return len(self._split(split))
 
     def example(self, split: Literal["train", "eval"], index: int) -> dict[str, Any]:
+        return copy.deepcopy(self._row(split, index))
+
+    def _row(self, split: Literal["train", "eval"], index: int) -> dict[str, Any]:
+        """The cached dataset row (not a copy: callers must not mutate it)."""
         key = (split, index)
         if key not in self._rows:  # a datasets row read costs ~0.1 ms; rollouts re-read their example
             row = dict(self._split(split)[index])
             row.setdefault("answer", "")
             self._rows[key] = row
-        return copy.deepcopy(self._rows[key])
+        return self._rows[key]
 
     def run_groups(
         self,
@@ -226,12 +232,14 @@ class VerifiersEnvironment(Environment):
             fixed_sampling=split == "train",
         )
         self._renderer = client.renderer  # reused by the next call: its prompt cache stays warm
-        tasks = [
-            self._run_group(client, split, eid, [self._input(split, eid, k, seed) for k in range(group_size)])
-            for eid in example_ids
-        ]
+        inputs = [(eid, [self._input(split, eid, k, seed) for k in range(group_size)]) for eid in example_ids]
         try:
-            groups = list(await asyncio.gather(*tasks))
+            if self.fast_single_turn:
+                # The environment's own sampling_args, as vf's generate() would pass them (see _run_group).
+                args = getattr(self.vf_env, "sampling_args", None) or {}
+                groups = await run_single_turn(self.vf_env, client, engine, inputs, args)
+            else:
+                groups = list(await asyncio.gather(*(self._run_group(client, eid, inp) for eid, inp in inputs)))
         finally:  # also steps requests of cancelled rollouts (timeouts) to the end: the engine is left empty
             await aengine.aclose()
         if aengine.failure is not None:
@@ -240,28 +248,26 @@ class VerifiersEnvironment(Environment):
         return groups
 
     def _input(self, split: str, example_id: int, sample_idx: int, seed: int) -> dict[str, Any]:
-        row = self.example(split, example_id)  # type: ignore[arg-type]
+        # A shallow copy: verifiers' init_state deep-copies its input before anything mutates it.
+        row = dict(self._row(split, example_id))  # type: ignore[arg-type]
         row["example_id"] = example_id
         # Request seeds derive from (run seed, example, sample, turn): independent of batch composition.
         row[SEED_KEY] = sample_seed(seed, example_id, sample_idx)
         return row
 
-    async def _run_group(self, client: EngineClient, split: str, example_id: int, inputs: list[dict]) -> list[Rollout]:
+    async def _run_group(self, client: EngineClient, example_id: int, inputs: list[dict]) -> list[Rollout]:
         try:
             # The environment's own sampling_args, as vf's generate() would pass them (run_group does
             # not read them itself); the client refuses distribution changes for training rollouts.
             sampling_args = copy.deepcopy(getattr(self.vf_env, "sampling_args", None) or {})
             outputs = await self.vf_env.run_group(
-                inputs, client, "prime-spmd", sampling_args, state_columns=["trajectory", STATS_KEY]
+                inputs, client, MODEL, sampling_args, state_columns=["trajectory", STATS_KEY]
             )
         # An exception escaping run_group comes from environment code (env_response, setup_state,
         # a group reward outside the guard); the run goes on with the group failed and counted.
         except Exception as e:  # noqa: BLE001
             logger.warning("verifiers run_group failed for example %d: %s: %s", example_id, type(e).__name__, e)
-            prompt_ids = client.renderer.render_ids(
-                [to_template_message(m) for m in vf_messages(inputs[0]["prompt"])], _tools(self.vf_env), {}
-            )
-            return [_failed_rollout(example_id, k, prompt_ids, "group_errors") for k in range(len(inputs))]
+            return failed_group(self.vf_env, client.renderer, example_id, inputs)
         rollouts = []
         for k, out in enumerate(outputs):
             rollouts.append(output_to_rollout(out, example_id, k, client.renderer))
@@ -291,73 +297,3 @@ os.register_at_fork(after_in_child=_new_executor_in_child)
 def sample_seed(seed: int, example_id: int, sample_idx: int) -> int:
     """Base seed of one sample; its request at turn t is seeded ``turn_seed(sample_seed(...), t)``."""
     return (seed * 1_000_003 + example_id) * 1_009 + sample_idx
-
-
-def vf_messages(prompt: Any) -> list[Any]:
-    from verifiers.utils.message_utils import normalize_messages
-
-    return list(normalize_messages(prompt, field_name="prompt"))
-
-
-def _tools(vf_env: Any) -> list[dict] | None:
-    defs = getattr(vf_env, "tool_defs", None) or []
-    return [{"type": "function", "function": t.model_dump(exclude_none=True)} for t in defs] or None
-
-
-def output_to_rollout(out: dict[str, Any], example_id: int, sample_idx: int, renderer: ChatRenderer) -> Rollout:
-    """One verifiers ``RolloutOutput`` (with the ``trajectory`` state column) as a token-exact ``Rollout``.
-
-    Turn i+1's prompt ids must start with turn i's prompt + completion ids (the client builds them
-    so); the ids between are environment tokens (mask 0). A turn that does not extend the sequence
-    (the environment rewrote its history) ends the sample there: later turns are dropped and
-    counted in ``turns_dropped``, so no token the engine did not see in that context is trained.
-    """
-    stats = dict(out.get(STATS_KEY) or {})
-    steps = [s for s in (out.get("trajectory") or []) if s.get("tokens") is not None]
-    if not steps:
-        prompt_ids = renderer.render_ids([to_template_message(m) for m in vf_messages(out["prompt"])], None, {})
-        counter = {"timeout_reached": "env_timeouts", "prompt_too_long": "overlong_prompts"}.get(
-            out.get("stop_condition") or "", "env_errors"
-        )
-        return _failed_rollout(example_id, sample_idx, prompt_ids, counter)
-    st = stitch_turns([s["tokens"] for s in steps])
-    prompt_ids, completion_ids, mask, logprobs, used = (
-        st.prompt_ids,
-        st.completion_ids,
-        st.completion_mask,
-        st.logprobs,
-        st.used,
-    )
-    metrics = {c: float(stats.get(c, 0)) for c in COUNTERS}
-    if out.get("error") is not None:
-        metrics["env_errors"] += 1.0
-    if out.get("stop_condition") == "timeout_reached":
-        metrics["env_timeouts"] += 1.0
-    reward = out.get("reward")
-    if reward is None or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-        metrics["reward_errors"] += 1.0
-        reward = 0.0
-    if out.get("stop_condition") == "prompt_too_long":
-        metrics["overlong_prompts"] += 1.0
-    failed = any(metrics[c] > 0 for c in ("reward_errors", "reward_timeouts", "env_errors", "env_timeouts"))
-    for key, value in (out.get("metrics") or {}).items():
-        if isinstance(value, (int, float)) and math.isfinite(value):
-            metrics[f"env/{key}"] = float(value)
-    metrics["num_turns"] = float(len(steps))
-    metrics["turns_dropped"] = float(len(steps) - used)
-    metrics["failed"] = float(failed)
-    return Rollout(
-        example_id=example_id,
-        sample_idx=sample_idx,
-        prompt_ids=prompt_ids,
-        completion_ids=completion_ids,
-        completion_mask=mask,
-        inference_logprobs=logprobs,
-        reward=0.0 if failed else float(reward),
-        metrics=metrics,
-        info={
-            "answer": out.get("answer", ""),
-            "finish_reason": "length" if steps[-1].get("is_truncated") else "stop",
-            "stop_condition": out.get("stop_condition"),
-        },
-    )

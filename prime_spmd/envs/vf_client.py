@@ -40,7 +40,7 @@ from verifiers.types import (
     Usage,
 )
 
-from prime_spmd.envs.base import completion_text
+from prime_spmd.envs.base import completion_text, end_token_ids
 from prime_spmd.envs.chat_render import ChatRenderer, split_tool_calls, turn_seed
 from prime_spmd.inference.engine import AsyncEngine, Completion, SamplingParams
 
@@ -155,6 +155,7 @@ class EngineClient(vf.Client):
             renderer = ChatRenderer(engine.engine.tokenizer)
         self.renderer = renderer
         self.tokenizer = engine.engine.tokenizer
+        self._end_ids = end_token_ids(self.tokenizer)
         self.tool_parser = tool_parser or parse_hermes_tool_calls
         self.max_model_len: int | None = getattr(engine.engine, "max_model_len", None)
 
@@ -182,16 +183,25 @@ class EngineClient(vf.Client):
         **kwargs: Any,
     ) -> EngineResponse:
         state = kwargs.get("state")
+        prompt_ids, sampling, turn = self.prepare_request(prompt, sampling_args, tools, state)
+        completion = await self.engine.generate(prompt_ids, sampling)
+        return self.engine_response(prompt_ids, completion, turn)
+
+    def prepare_request(
+        self, prompt: list[dict], sampling_args: SamplingArgs | None, tools: list[dict] | None, state: Any
+    ) -> tuple[list[int], SamplingParams, int]:
+        """(prompt ids, sampling params, turn index) of one request; raises ``vf.OverlongPromptError``."""
         extra = dict((sampling_args or {}).get("extra_body") or {})
         template_kwargs = dict(extra.get("chat_template_kwargs") or {})
         turn = len(state["trajectory"]) if state is not None else 0
         prompt_ids = self._prompt_ids(prompt, tools, state, template_kwargs)
         if self.max_model_len is not None and len(prompt_ids) >= self.max_model_len:
             raise vf.OverlongPromptError(f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len}")
-        sampling = self.sampling_for(sampling_args, state, turn, len(prompt_ids))
-        completion = await self.engine.generate(prompt_ids, sampling)
+        return prompt_ids, self.sampling_for(sampling_args, state, turn, len(prompt_ids)), turn
+
+    def engine_response(self, prompt_ids: list[int], completion: Completion, turn: int) -> EngineResponse:
         # Content ends at the first end-of-turn token, as the built-in envs score it (the ids keep all).
-        text = completion_text(self.tokenizer, completion.token_ids)
+        text = completion_text(self.tokenizer, completion.token_ids, self._end_ids)
         return EngineResponse(prompt_ids=prompt_ids, completion=completion, text=text, turn=turn)
 
     def _prompt_ids(self, prompt: list[dict], tools: list[dict] | None, state: Any, kwargs: dict) -> list[int]:
