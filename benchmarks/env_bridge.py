@@ -6,9 +6,13 @@ with the same per-request seeds. Sides, interleaved in every repeat so that mach
 alike:
 
 - ``direct``: ``engine.generate(requests)``, one call, one batch;
-- ``bridge``: ``VerifiersEnvironment.run_groups`` with the engine stepped on a worker thread
-  (``ThreadedAsyncEngine``, opt-in: ``engine_thread=True``): environment Python overlaps engine steps;
-- ``bridge-loop``: the same with the engine stepped inside the event loop (``AsyncEngine``).
+- ``bridge``: ``VerifiersEnvironment.run_groups`` as it runs by default: a ``SingleTurnEnv`` takes the
+  single-turn fast path (prime_spmd/envs/vf_single_turn.py: one engine batch, verifiers' per-rollout
+  steps phase by phase);
+- ``bridge-general``: the general path (``single_turn_fast_path=False``): verifiers' ``run_group`` per
+  example, the engine stepped inside the event loop (``AsyncEngine``), as every multi-turn env runs;
+- ``bridge-thread`` (only with ``--sides``): the general path with the engine stepped on a worker thread
+  (``ThreadedAsyncEngine``, opt-in: ``engine_thread=True``).
 
 The bridge sides also score (one cheap reward function) and convert to ``Rollout``s.
 ``--lengths fixed``: greedy + ignore_eos, every rollout generates exactly max_tokens tokens.
@@ -39,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common  # noqa: E402
 
-SIDES = ("direct", "bridge", "bridge-loop")
+SIDES = ("direct", "bridge", "bridge-general", "bridge-thread")
 
 
 def build_env(num_examples: int):
@@ -94,7 +98,7 @@ def sampling_for(lengths: str, max_tokens: int, vocab_size: int):
     return SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, stop_token_ids=stop)
 
 
-def run_config(engine, env, args, max_tokens: int, lengths: str) -> dict[str, Any]:
+def run_config(engine, env, args, max_tokens: int, lengths: str, sides: list[str]) -> dict[str, Any]:
     """Time every side ``args.repeats`` times (interleaved) for one (max_tokens, lengths) setting."""
     import dataclasses
 
@@ -109,8 +113,11 @@ def run_config(engine, env, args, max_tokens: int, lengths: str) -> dict[str, An
     prompts = [engine.render_chat(env.example("train", e)["prompt"]) for e, _ in keys]
     # The bridge seeds request (example e, sample k, turn 0) so; the direct side uses the same seeds.
     seeds = [turn_seed(sample_seed(0, e, k), 0) for e, k in keys]
-    loop_env = VerifiersEnvironment(env.vf_env, name="bench", engine_thread=False)
-    thread_env = VerifiersEnvironment(env.vf_env, name="bench", engine_thread=True)
+    envs = {
+        "bridge": VerifiersEnvironment(env.vf_env, name="bench"),
+        "bridge-general": VerifiersEnvironment(env.vf_env, name="bench", single_turn_fast_path=False),
+        "bridge-thread": VerifiersEnvironment(env.vf_env, name="bench", engine_thread=True),
+    }
 
     def direct() -> list[list[int]]:
         reqs = [
@@ -123,12 +130,12 @@ def run_config(engine, env, args, max_tokens: int, lengths: str) -> dict[str, An
         groups = e.run_groups(engine, "train", ids, args.group_size, sp, seed=0)
         return [r.completion_ids for g in groups for r in g]
 
-    fns = {"direct": direct, "bridge": lambda: through(thread_env), "bridge-loop": lambda: through(loop_env)}
+    fns = {"direct": direct} | {name: (lambda e=e: through(e)) for name, e in envs.items() if name in sides}
     outs = {name: fn() for name, fn in fns.items()}  # warm-up; also the token check
     same = {name: sum(a == b for a, b in zip(outs["direct"], o)) for name, o in outs.items()}
     tokens = {name: sum(map(len, o)) for name, o in outs.items()}
-    wall: dict[str, list[float]] = {k: [] for k in SIDES}
-    cpu: dict[str, list[float]] = {k: [] for k in SIDES}
+    wall: dict[str, list[float]] = {k: [] for k in fns}
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(args.repeats):
         for name, fn in fns.items():
             common.sync(engine.device)
@@ -137,8 +144,10 @@ def run_config(engine, env, args, max_tokens: int, lengths: str) -> dict[str, An
             common.sync(engine.device)
             wall[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
-    result: dict[str, Any] = dict(max_tokens=max_tokens, lengths=lengths, sides={})
-    for name in SIDES:
+    result: dict[str, Any] = dict(
+        max_tokens=max_tokens, lengths=lengths, bridge_fast_path=envs["bridge"].fast_single_turn, sides={}
+    )
+    for name in fns:
         best, med = min(wall[name]), statistics.median(wall[name])
         result["sides"][name] = dict(
             wall_s=wall[name],
@@ -165,6 +174,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--sides", default="direct,bridge,bridge-general", help=f"comma-separated, of {','.join(SIDES)}")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: 1 on cpu)")
     p.add_argument("--out", default=None, help="write the results and run metadata as JSON here")
     args = p.parse_args()
@@ -178,6 +188,10 @@ def main() -> None:
     threads = args.threads if args.threads is not None else (0 if common.is_cuda(device) else 1)
     if threads > 0:
         torch.set_num_threads(threads)
+    sides = args.sides.split(",")
+    bad = [x for x in sides if x not in SIDES]
+    if bad or "direct" not in sides:
+        raise ValueError(f"--sides {args.sides!r}: choose from {SIDES}, including direct (overheads are against it)")
     max_tokens = [int(x) for x in args.max_tokens.split(",")]
     lengths = args.lengths.split(",")
     max_len = 64 + max(max_tokens)  # prompts here render to ~55 tokens
@@ -196,14 +210,13 @@ def main() -> None:
     results = []
     for mt in max_tokens:
         for ln in lengths:
-            r = run_config(engine, env, args, mt, ln)
+            r = run_config(engine, env, args, mt, ln, sides)
             results.append(r)
             d = r["sides"]["direct"]
             print(f"\nmax_tokens={mt} lengths={ln} N={args.n}: {d['completion_tokens']} completion tokens (direct)")
-            for name in SIDES:
-                s = r["sides"][name]
+            for name, s in r["sides"].items():
                 print(
-                    f"  {name:11s} {s['rollouts_per_s_best']:8.1f} rollouts/s best ({s['best_s'] * 1e3:7.1f} ms), "
+                    f"  {name:14s} {s['rollouts_per_s_best']:8.1f} rollouts/s best ({s['best_s'] * 1e3:7.1f} ms), "
                     f"median {s['median_s'] * 1e3:7.1f} ms; overhead {100 * s['overhead_best']:+6.1f}% best, "
                     f"{100 * s['overhead_median']:+6.1f}% median; identical to direct {s['identical_to_direct']}/{args.n}, "
                     f"{s['completion_tokens']} tokens"
