@@ -33,6 +33,11 @@ case $PART in
     for r in 0 16; do
       run "ws_colocated_r$r" 180 torchrun --standalone --nproc-per-node 1 benchmarks/weight_sync.py --shape qwen3-0.6b --trainer-ranks 1 --lora-rank "$r" --iters 10 --out "$OUT/ws_colocated_r$r.json"
     done ;;
+  env_bridge)
+    # verifiers 0.3.1 and its deps from .whl/ (bash scripts/gpu_wheels.sh; carry .whl). ~2 min: model build,
+    # graph capture, then 4 settings x 3 sides (direct, bridge = single-turn fast path, bridge-general) x 6 runs.
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    run env_bridge 300 env PYTHONPATH=/tmp/site:$PWD python3 benchmarks/env_bridge.py --device cuda --preset qwen3-0.6b --max-tokens 32,128 --lengths fixed,varied --repeats 5 --out "$OUT/env_bridge_h200.json" ;;
   rl)
     run rl_colocated 300 python3 -m prime_spmd rl --config configs/reverse_text/rl.toml --output_dir "$OUT/rl" --model.path /tmp/rlmodel --model.init_tiny qwen3-1m --trainer.max_steps 20 --log.no_progress ;;
 esac
