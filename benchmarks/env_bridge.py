@@ -31,6 +31,7 @@ tokenizer decodes only its own ~100 ids, so text is short while token ids stay e
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 import time
@@ -42,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common  # noqa: E402
+from prime_spmd.inference.engine import Completion, InferenceEngine, Request  # noqa: E402
 
 SIDES = ("direct", "bridge", "bridge-general", "bridge-thread")
 
@@ -87,6 +89,46 @@ def build_model(preset: str, device: torch.device, dtype: torch.dtype, max_len: 
     return model.eval(), tokenizer
 
 
+class ZeroCostEngine(InferenceEngine):
+    """``--engine zero``: an engine whose step costs ~nothing (every request finishes in one step with
+    ``max_tokens`` ids drawn from its seed), so a bridge side's time is its fixed Python cost alone."""
+
+    def __init__(self, tokenizer, max_model_len: int) -> None:
+        self.tokenizer, self.max_model_len, self.vocab_size = tokenizer, max_model_len, len(tokenizer)
+        self.device = torch.device("cpu")
+        self.queue: list[Request] = []
+
+    def add_request(self, request: Request) -> None:
+        self.queue.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.queue)
+
+    def step(self) -> list[Completion]:
+        out = []
+        for r in self.queue:
+            rng = random.Random(r.sampling.seed)
+            ids = [rng.randrange(4, self.vocab_size) for _ in range(r.sampling.max_tokens)]
+            lps = [-1.0] * len(ids)
+            out.append(
+                Completion(
+                    request_id=r.request_id,
+                    prompt_ids=r.prompt_ids,
+                    token_ids=ids,
+                    logprobs=lps,
+                    finish_reason="length",
+                )
+            )
+        self.queue = []
+        return out
+
+    def load_weights(self, weights) -> None:
+        raise NotImplementedError
+
+    def reset_cache(self) -> None:
+        pass
+
+
 def sampling_for(lengths: str, max_tokens: int, vocab_size: int):
     from prime_spmd.inference.engine import SamplingParams
 
@@ -104,7 +146,6 @@ def run_config(engine, env, args, max_tokens: int, lengths: str, sides: list[str
 
     from prime_spmd.envs.verifiers_bridge import VerifiersEnvironment, sample_seed
     from prime_spmd.envs.vf_client import turn_seed
-    from prime_spmd.inference.engine import Request
 
     sp = sampling_for(lengths, max_tokens, engine.vocab_size)
     num_examples = args.n // args.group_size
@@ -172,6 +213,7 @@ def main() -> None:
     p.add_argument("--lengths", default="fixed", help="comma-separated: fixed, varied (see module doc)")
     p.add_argument("--preset", default="qwen3-nano", help="tiny preset (CPU) or a dense FLAVORS name")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--engine", default="native", choices=("native", "zero"), help="zero: see ZeroCostEngine")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--sides", default="direct,bridge,bridge-general", help=f"comma-separated, of {','.join(SIDES)}")
@@ -180,7 +222,7 @@ def main() -> None:
     args = p.parse_args()
 
     from prime_spmd.envs.verifiers_bridge import VerifiersEnvironment
-    from prime_spmd.inference.engine import Request, SamplingParams
+    from prime_spmd.inference.engine import SamplingParams
     from prime_spmd.inference.native import NativeEngine
 
     device = torch.device(args.device)
@@ -195,13 +237,18 @@ def main() -> None:
     max_tokens = [int(x) for x in args.max_tokens.split(",")]
     lengths = args.lengths.split(",")
     max_len = 64 + max(max_tokens)  # prompts here render to ~55 tokens
-    model, tokenizer = build_model(args.preset, device, dtype, max_len)
-    engine = NativeEngine(
-        model, tokenizer, max_batch_size=args.n, max_model_len=max_len, device=device, cuda_graphs=True
-    )
+    if args.engine == "zero":
+        from prime_spmd.models.tiny import build_char_tokenizer
+
+        engine = ZeroCostEngine(build_char_tokenizer(), max_len)
+    else:
+        model, tokenizer = build_model(args.preset, device, dtype, max_len)
+        engine = NativeEngine(
+            model, tokenizer, max_batch_size=args.n, max_model_len=max_len, device=device, cuda_graphs=True
+        )
     env = VerifiersEnvironment(build_env(args.n // args.group_size), name="bench")
     # CUDA graphs: capture every batch bucket now, not inside a timed run (no-op work on CPU).
-    if common.is_cuda(device):
+    if common.is_cuda(device) and args.engine == "native":
         b = 1
         while b <= args.n:
             sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -226,6 +273,7 @@ def main() -> None:
             device,
             dtype=str(dtype).removeprefix("torch."),
             preset=args.preset,
+            engine=args.engine,
             n=args.n,
             group_size=args.group_size,
             repeats=args.repeats,
