@@ -6,8 +6,9 @@
 for every example concurrently, with an ``EngineClient`` (prime_spmd/envs/vf_client.py) over one
 ``AsyncEngine``, so all rollouts of the call share the engine's continuous batch (``engine_thread=True``:
 a ``ThreadedAsyncEngine`` steps it on a worker thread instead, so the environment's Python runs while the
-device computes; off by default, it was slower on the H200). Each result
-becomes a ``Rollout`` built from the trajectory's token ids only (no re-tokenization):
+device computes; off by default, it was slower on the H200). Single-turn environments take a fast path
+instead (vf_single_turn.py: the same steps, one engine batch for the call; ``single_turn_fast_path``).
+Each result becomes a ``Rollout`` built from the trajectory's token ids only (no re-tokenization):
 
     prompt_ids      = turn 0's prompt ids
     completion_ids  = turn 0 completion + (env tokens + completion) of each later turn
@@ -222,7 +223,8 @@ class VerifiersEnvironment(Environment):
         sampling: SamplingParams,
         seed: int,
     ) -> list[list[Rollout]]:
-        """``run_groups`` inside a running event loop; every group runs concurrently."""
+        """``run_groups`` inside a running event loop; every group runs concurrently (``run_group`` each, or
+        all through ``run_single_turn`` when ``fast_single_turn``)."""
         aengine = ThreadedAsyncEngine(engine) if self.engine_thread else AsyncEngine(engine)
         client = EngineClient(
             aengine,
