@@ -49,6 +49,17 @@ def set_threads(num_threads: int) -> None:
         torch.set_num_threads(num_threads)
 
 
+def varlen_attention(model_cfg: ModelConfig, device: torch.device) -> bool:
+    """Whether attention over packed documents runs varlen (flash-attn), with no O(L^2) block mask: HF's
+    flash_attention_2, or flash-attn installed on CUDA (our model code). Else the trainer unpacks
+    documents into padded rows (``PolicyModel.unpack_documents``)."""
+    if model_cfg.attn_implementation == "flash_attention_2":
+        return True
+    from prime_spmd.models.common.attention import flash_attn_varlen_func
+
+    return device.type == "cuda" and flash_attn_varlen_func is not None
+
+
 def build_trainer(
     model_cfg: ModelConfig, trainer_cfg: TrainerConfig, optim_cfg: OptimConfig, ctx: DistContext
 ) -> TrainerParts:
@@ -72,7 +83,9 @@ def build_trainer(
             f"{num_trainable:,} trainable of {num_total:,} parameters"
         )
     router_aux_coef = resolve_router_aux_coef(model_cfg.router_aux_loss_coef, lm)
-    policy = PolicyModel(lm, resolve_loss_impl(trainer_cfg.loss_impl, device), router_aux_coef)
+    policy = PolicyModel(
+        lm, resolve_loss_impl(trainer_cfg.loss_impl, device), router_aux_coef, not varlen_attention(model_cfg, device)
+    )
     mesh = build_trainer_mesh(ctx.topo, device)
     # EP (mesh with an ep axis) -> activation checkpointing -> FSDP2 per block -> root
     parallelize(

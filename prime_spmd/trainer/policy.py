@@ -24,6 +24,7 @@ from torch import nn
 
 from prime_spmd.log import logger
 from prime_spmd.models.common.moe import load_balance_loss
+from prime_spmd.trainer.packing import row_layout
 
 # transformers MoE types whose router is a softmax top-k over router logits (our load_balance_loss applies)
 HF_ROUTER_AUX_TYPES = ("qwen3_moe",)
@@ -142,6 +143,11 @@ class PolicyModel(nn.Module):
 
     MoE: the returned loss sum includes ``router_aux_coef * loss_mask.sum() * aux`` (module
     docstring); ``last_router`` holds the micro-batch's ``RouterStats`` (None for dense models).
+
+    ``unpack_documents``: run a packed row's documents as right-padded rows of one document each
+    (``packing.RowLayout``: causal attention without the O(L^2) block mask), then gather the hidden
+    states back into packed order; the same per-token result up to rounding. Off for MoE models (pads
+    would be routed and counted in the load-balance loss) and where attention is varlen already.
     """
 
     def __init__(
@@ -149,10 +155,12 @@ class PolicyModel(nn.Module):
         lm: nn.Module,
         loss_impl: Literal["reference", "chunked", "triton", "fused"] = "reference",
         router_aux_coef: float = 0.0,
+        unpack_documents: bool = True,
     ) -> None:
         super().__init__()
         self.lm = lm
         self.loss_impl = loss_impl
+        self.unpack_documents = unpack_documents and num_experts(lm) == 0
         assert router_aux_coef == 0 or has_router_aux(lm), "resolve_router_aux_coef decides the coefficient"
         self.router_aux_coef = router_aux_coef
         self.last_router: RouterStats | None = None
@@ -160,12 +168,27 @@ class PolicyModel(nn.Module):
     def blocks(self) -> list[nn.Module]:
         return [b for layers in decoder_layer_lists(self.lm) for b in layers]
 
+    def hidden(
+        self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(final hidden states [B*T, H] in input order, router aux loss, tokens per expert): see
+        ``forward_hidden_routed``; one packed row ([1, L]) goes through ``RowLayout`` when unpacking."""
+        layout = None
+        if self.unpack_documents and input_ids_BT.shape[0] == 1:
+            layout = row_layout(position_ids_BT)
+        if layout is None:
+            hidden_BTH, aux, counts_LE = forward_hidden_routed(self.lm, input_ids_BT, position_ids_BT)
+            return hidden_BTH.reshape(-1, hidden_BTH.shape[-1]), aux, counts_LE
+        hidden_STH, aux, counts_LE = forward_hidden_routed(
+            self.lm, layout.to_rows(input_ids_BT), layout.position_ids_ST
+        )
+        return layout.from_rows(hidden_STH), aux, counts_LE
+
     def logprobs(
         self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, targets_N: torch.Tensor, temperature: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Differentiable per-token (logprob, entropy) [L] fp32 (impls reference/chunked/triton)."""
-        hidden_BTH = forward_hidden(self.lm, input_ids_BT, position_ids_BT)
-        hidden_NH = hidden_BTH.reshape(-1, hidden_BTH.shape[-1])
+        hidden_NH, _, _ = self.hidden(input_ids_BT, position_ids_BT)
         from kernels.lm_logprob.op import lm_head_logprobs
 
         impl = "triton" if self.loss_impl == "fused" else self.loss_impl
@@ -182,8 +205,7 @@ class PolicyModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         from kernels.lm_logprob.op import fused_lm_head_loss, lm_head_logprobs
 
-        hidden_BTH, aux, counts_LE = forward_hidden_routed(self.lm, input_ids_BT, position_ids_BT)
-        hidden_NH = hidden_BTH.reshape(-1, hidden_BTH.shape[-1])
+        hidden_NH, aux, counts_LE = self.hidden(input_ids_BT, position_ids_BT)
         weight_VH = lm_head_weight(self.lm)
         if self.loss_impl == "fused":
             impl = "triton" if hidden_NH.is_cuda else "torch"

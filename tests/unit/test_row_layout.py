@@ -1,0 +1,62 @@
+"""Packed rows run as padded one-document rows (trainer/packing.py: RowLayout) give the masked packed
+path's logprobs, loss and gradients. About 2 s on 2 cores."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from prime_spmd.trainer.packing import Sample, pack, row_layout
+from prime_spmd.trainer.policy import PolicyModel, TokenLoss
+
+
+class _MeanLogprob(TokenLoss):
+    def token_loss(self, lp, ent, fields):
+        return -(lp + 0.1 * ent) * fields["advantages"] * fields["loss_mask"]
+
+
+def test_row_layout_round_trip() -> None:
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 5, 6]])  # 5 after 3 starts a 4th document
+    layout = row_layout(pos)
+    assert layout is not None and (layout.num_rows, layout.row_len) == (4, 4)
+    ids = torch.arange(11)[None] + 100
+    rows = layout.to_rows(ids, pad=-1)
+    assert rows.tolist() == [[100, 101, 102, -1], [103, 104, -1, -1], [105, 106, 107, 108], [109, 110, -1, -1]]
+    assert layout.position_ids_ST.tolist() == [[0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3], [5, 6, 7, 8]]
+    assert torch.equal(layout.from_rows(rows[..., None].float())[:, 0], ids[0].float())
+    assert row_layout(torch.arange(7)[None]) is None  # one document: nothing to unpack
+    assert row_layout(torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 0, 0]])) is None  # 3 rows x 8 > 2 x 10 tokens
+
+
+@pytest.mark.parametrize("impl", ["hf", "custom"])
+def test_unpacked_rows_match_masked_packed_path(tmp_path, impl: str) -> None:
+    from prime_spmd.config.sections import ModelConfig
+    from prime_spmd.models.loading import load_model
+    from prime_spmd.models.tiny import build_tiny_model
+
+    path = build_tiny_model(tmp_path, "qwen3-nano")
+    lm = load_model(ModelConfig(path=str(path), impl=impl), torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for n in (9, 14, 5, 12):
+        ids = torch.randint(0, 60, (n,), generator=g).tolist()
+        samples.append(Sample(input_ids=ids, loss_mask=[0, 0] + [1] * (n - 2), fields={"advantages": [n / 10] * n}))
+    (mb,) = pack(samples, micro_batch_tokens=64, num_ranks=1)[0]
+    fields = {**mb.fields, "loss_mask": mb.loss_mask.float()}
+    results = []
+    for unpack in (False, True):
+        policy = PolicyModel(copy.deepcopy(lm), "reference", unpack_documents=unpack)
+        loss, lp, ent = policy(mb.input_ids, mb.position_ids, mb.targets, 0.9, _MeanLogprob(), fields)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in policy.named_parameters()}
+        results.append((loss.detach(), lp, ent, grads))
+    (l0, lp0, e0, g0), (l1, lp1, e1, g1) = results
+    # measured (fp32, both impls): logprobs max abs diff 4.8e-7, loss equal, grads within rtol 1e-4 (largest
+    # |grad| 9.3e3 on the custom model): rounding of other GEMM shapes
+    torch.testing.assert_close(lp1, lp0, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(e1, e0, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(l1, l0, atol=1e-5, rtol=1e-5)
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], atol=1e-5, rtol=1e-4, msg=name)
