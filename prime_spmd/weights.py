@@ -16,11 +16,13 @@ Colocated mode: the same per-bucket gather, then an in-process copy into the ran
 LoRA (the LM has ``LoraLinear`` modules, docs/lora.md): the spec lists the adapter tensors only
 (``lora_scale`` > 0), so only they travel, by the same buckets; the receiving side merges each
 (A, B) pair into W0 + scale * B @ A against its own copy of the frozen base weights (``LoraMerger``)
-and loads the merged weights through the same ``engine.load_weights``.
+and loads the merged weights through the same ``engine.load_weights``. An engine that runs adapters
+itself (the vLLM engine built with LoRA: ``engine.lora_scale`` > 0) gets the adapter tensors unmerged.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -81,10 +83,23 @@ def engine_base_weights(engine: InferenceEngine) -> dict[str, torch.Tensor]:
 
 
 def lora_merger(spec: WeightSpec, engine: InferenceEngine) -> LoraMerger | None:
-    """A ``LoraMerger`` over ``engine``'s current (base) weights when ``spec`` carries adapters, else None."""
+    """A ``LoraMerger`` over ``engine``'s current (base) weights when ``spec`` carries adapters, else None.
+
+    None also when the engine applies the adapters itself (``engine.lora_scale`` > 0: vLLM's LoRA
+    layers, inference/vllm_lora.py); then its scale must be the trainer's."""
+    engine_scale = getattr(engine, "lora_scale", 0.0)
+    if not engine_scale:
+        return LoraMerger(engine_base_weights(engine), spec.names, spec.lora_scale) if spec.lora_scale else None
     if not spec.lora_scale:
-        return None
-    return LoraMerger(engine_base_weights(engine), spec.names, spec.lora_scale)
+        raise ValueError(
+            "weight sync: full weights for an engine built with LoRA; build both from the same --model.lora"
+        )
+    if not math.isclose(spec.lora_scale, engine_scale):
+        raise ValueError(
+            f"LoRA weight sync: the trainer's adapters scale by {spec.lora_scale} (alpha / rank), the engine's "
+            f"by {engine_scale}: build both from the same --model.lora"
+        )
+    return None
 
 
 def plan_buckets(spec: WeightSpec, bucket_bytes: int) -> list[list[int]]:
@@ -143,7 +158,7 @@ class WeightSender:
                 o += _numel(self.spec.shapes[i])
             self._offsets.append((offs, o))
         self._max_bucket = max(total for _, total in self._offsets)
-        self._mergers: dict[int, LoraMerger] = {}  # LoRA, colocated: per engine, built at its first copy
+        self._mergers: dict[int, LoraMerger | None] = {}  # colocated: per engine, built at its first copy
 
     @torch.no_grad()
     def _gather(self, b: int, params: list[torch.Tensor], flat: torch.Tensor | None, bufs: dict) -> None:
@@ -254,10 +269,10 @@ class WeightSender:
         params = [p for _, p in named]
         device = self._device(params)
         load = engine.load_weights
-        if self.spec.lora_scale:
-            if id(engine) not in self._mergers:  # the engine still holds the base weights it loaded from disk
-                self._mergers[id(engine)] = lora_merger(self.spec, engine)
-            merger = self._mergers[id(engine)]
+        if id(engine) not in self._mergers:  # the engine still holds the base weights it loaded from disk
+            self._mergers[id(engine)] = lora_merger(self.spec, engine)
+        merger = self._mergers[id(engine)]
+        if merger is not None:
 
             def load(items):
                 engine.load_weights(merger.merge(items))

@@ -101,11 +101,11 @@ class RLJobConfig:
                     "trainer computes logprobs of the unfiltered tempered distribution (the importance ratio "
                     f"would be biased); set --sampling.{flag} {off} (eval may filter)"
                 )
-        if self.model.lora.rank and self.inference.engine == "vllm":
+        if self.model.lora.rank > 512 and self.inference.engine == "vllm":
+            # vLLM 0.32's largest max_lora_rank (vllm/config/lora.py; inference/vllm_lora.py)
             raise ValueError(
-                f"--model.lora.rank={self.model.lora.rank} with --inference.engine=vllm is not supported yet "
-                "(adapter sync into vLLM's LoRA support is not wired; docs/lora.md): use --inference.engine=native "
-                "or --model.lora.rank=0"
+                f"--model.lora.rank={self.model.lora.rank}: vLLM 0.32's LoRA layers hold ranks up to 512; lower "
+                "--model.lora.rank or use --inference.engine=native"
             )
         if self.inference.max_model_len and self.inference.max_model_len < self.trainer.seq_len:
             raise ValueError(

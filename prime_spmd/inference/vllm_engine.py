@@ -31,6 +31,8 @@ outputs and weight updates.
   once all of its weights arrived, and copies the result into the original storage. One update spans
   every bucket: ``load_weights`` opens it, the next ``generate``/``step``/``finish_weight_update``
   closes it (``finalize_layerwise_reload``), then the prefix cache is reset.
+- LoRA (``--model.lora.rank > 0``): vLLM's own LoRA layers; a weight update carries adapter tensors only,
+  which become a new in-memory vLLM adapter that every later request names (inference/vllm_lora.py).
 
 Distributed: with torch.distributed initialized, ``distributed_executor_backend="external_launcher"``
 (vLLM 0.32's backend for torchrun-style SPMD). vLLM then takes the WHOLE default process group as its
@@ -55,6 +57,7 @@ from typing import Any, Literal
 import torch
 
 from prime_spmd.inference.engine import Completion, InferenceEngine, Request, SamplingParams
+from prime_spmd.inference.vllm_lora import AdapterUpdates, lora_llm_kwargs
 from prime_spmd.log import logger
 
 VLLM_VERSION = "0.32.0"
@@ -312,6 +315,12 @@ class WeightLoadExtension:
             loaded = model.load_weights(weights=normalize_weights(weights))
         return len(loaded) if loaded is not None else 0
 
+    def prime_spmd_set_adapter(self, adapter_id: int, tensors: dict[str, torch.Tensor], config: dict) -> int:
+        """Register in-memory LoRA tensors (PEFT names) as adapter ``adapter_id``, replacing the one held."""
+        from prime_spmd.inference.vllm_lora import install_adapter
+
+        return install_adapter(self, adapter_id, tensors, config)
+
     def prime_spmd_finish_update(self) -> None:
         """Process the layers whose weights are complete but not yet processed, restore the rest."""
         from vllm.config import set_current_vllm_config
@@ -392,6 +401,10 @@ class VLLMEngine(InferenceEngine):
     ``collective_rpc``, ``reset_prefix_cache``, ``sleep`` and ``wake_up``. ``sampling_params_cls`` and
     ``tokens_prompt_cls`` default to vLLM's. Called on every rank of the engine's tp group with
     identical inputs in identical order (see the module docstring for the data-parallel rule).
+
+    ``lora`` (the ``--model.lora`` section, rank > 0; ``llm`` built with ``lora_llm_kwargs``): weight
+    updates carry adapter tensors only, which ``self.lora`` (``vllm_lora.AdapterUpdates``) installs as
+    vLLM adapters; ``base_model`` is the adapter config's base name.
     """
 
     def __init__(
@@ -401,6 +414,9 @@ class VLLMEngine(InferenceEngine):
         *,
         sampling_params_cls: Any = None,
         tokens_prompt_cls: Any = None,
+        lora: Any = None,
+        base_model: str = "",
+        lora_request_cls: Any = None,
     ) -> None:
         if sampling_params_cls is None or tokens_prompt_cls is None:
             vllm = import_vllm()
@@ -415,6 +431,12 @@ class VLLMEngine(InferenceEngine):
         """True between the first ``load_weights`` of an update and ``finish_weight_update``."""
         self.weights_version = 0
         """The policy version of the weights held; set by the caller after a complete update (not here)."""
+        self.lora = AdapterUpdates(lora, base_model, lora_request_cls) if lora is not None and lora.rank > 0 else None
+
+    @property
+    def lora_scale(self) -> float:
+        """alpha / rank of the LoRA adapters vLLM runs itself (weights.py then sends them unmerged); 0.0: none."""
+        return self.lora.scale if self.lora is not None else 0.0
 
     # -- step-wise interface: queue, then flush as one vLLM batch
     def add_request(self, request: Request) -> None:
@@ -443,7 +465,8 @@ class VLLMEngine(InferenceEngine):
         prompts = [self._prompt_cls(prompt_token_ids=list(r.prompt_ids)) for r in requests]
         params = [self._sp_cls(**vllm_sampling_kwargs(r.sampling)) for r in requests]
         # LLM.generate returns outputs in input order (vllm/entrypoints/llm.py).
-        outputs = self.llm.generate(prompts, params, use_tqdm=progress)
+        lora = {"lora_request": self.lora.request} if self.lora is not None and self.lora.request else {}
+        outputs = self.llm.generate(prompts, params, use_tqdm=progress, **lora)
         if len(outputs) != len(requests):
             raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(requests)} prompts")
         return [to_completion(r, o, self.tokenizer) for r, o in zip(requests, outputs)]
@@ -457,10 +480,17 @@ class VLLMEngine(InferenceEngine):
         cache. Each call streams its iterator through the worker's ``model.load_weights``; the
         tensors are copied, so the caller may reuse their storage as soon as this returns. Runs on
         every rank of the tp group with the full tensors (each rank's weight loaders take their shard).
-        Does not touch ``weights_version``.
+        Does not touch ``weights_version``. With LoRA the pairs are adapter tensors (HF module names +
+        ``.lora_A.weight``/``.lora_B.weight``), copied to CPU and installed as one new vLLM adapter when
+        the update closes; any other name raises ``ValueError``.
         """
         if self._queue:
             raise RuntimeError("load_weights with queued requests: step() them first")
+        if self.lora is not None:
+            num_loaded = self.lora.add(weights)
+            self._updating = True
+            logger.debug(f"vllm: staged {num_loaded} adapter tensors")
+            return
         if not self._updating:
             self.llm.collective_rpc("prime_spmd_start_update")
             self._updating = True
@@ -471,7 +501,10 @@ class VLLMEngine(InferenceEngine):
         """Close the open weight update, if any: process the loaded layers, then reset the prefix cache."""
         if not self._updating:
             return
-        self.llm.collective_rpc("prime_spmd_finish_update")
+        if self.lora is not None:
+            self.lora.install(self.llm)
+        else:
+            self.llm.collective_rpc("prime_spmd_finish_update")
         self._updating = False
         self.reset_cache()
 
@@ -550,6 +583,8 @@ def build_vllm_engine(
         enable_sleep_mode=enable_sleep_mode,
         trust_remote_code=model_cfg.trust_remote_code,
     )
+    if model_cfg.lora.rank > 0:
+        kwargs.update(lora_llm_kwargs(model_cfg.lora))
     # In-process engine core: the worker (and its model) must live in this process so that
     # collective_rpc passes tensors by reference. external_launcher sets this itself.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -561,4 +596,5 @@ def build_vllm_engine(
     ctx = _role_local_rank_env() if external else contextlib.nullcontext()
     with ctx:
         llm = vllm.LLM(**kwargs)
-    return VLLMEngine(llm, tokenizer if tokenizer is not None else load_tokenizer(model_cfg))
+    tok = tokenizer if tokenizer is not None else load_tokenizer(model_cfg)
+    return VLLMEngine(llm, tok, lora=model_cfg.lora, base_model=model_cfg.path)

@@ -60,8 +60,9 @@ def test_lora_flags_toml_and_job_rules(tmp_path: Path) -> None:
     toml.write_text('[model]\npath = "m"\n[model.lora]\nranks = 4\n')
     with pytest.raises(ValueError, match="unknown key 'model.lora.ranks'"):
         load_toml(SFTJobConfig, toml)
-    with pytest.raises(ValueError, match="--model.lora.rank=8 with --inference.engine=vllm is not supported"):
-        parse_cli(RLJobConfig, [*argv, "--inference.engine", "vllm"], "rl")
+    assert parse_cli(RLJobConfig, [*argv, "--inference.engine", "vllm"], "rl").model.lora.rank == 8
+    with pytest.raises(ValueError, match="--model.lora.rank=1024: vLLM 0.32's LoRA layers hold ranks up to 512"):
+        parse_cli(RLJobConfig, ["--model.path", "m", "--model.lora.rank", "1024", "--inference.engine", "vllm"], "rl")
     assert parse_cli(RLJobConfig, argv, "rl").model.lora.rank == 8
     with pytest.raises(ValueError, match="eval runs a plain model"):
         EvalJobConfig(model=ModelConfig(path="m", lora=LoraConfig(rank=2))).validate()

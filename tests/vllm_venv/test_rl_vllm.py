@@ -5,6 +5,7 @@ native engine for its evals); the RL recipe is configs/reverse_text/rl.toml unch
 engine, colocated (1 rank) and disjoint (1 trainer + 1 inference rank). The thresholds are those of
 tests/integration/test_reverse_text_learns.py (native engine, same recipe). Eval before/after runs
 the demo's eval recipe; the final eval also runs once with ``--inference.engine vllm`` (the eval path).
+A short LoRA run on the same SFT model (``--model.lora.rank 8``, colocated) checks adapter-only sync into vLLM.
 """
 
 from __future__ import annotations
@@ -91,3 +92,27 @@ def test_rl_with_vllm_raises_the_eval_reward(sft_model, tmp_path, mode, nproc, e
         print(f"eval of the RL model: native {after['reward_mean']:.4f}, vllm {via_vllm['reward_mean']:.4f}")
         # Same distribution, different sampling noise (64 prompts x 4 samples).
         assert abs(via_vllm["reward_mean"] - after["reward_mean"]) < 0.03, (after, via_vllm)
+
+
+def test_rl_with_vllm_lora_keeps_the_reward(sft_model, tmp_path):
+    """``rl --inference.engine vllm --model.lora.rank 8``, colocated, 16 steps from the demo SFT model: only the
+    adapters travel and vLLM runs them in its LoRA layers (inference/vllm_lora.py). Short (the CI budget):
+    it asserts the run works end to end, keeps the reward and stays on-policy to fp32 rounding; the
+    adapter updates' exactness is tested in test_lora_vllm.py."""
+    model, _ = sft_model
+    lora = ("--model.lora.rank", "8", "--model.lora.alpha", "16", "--optim.lr", "1e-3", "--trainer.max_steps", "16")
+    rows = _rl(model, tmp_path / "rl", 1, *lora)
+    assert [r["step"] for r in rows] == list(range(16))
+    first = statistics.fmean(r["reward_mean"] for r in rows[:8])
+    last = statistics.fmean(r["reward_mean"] for r in rows[-8:])
+    kl = [r["mismatch_kl"] for r in rows]
+    print(
+        f"lora: train reward first8 {first:.4f} last8 {last:.4f}; kl step0 {kl[0]:.2e} median {statistics.median(kl):.2e}"
+    )
+    # Measured 2026-12-03: reward first8 0.857, last8 0.869; KL step 0 3.5e-13, median 1.4e-4 (lag 1). With the
+    # adapter install skipped (vLLM stays at the base) the reward moved alike (0.857 -> 0.865) but the KL median
+    # was 9.4e-3: the KL bound is what catches adapters that do not reach vLLM.
+    assert last - first >= -0.02, (first, last)
+    assert kl[0] < 1e-6, kl  # step 0: vLLM's base model == the trainer's base + zero lora_B
+    assert statistics.median(kl) < 1e-3, kl
+    assert (tmp_path / "rl/adapter/adapter_model.safetensors").is_file()
