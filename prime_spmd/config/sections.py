@@ -265,8 +265,8 @@ class InferenceConfig:
     """KV-cache length per sequence in tokens (0: --trainer.seq_len, or the model's limit for eval)."""
     cuda_graphs: bool = True
     """Capture the decode step in CUDA graphs (CUDA only)."""
-    decode_attention: Literal["bmm", "triton"] = "bmm"
-    """Native engine decode attention: batched matmuls over the length bucket, or the Triton flash-decoding kernel."""
+    decode_attention: Literal["auto", "bmm", "triton"] = "auto"
+    """Native engine decode attention: auto (triton on CUDA, bmm elsewhere), bmm (batched matmuls over the length bucket) or triton (flash-decoding kernel)."""
     gpu_memory_utilization: float = 0.3
     """vLLM: fraction of GPU memory for the engine."""
     weight_bucket_mb: int = 256

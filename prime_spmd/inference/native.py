@@ -72,8 +72,8 @@ class NativeEngine(InferenceEngine):
 
     ``model`` is used in place (its parameters are read at every forward). ``dtype`` casts the
     model once at construction (None keeps it). ``decode_attention``: "bmm" (batched matmuls over
-    the length bucket) or "triton" (the flash-decoding kernel, kernels/decode_attention); used by
-    the Llama-style runner. Call every method from one thread.
+    the length bucket), "triton" (the flash-decoding kernel, kernels/decode_attention) or "auto"
+    (triton on CUDA, bmm elsewhere); used by the Llama-style runner. Call every method from one thread.
     """
 
     def __init__(
@@ -90,7 +90,7 @@ class NativeEngine(InferenceEngine):
         seed: int = 0,
         compile_sampler: bool = True,
         share_prefill: bool = True,
-        decode_attention: DecodeAttention = "bmm",
+        decode_attention: DecodeAttention = "auto",
     ) -> None:
         device = torch.device(device) if device is not None else next(model.parameters()).device
         if dtype is not None:

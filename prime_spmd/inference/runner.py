@@ -26,7 +26,18 @@ import torch.nn.functional as F
 from prime_spmd.inference.kv_cache import SlotKVCache
 
 LLAMA_STYLE = {"qwen3", "qwen2", "llama", "mistral"}
-DecodeAttention = Literal["bmm", "triton"]
+DecodeAttention = Literal["auto", "bmm", "triton"]
+
+
+def resolve_decode_attention(attention: str, device: torch.device) -> str:
+    """The decode attention to run on ``device``: "auto" is "triton" on CUDA (faster than bmm on an
+    H200 at batch 1/64/256, docs/benchmarks.md) and "bmm" elsewhere (Triton on CPU runs only under
+    the interpreter); "bmm" and "triton" are kept. ValueError for any other name."""
+    if attention not in ("auto", "bmm", "triton"):
+        raise ValueError(f"decode attention {attention!r}: choose auto, bmm or triton")
+    if attention == "auto":
+        return "triton" if device.type == "cuda" else "bmm"
+    return attention
 
 
 def is_llama_style(model: torch.nn.Module) -> bool:
@@ -177,8 +188,10 @@ class LlamaStyleRunner:
     Plain dense HF models (``_plain_dense_layers``) decode through ``make_decode_layer`` with fused
     QKV and gate/up weights, compiled on CUDA (``compile_decode``); others (our custom Qwen3, MoE)
     decode through the model's own submodules. ``attention`` picks the decode attention of both
-    paths: "bmm" (two batched matmuls + softmax over the whole length bucket) or "triton" (the
-    flash-decoding kernel of kernels/decode_attention, which reads each row's own positions only).
+    paths: "bmm" (two batched matmuls + softmax over the whole length bucket), "triton" (the
+    flash-decoding kernel of kernels/decode_attention, which reads each row's own positions only) or
+    "auto" (``resolve_decode_attention``: triton on CUDA, bmm elsewhere); ``self.attention`` holds the
+    resolved name.
     """
 
     def __init__(
@@ -188,10 +201,9 @@ class LlamaStyleRunner:
         max_len: int,
         device: torch.device,
         compile_decode: bool = True,
-        attention: DecodeAttention = "bmm",
+        attention: DecodeAttention = "auto",
     ) -> None:
-        if attention not in ("bmm", "triton"):
-            raise ValueError(f"decode attention {attention!r}: choose bmm or triton")
+        attention = resolve_decode_attention(attention, device)
         if attention == "triton":
             import kernels.decode_attention.op  # noqa: F401  registers torch.ops.prime_spmd.decode_attention
         self.attention = attention
@@ -398,7 +410,7 @@ def build_runner(
     max_len: int,
     device: torch.device,
     compile_decode: bool = True,
-    attention: DecodeAttention = "bmm",
+    attention: DecodeAttention = "auto",
 ):
     """The fastest runner that supports ``model`` (``attention``: see ``LlamaStyleRunner``; the other
     runners have their own attention and ignore it)."""

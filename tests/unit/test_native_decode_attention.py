@@ -79,3 +79,11 @@ def test_submodule_decode_triton_matches_bmm(tmp_path, record_property):
 def test_unknown_attention_raises():
     with pytest.raises(ValueError, match="decode attention 'sdpa'"):
         NativeEngine(_hf_model(), None, max_batch_size=1, max_model_len=16, device="cpu", decode_attention="sdpa")
+
+
+def test_auto_is_triton_on_cuda_bmm_elsewhere():
+    assert runner_mod.resolve_decode_attention("auto", torch.device("cuda")) == "triton"
+    assert runner_mod.resolve_decode_attention("auto", torch.device("cpu")) == "bmm"
+    assert runner_mod.resolve_decode_attention("bmm", torch.device("cuda")) == "bmm"
+    eng = NativeEngine(_hf_model(), None, max_batch_size=1, max_model_len=16, device="cpu")  # default: auto
+    assert eng.runner.attention == "bmm"
