@@ -14,7 +14,15 @@ from kernels.lm_logprob import kernel
 from kernels.lm_logprob.chunked import chunked_logprobs
 from kernels.lm_logprob.op import lm_head_logprobs, lm_logprob_bwd, lm_logprob_fwd
 from kernels.lm_logprob.reference import reference_logprobs, temperature_per_token
-from tests.kernels._helpers import make_lm_head_inputs, nan_empty, pin_one_config, rel_err
+from tests.kernels._helpers import (
+    lm_head_config_fits,
+    lm_head_shared_memory,
+    make_lm_head_inputs,
+    max_shared_memory,
+    nan_empty,
+    pin_one_config,
+    rel_err,
+)
 
 # Errors are max |got - want| / max |want|, measured over seeds 0-2 of these cases.
 # fp32: measured <= 4.4e-6 (logprob, entropy, d hidden, d weight).
@@ -31,7 +39,8 @@ CHUNKED_BF16_TOL = 5e-2
 
 @pytest.fixture(autouse=True)
 def poison_buffers_and_pin_config(monkeypatch, request):
-    pin_one_config(monkeypatch, (kernel._fwd_tuned, kernel._grad_tuned), request.node.nodeid)
+    # On CUDA only configs whose fp32 tiles fit in shared memory: a pinned config must launch (_helpers.py).
+    pin_one_config(monkeypatch, (kernel._fwd_tuned, kernel._grad_tuned), request.node.nodeid, lm_head_config_fits)
     monkeypatch.setattr(kernel, "_empty", nan_empty)
 
 
@@ -130,6 +139,36 @@ def test_opcheck(device):
     _, entropy, lse = lm_logprob_fwd(hidden.detach(), weight.detach(), targets, temperature_N)
     bwd_args = (grad_lp, grad_ent, hidden.detach(), weight.detach(), targets, temperature_N, lse, entropy)
     torch.library.opcheck(lm_logprob_bwd, bwd_args)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter runs one fixed config")
+def test_unfit_configs_are_out_of_resources(monkeypatch, record_property):
+    """The configs that pin_one_config leaves out on this GPU (fp32 tiles over the shared memory limit by
+    lm_head_shared_memory's estimate) fail to launch with OutOfResources, on an fp32 case whose K loop
+    is pipelined (H = 64, a multiple of every BLOCK_K): they are left out because they cannot run, not
+    because they compute wrong values. Each config that does launch must match the reference."""
+    from triton.runtime.errors import OutOfResources
+
+    limit = max_shared_memory()
+    unfit = [c for c in kernel._cuda_configs() if not lm_head_config_fits(c)]
+    record_property("lm_head_unfit_configs", f"{len(unfit)} over {limit} B: {[str(c) for c in unfit]}")
+    if not unfit:
+        pytest.skip(f"every config fits in {limit} B of shared memory")
+    inputs = make_inputs(16, 64, 257, torch.float32, 0.7, "cuda")
+    want = run_impl("reference", *inputs)
+    for config in unfit:
+        monkeypatch.setattr(kernel._fwd_tuned, "configs", [config])
+        monkeypatch.setattr(kernel._grad_tuned, "configs", [config])
+        try:
+            got = run_impl("triton", *inputs)
+        except OutOfResources as e:
+            record_property(f"unfit {config}", f"OutOfResources: {e}")
+            continue
+        assert_close(got, want, FP32_TOL, FP32_TOL)
+        raise AssertionError(
+            f"{config} launches and matches with {lm_head_shared_memory(config)} B estimated > {limit} B: "
+            "the estimate in tests/kernels/_helpers.py is too conservative"
+        )
 
 
 def test_bad_inputs_raise(device):
