@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# The GPU test suite (docs/testing.md), on a machine with a CUDA GPU, in two steps with their own time limits:
-#   1. device_aware: tests/kernels, tests/unit/test_loss_impls.py, tests/unit/test_native_engine.py, the same
-#      files as on CPU, with their tensors on CUDA (the `device` fixture in tests/conftest.py): Triton kernels
-#      compiled instead of interpreted, the native engine with compiled decode and CUDA graphs;
-#   2. gpu: tests/gpu (-m gpu), real shapes in bf16 (LM head, loss-fused head, MoE experts).
+# The GPU test suite (docs/testing.md), on a machine with a CUDA GPU, in steps with their own time limits
+# (300 s in all):
+#   1. kernels: tests/kernels, the same files as on CPU, with their tensors on CUDA (the `device` fixture
+#      in tests/conftest.py): Triton kernels compiled instead of interpreted;
+#   2. unit: tests/unit/test_loss_impls.py and tests/unit/test_native_engine.py on CUDA (kernels compiled,
+#      the native engine with compiled decode and CUDA graphs);
+#   3. gpu: tests/gpu (-m gpu), real shapes in bf16 (LM head, loss-fused head, MoE experts).
 #   bash scripts/test_gpu.sh [OUTDIR]     (default $OUT, else /tmp/test_gpu)
-# Writes OUTDIR/{device_aware,gpu}.{log,xml} and OUTDIR/summary.txt (counts, times, the measured errors
-# recorded by the tests as junit properties). Exits nonzero if a step fails or times out.
+# Writes OUTDIR/{kernels,unit,gpu}.{log,xml} and OUTDIR/summary.txt (counts, times, each failure's message,
+# the measured errors recorded by the tests as junit properties). Exits nonzero if a step fails or times out.
+# With pytest-timeout importable each test has its own limit (a slow test fails alone, with its stack);
+# a step past its limit gets SIGINT, so pytest still prints the tracebacks so far and writes its junit file.
 # Needs torch, triton, transformers; tyro and verifiers are not imported by these files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,27 +20,33 @@ python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'scr
 unset TRITON_INTERPRET  # kernels compile for the GPU (tests/conftest.py sets it only without CUDA)
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 rc=0
-step() {  # name, time limit in s, pytest arguments; -v so the log keeps the results even after a timeout
-  local name=$1 limit=$2
-  shift 2
-  echo "=== $name (limit ${limit}s, $(date +%T))"
-  timeout "$limit" python3 -m pytest -v -p no:cacheprovider -o addopts="" --strict-markers \
-    --continue-on-collection-errors --durations=15 -rfEs --junitxml="$OUT/$name.xml" "$@" > "$OUT/$name.log" 2>&1
+per_test=()
+python3 -c "import pytest_timeout" 2> /dev/null && per_test=(--timeout) || echo "pytest-timeout not importable: no per-test limits"
+step() {  # name, step limit in s, per-test limit in s, pytest arguments
+  local name=$1 limit=$2 test_limit=$3
+  shift 3
+  echo "=== $name (limit ${limit}s, per test ${test_limit}s, $(date +%T))"
+  # -v: results as they come; --tb=short -rfE: tracebacks and a one-line summary per failure at the end
+  # (also printed after a SIGINT); -k 15: SIGKILL if pytest ignores the SIGINT.
+  timeout -s INT -k 15 "$limit" python3 -m pytest -v -p no:cacheprovider -o addopts="" --strict-markers \
+    --continue-on-collection-errors --durations=15 --tb=short -rfEs --junitxml="$OUT/$name.xml" \
+    ${per_test[@]+"${per_test[@]}" "$test_limit"} "$@" > "$OUT/$name.log" 2>&1
   local r=$?
   echo "rc=$r $name$([ $r -eq 124 ] && echo ' (timed out)')"
   tail -n 4 "$OUT/$name.log"
   [ $r -eq 0 ] || rc=1
 }
 start=$(date +%s)
-step device_aware 210 -m "not gpu" tests/kernels tests/unit/test_loss_impls.py tests/unit/test_native_engine.py
-step gpu 120 -m gpu tests/gpu
+step kernels 130 60 -m "not gpu" tests/kernels
+step unit 110 90 -m "not gpu" tests/unit/test_loss_impls.py tests/unit/test_native_engine.py
+step gpu 60 50 -m gpu tests/gpu
 python3 - "$OUT" > "$OUT/summary.txt" <<'EOF'
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 out = Path(sys.argv[1])
-for name in ("device_aware", "gpu"):
+for name in ("kernels", "unit", "gpu"):
     path = out / f"{name}.xml"
     if not path.is_file():
         print(f"{name}: no junit file (timed out?); see {name}.log")
@@ -47,6 +57,9 @@ for name in ("device_aware", "gpu"):
     passed = int(a["tests"]) - failed - errors - skipped
     print(f"{name}: {passed} passed, {failed} failed, {errors} errors, {skipped} skipped in {float(a['time']):.0f} s")
     for case in suite.iter("testcase"):
+        for bad in (*case.iter("failure"), *case.iter("error")):
+            message = " ".join((bad.attrib.get("message") or "").split())[:300]
+            print(f"  {bad.tag.upper()} {case.attrib.get('classname', '')}::{case.attrib['name']}: {message}")
         for prop in case.iter("property"):
             print(f"  {case.attrib['name']}: {prop.attrib['name']} = {prop.attrib['value']}")
 EOF

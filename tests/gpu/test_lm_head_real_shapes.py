@@ -21,11 +21,12 @@ from tests.kernels._helpers import rel_err
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 VOCAB = 151_936
-# Errors are max |got - want| / max |want| vs the fp32 reference. The tiny bf16 cases measured <= 1.5e-6
-# (forward) and <= 1.1e-2 (grads: d logits and the grads are rounded to bf16). Real shapes: to be
-# confirmed on H200 (the rel_err_* properties of this file's cases).
-FWD_TOL = 1e-4
-BWD_TOL = 3e-2
+# Errors are max |got - want| / max |want| vs the fp32 reference, measured on the H200 (scripts/test_gpu.sh
+# run 1, seed 0, all cases of this file): logprob <= 3.5e-6, entropy <= 1.3e-5, fused loss <= 9.3e-8
+# (forward: fp32 accumulation of exact bf16 products); d hidden <= 4.7e-3, d weight <= 6.5e-3 (d logits
+# and the grads are rounded to bf16). About 4x the largest of each group:
+FWD_TOL = 5e-5
+BWD_TOL = 2.5e-2
 SHAPES = [(4096, 1024), (2048, 4096)]  # (tokens N, hidden H)
 
 
