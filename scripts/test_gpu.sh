@@ -37,9 +37,9 @@ step() {  # name, step limit in s, per-test limit in s, pytest arguments
   [ $r -eq 0 ] || rc=1
 }
 start=$(date +%s)
-step kernels 130 60 -m "not gpu" tests/kernels
-step unit 110 90 -m "not gpu" tests/unit/test_loss_impls.py tests/unit/test_native_engine.py
-step gpu 60 50 -m gpu tests/gpu
+step kernels 150 60 -m "not gpu" tests/kernels
+step unit 100 90 -m "not gpu" tests/unit/test_loss_impls.py tests/unit/test_native_engine.py
+step gpu 50 40 -m gpu tests/gpu
 python3 - "$OUT" > "$OUT/summary.txt" <<'EOF'
 import sys
 import xml.etree.ElementTree as ET
