@@ -6,6 +6,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from prime_spmd.config.sections import OptimConfig
 
@@ -15,7 +16,11 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    # foreach also on CPU (torch picks the per-tensor loop there): the demo's AdamW step took 17 -> 6 ms of
+    # CPU time. Not across meshes (EP: experts on (dp_shard, ep), the rest on dp_shard_ep).
+    meshes = {p.device_mesh for p in decay + no_decay if isinstance(p, DTensor)}
+    foreach = True if len(meshes) <= 1 else None
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=foreach)
 
 
 def lr_factor(step: int, cfg: OptimConfig, max_steps: int) -> float:
