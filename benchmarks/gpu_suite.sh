@@ -40,7 +40,7 @@ case $PART in
     run env_bridge 300 env PYTHONPATH=/tmp/site:$PWD python3 benchmarks/env_bridge.py --device cuda --preset qwen3-0.6b --max-tokens 32,128 --lengths fixed,varied --repeats 5 --out "$OUT/env_bridge_h200.json" ;;
   rl_e2e)  # SFT a Qwen3-0.6B shape from scratch (real tokenizer), then RL: prime-spmd k=0/1 vs TRL; <= 9 min
     run rl_e2e 580 python3 benchmarks/rl_e2e.py --device cuda --shape qwen3-0.6b --out "$OUT/rl_e2e" --trl-python python3 \
-      --tokenizer-files .whl/qwen3-tokenizer --sft-steps 300 --sft-batch 128 --sft-limit-s 180 --steps 30 --prompts 16 --group-size 8 --max-tokens 20 \
+      --tokenizer-files .whl/qwen3-tokenizer --sft-steps 300 --sft-batch 128 --sft-limit-s 200 --steps 30 --prompts 16 --group-size 8 --max-tokens 20 \
       --lr 5e-6 --rl-limit-s 70 --eval-limit-s 35 ;;
   rl)
     run rl_colocated 300 python3 -m prime_spmd rl --config configs/reverse_text/rl.toml --output_dir "$OUT/rl" --model.path /tmp/rlmodel --model.init_tiny qwen3-1m --trainer.max_steps 20 --log.no_progress ;;
