@@ -25,7 +25,9 @@ import math
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import verifiers as vf
@@ -44,6 +46,50 @@ def guard_rubric(rubric: Any, timeout_s: float | None) -> None:
     rubric.funcs = [f if getattr(f, _GUARDED, False) else _guard(rubric, f, timeout_s) for f in rubric.funcs]
 
 
+@dataclass(frozen=True, slots=True)
+class GuardInfo:
+    """What a guarded wrapper knows of its function; ``vf_scoring`` calls the function through it."""
+
+    func: Callable
+    name: str
+    is_group: bool
+    key: str
+    """``state`` or ``states``: the keyword the guard reads the rollout(s) from."""
+    passes_key: bool
+    """Whether ``func`` itself takes ``key`` (else the guard pops it before the call)."""
+    names: frozenset[str] | None
+    """The wrapper's parameter names (what verifiers passes it); None when it takes ``**kwargs`` (all)."""
+    timeout_s: float | None
+    is_coroutine: bool
+
+    def split(self, kwargs: dict) -> Any:
+        """The rollout (or list of rollouts) a failure is counted on; pops ``key`` when ``func`` lacks it."""
+        return kwargs.get(self.key) if self.passes_key else kwargs.pop(self.key, None)
+
+    def outcome(self, target: Any, ok: bool, value: Any) -> Any:
+        """The guarded result of one call: ``value`` checked, or 0.0 (per state) with the failure counted."""
+        states = list(target or []) if self.is_group else [target]
+        if ok:
+            try:
+                return _check(value, len(states) if self.is_group else None)
+            except ValueError as e:
+                value = e
+        if isinstance(value, TimeoutError):
+            counter, detail = "reward_timeouts", f"timed out after {self.timeout_s} s"
+        else:
+            counter, detail = "reward_errors", f"{type(value).__name__}: {value}"
+        logger.warning("reward function %s failed (%s); the rollout gets reward 0", self.name, detail)
+        for st in states:
+            if st is not None:
+                bump_stat(st, counter)
+        return [0.0] * len(states) if self.is_group else 0.0
+
+
+def guard_info(func: Any) -> GuardInfo | None:
+    """The ``GuardInfo`` of a wrapper made by ``guard_rubric`` (None for any other callable)."""
+    return getattr(func, _GUARDED, None)
+
+
 def _guard(rubric: Any, func: Callable, timeout_s: float | None) -> Callable:
     is_group = rubric._is_group_func(func)
     key = "states" if is_group else "state"
@@ -55,29 +101,31 @@ def _guard(rubric: Any, func: Callable, timeout_s: float | None) -> Callable:
         params.append(extra)
         sig = sig.replace(parameters=params)
     name = getattr(func, "__name__", type(func).__name__)
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
+    info = GuardInfo(
+        func=func,
+        name=name,
+        is_group=is_group,
+        key=key,
+        passes_key=passes_key,
+        names=None if var_kw else frozenset(sig.parameters),
+        timeout_s=timeout_s,
+        is_coroutine=inspect.iscoroutinefunction(func),
+    )
 
     async def guarded(**kwargs: Any) -> Any:
-        target = kwargs.get(key) if passes_key else kwargs.pop(key, None)
-        states = list(target or []) if is_group else [target]
+        target = info.split(kwargs)
         try:
-            value = await _call(func, kwargs, timeout_s)
-            return _check(value, len(states) if is_group else None)
-        except TimeoutError:
-            counter, detail = "reward_timeouts", f"timed out after {timeout_s} s"
-        # Any exception from user code: the point of the guard is that the run goes on (counted below).
+            return info.outcome(target, True, await _call(func, kwargs, timeout_s))
+        # Any exception from user code: the point of the guard is that the run goes on (counted).
         except Exception as e:  # noqa: BLE001
-            counter, detail = "reward_errors", f"{type(e).__name__}: {e}"
-        logger.warning("reward function %s failed (%s); the rollout gets reward 0", name, detail)
-        for st in states:
-            if st is not None:
-                bump_stat(st, counter)
-        return [0.0] * len(states) if is_group else 0.0
+            return info.outcome(target, False, e)
 
     guarded.__name__ = name
     guarded.__qualname__ = getattr(func, "__qualname__", name)
     guarded.__doc__ = getattr(func, "__doc__", None)
     guarded.__signature__ = sig  # type: ignore[attr-defined]
-    setattr(guarded, _GUARDED, True)
+    setattr(guarded, _GUARDED, info)
     return guarded
 
 
@@ -103,6 +151,66 @@ async def _call(func: Callable, kwargs: dict, timeout_s: float | None) -> Any:
     if inspect.isawaitable(result):
         result = await asyncio.wait_for(result, timeout_s)
     return result
+
+
+async def call_burst(calls: list[tuple[Callable, dict]], timeout_s: float) -> list[tuple[bool, Any]]:
+    """``func(**kwargs)`` for every call, in order, on ONE daemon worker (one thread hop for all);
+    (True, result) or (False, exception) per call. Each call still gets its own ``timeout_s``, counted
+    from when the worker starts it (from submission for the first): a call past it gets
+    (False, TimeoutError), its worker is abandoned, as ``_call`` abandons a hung one, and the calls
+    after it go to a fresh worker. An awaitable result is returned as is (the caller awaits it)."""
+    out: list[tuple[bool, Any]] = []
+    while len(out) < len(calls):
+        burst = _Burst(calls[len(out) :])
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        _WORKERS.submit(burst.run, {}, loop, fut)
+        while not fut.done():
+            with burst.lock:
+                index, since = burst.index, burst.since
+            wait = since + timeout_s - time.monotonic()
+            if wait <= 0:
+                with burst.lock:
+                    hung = not burst.finished and burst.index == index
+                    burst.abandoned = hung
+                if hung:
+                    out += burst.results[:index] + [(False, TimeoutError())]
+                    break
+                wait = 0
+            try:
+                await asyncio.wait_for(asyncio.shield(fut), wait)
+            except TimeoutError:
+                pass
+        else:
+            out += burst.results
+    return out
+
+
+class _Burst:
+    """The calls of one ``call_burst`` worker job; ``index`` / ``since``: the call running and its start."""
+
+    def __init__(self, calls: list[tuple[Callable, dict]]) -> None:
+        self.calls, self.results = calls, []
+        self.lock = threading.Lock()
+        self.index, self.since = 0, time.monotonic()
+        self.finished = self.abandoned = False
+
+    def run(self) -> None:
+        for i, (func, kwargs) in enumerate(self.calls):
+            with self.lock:
+                if self.abandoned:
+                    return
+                self.index, self.since = i, time.monotonic()
+            try:
+                result = (True, func(**kwargs))
+            except Exception as e:  # noqa: BLE001 - returned to the awaiting coroutine
+                result = (False, e)
+            with self.lock:
+                if self.abandoned:
+                    return
+                self.results.append(result)
+        with self.lock:
+            self.finished = True
 
 
 def _in_daemon_thread(func: Callable, kwargs: dict) -> asyncio.Future:

@@ -15,8 +15,11 @@ H200. For environments that do exactly one turn (``max_turns == 1``, e.g. ``vf.S
    inlined without the thread hop; an override is called as is); the stop condition, found in
    ``is_completed``'s order by calling MultiTurnEnv's conditions directly, rendered by ``_render_stop``;
    the environment's ``cleanup``;
-4. per group, all groups concurrently, ``rubric.score_group`` (the guarded reward functions, as in the
-   general path) and ``rubric.cleanup``; the states become ``Rollout`` s without the ``state_to_output`` copy.
+4. all groups scored at once by ``vf_scoring.score_groups`` (verifiers' ``Rubric`` / ``RubricGroup``
+   scoring with each reward function's signature read once, and a plain function's calls for every
+   rollout in one hop to the reward guard's worker thread; a rubric that overrides scoring gets its own
+   ``score_group`` per group), then ``rubric.cleanup``; the states become ``Rollout`` s without the
+   ``state_to_output`` copy.
 
 ``single_turn_blocker`` says why an environment takes the general path (``run_group``) instead: more
 than one turn, overridden ``rollout`` / ``get_model_response``, a rollout timeout (it would bound the
@@ -35,11 +38,13 @@ from typing import Any
 
 import verifiers as vf
 from verifiers.types import TimeSpan, TrajectoryStep, TrajectoryStepTokens
+from verifiers.utils.error_utils import ErrorChain
 from verifiers.utils.message_utils import maybe_normalize_messages
 from verifiers.utils.response_utils import parse_response_message
 
 from prime_spmd.envs.vf_client import EngineClient
 from prime_spmd.envs.vf_output import failed_group, output_to_rollout
+from prime_spmd.envs.vf_scoring import score_groups, scoring_blocker
 from prime_spmd.inference.engine import InferenceEngine, Request
 from prime_spmd.rl.types import Rollout
 
@@ -122,7 +127,9 @@ async def run_single_turn(
     # All groups at once: verifiers' asyncio.to_thread hops and the reward guard's worker threads then
     # take the calls in one burst instead of one round trip per rollout.
     await asyncio.gather(*(_guarded(g, asyncio.gather(*by_group.get(id(g), []))) for g in groups if not g.failed))
-    await asyncio.gather(*(_guarded(g, _end_group(vf_env, g)) for g in groups if not g.failed))
+    await asyncio.gather(*(_guarded(g, _close_group(vf_env, g)) for g in groups if not g.failed))
+    await _score(vf_env, [g for g in groups if not g.failed])
+    await asyncio.gather(*(_guarded(g, _cleanup_rubric(vf_env, g)) for g in groups if not g.failed))
     return [
         failed_group(vf_env, client.renderer, g.example_id, g.inputs)
         if g.failed
@@ -260,26 +267,60 @@ async def _first_stop(vf_env: Any, state: Any) -> Any:
     return None
 
 
-async def _end_group(vf_env: Any, group: _Group) -> None:
-    """Per rollout the loop's closing ``is_completed`` and ``cleanup``; then ``_run_group_states``' scoring."""
+async def _close_group(vf_env: Any, group: _Group) -> None:
+    """Per rollout the loop's closing ``is_completed`` and ``cleanup``."""
     for state in group.states:
         try:
             condition = await _first_stop(vf_env, state)
             # max_turns == 1: only an add_trajectory_step that stores no step leaves the loop running.
             if condition is None:
                 raise RuntimeError("a single-turn rollout is not completed after its turn (no trajectory step)")
-            await vf_env._render_stop(state, condition)  # sets is_completed, is_truncated, stop_condition
+            await _render_stop(vf_env, state, condition)
         finally:
             await vf_env.cleanup(state)
+
+
+async def _render_stop(vf_env: Any, state: Any, condition: Any) -> None:
+    """``Environment._render_stop`` for a condition that holds: is_completed, is_truncated, stop_condition.
+    Verifiers' own re-evaluates the condition through ``inspect.signature``; with its own method and a
+    MultiTurnEnv condition (pure checks of the state, just evaluated) the fields are set directly."""
+    if type(vf_env)._render_stop is not vf.Environment._render_stop:
+        await vf_env._render_stop(state, condition)
+        return
+    state["is_completed"] = True
+    state["is_truncated"] = state.get("is_truncated", False) or any(
+        step.get("is_truncated", False) for step in state.get("trajectory", [])
+    )
+    state["stop_condition"] = condition.__name__
+    if state.get("stop_condition") == "has_error":
+        vf_env.logger.error(f"Aborted rollout due to {ErrorChain(state['error'])!r}")
+
+
+async def _score(vf_env: Any, groups: list[_Group]) -> None:
+    """``_run_group_states``' scoring for every group: one ``score_groups`` call for all of them (vf_scoring.py)
+    when the rubric allows it, else ``rubric.score_group`` per group, concurrently. An exception outside the
+    reward guards in the batched call (rubric code such as ``score_objects``) rescores group by group, so
+    that only the raising group fails, as in the general path (reward functions may then run twice)."""
     start = time.time()
-    for state in group.states:
-        state["timing"].scoring.start = start
-    if vf_env.score_rollouts:
-        await vf_env.rubric.score_group(group.states)
+    for g in groups:
+        for state in g.states:
+            state["timing"].scoring.start = start
+    rubric = vf_env.rubric
+    if not vf_env.score_rollouts:
+        await asyncio.gather(*(_guarded(g, rubric.dummy_score_group(g.states)) for g in groups))
+    elif scoring_blocker(rubric) is None:
+        try:
+            await score_groups(rubric, [g.states for g in groups])
+        except Exception:  # noqa: BLE001 - rescored per group below, where the raising group fails
+            await asyncio.gather(*(_guarded(g, score_groups(rubric, [g.states])) for g in groups))
     else:
-        await vf_env.rubric.dummy_score_group(group.states)
+        await asyncio.gather(*(_guarded(g, rubric.score_group(g.states)) for g in groups))
     end = time.time()
-    for state in group.states:
-        state["timing"].scoring.end = end
+    for g in groups:
+        for state in g.states:
+            state["timing"].scoring.end = end
+
+
+async def _cleanup_rubric(vf_env: Any, group: _Group) -> None:
     for state in group.states:
         await vf_env.rubric.cleanup(state)

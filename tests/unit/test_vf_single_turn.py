@@ -109,3 +109,62 @@ def test_blocker_sends_other_environments_to_the_general_path(qwen3_tokenizer):
     assert "timeout" in single_turn_blocker(timed)
     env = VerifiersEnvironment(envs_for_tests.load_single_turn_env(), engine_thread=True)
     assert env.fast_single_turn is False
+
+
+def test_batched_scoring_matches_general_path_with_failures_and_timeouts(qwen3_tokenizer):
+    """vf_scoring.score_groups against verifiers' score_group: a RubricGroup with plain, async, group,
+    raising and hanging (past the 0.3 s reward timeout) functions, and a rubric subclass that overrides
+    scoring (scored by verifiers): equal rollouts, and the same reward_errors / reward_timeouts counts."""
+    import threading
+
+    from prime_spmd.envs.vf_scoring import scoring_blocker
+
+    release = threading.Event()
+
+    def plain(completion, answer) -> float:
+        return float(answer in (completion[-1].content or ""))
+
+    async def later(answer, state) -> float:
+        return 0.5 * len(state["trajectory"]) + (answer == "8")
+
+    def spread(completions) -> list[float]:
+        return [0.1 * i for i in range(len(completions))]
+
+    def flaky(answer) -> float:
+        if answer == "8":
+            raise ValueError("bad answer")
+        return 2.0
+
+    def hangs(answer, **kwargs) -> float:
+        if answer == "7" and kwargs["state"]["trajectory"][0]["trajectory_id"]:
+            release.wait(5.0)  # past the timeout: counted, its worker abandoned, later calls go on
+        return 3.0
+
+    class Custom(vf.Rubric):
+        async def score_group(self, states):
+            await super().score_group(states)
+
+    rubric = vf.RubricGroup(
+        [
+            vf.Rubric(funcs=[plain, later, spread, flaky], weights=[1.0, 0.5, 1.0, 1.0]),
+            vf.Rubric(funcs=[hangs], weights=[0.25]),
+        ]
+    )
+    rows = [{"question": "q", "answer": a} for a in ("7", "8", "9")]
+    vf_env = vf.SingleTurnEnv(dataset=Dataset.from_list(rows), rubric=rubric)
+    assert scoring_blocker(Custom()) is not None
+    out = []
+    for fast in (True, False):
+        env = VerifiersEnvironment(vf_env, single_turn_fast_path=fast, reward_timeout_s=0.3)
+        assert scoring_blocker(vf_env.rubric) is None
+        engine = ScriptedEngine(qwen3_tokenizer, lambda p: "7 or 9<|im_end|>", max_model_len=300)
+        out.append(env.run_groups(engine, "train", [0, 1, 2], 2, SamplingParams(max_tokens=20), seed=0))
+    release.set()
+    fast, general = out
+    assert _fields(fast) == _fields(general)
+    by_eid = {g[0].example_id: g for g in fast}
+    assert all(r.metrics["reward_errors"] == 1.0 and r.reward == 0.0 for r in by_eid[1])
+    assert all(r.metrics["reward_timeouts"] == 1.0 for r in by_eid[0])
+    assert {r.metrics["reward_timeouts"] for r in by_eid[2]} == {0.0}
+    assert by_eid[2][0].metrics["env/plain"] == 1.0 and by_eid[2][1].metrics["env/spread"] == pytest.approx(0.1)
+    assert by_eid[2][0].reward == pytest.approx(1.0 + 0.25 + 0.0 + 2.0 + 0.75)
