@@ -164,4 +164,3 @@ async def _individual(func: Any, info: Any, calls: list[dict]) -> list[float]:
                 ok, value = False, e
         out.append(float(info.outcome(target, ok, value)))
     return out
-
