@@ -89,7 +89,9 @@ def filter_logits(logits_BV: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     greedy_B = st.temperature_B <= 0
     temp_B = torch.where(greedy_B, torch.ones_like(st.temperature_B), st.temperature_B)
     x_BV = logits_BV.float() / temp_B[:, None]
-    neg_inf = torch.tensor(float("-inf"), device=x_BV.device)
+    # A Python scalar, not torch.tensor(-inf, device=...): that builds a CPU tensor and copies it, which
+    # CUDA graph capture refuses (found by the GPU suite, docs/testing.md, 2026-12-03).
+    neg_inf = float("-inf")
     if st.needs_min_p:
         logp_BV = torch.log_softmax(x_BV, dim=-1)
         # p_i < min_p * p_max  <=>  logp_i < log(min_p) + logp_max
