@@ -25,7 +25,7 @@ run_suite() {  # venv, then pytest arguments
   local venv=$1
   shift
   # The venv first on PATH: tests launch `torchrun` (launch/*.sh) and `python -m prime_spmd` subprocesses.
-  PATH="$PWD/$venv/bin:$PATH" "$venv/bin/python" -m pytest -q "$@"
+  PATH="$PWD/$venv/bin:$PATH" "$venv/bin/python" -m pytest -q --durations=30 "$@"
   local rc=$?
   if [ "$rc" -eq 5 ]; then
     echo "[test] $venv: pytest collected no tests (exit 5): treated as success" >&2
