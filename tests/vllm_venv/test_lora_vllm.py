@@ -10,12 +10,11 @@ module's SFT model). Runtime about 20 s on 2 cores (measured 16-22 s, mostly the
 
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
 
 from prime_spmd.inference.engine import Request, SamplingParams
+from tests.fakes import QueueBridge
 
 WORDS = ("abc", "hello", "xyz!", "q", "reverse me", "12345")
 
@@ -53,20 +52,6 @@ def _mismatch_kl(engine, trainer, prompts, seed=1) -> tuple[float, float]:
     return float((d.exp() - d - 1).mean()), float(d.abs().max())
 
 
-class _QueueBridge:
-    """The weight bridge in one process: the sender's broadcasts are queued (copied), the receiver's pop them."""
-
-    def __init__(self) -> None:
-        self.sent: collections.deque[torch.Tensor] = collections.deque()
-        self.receiving = False
-
-    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        if self.receiving:
-            tensor.copy_(self.sent.popleft())
-        else:
-            self.sent.append(tensor.detach().clone())
-
-
 def _train_step(trainer, scale: float) -> None:
     """Stands in for an optimizer step: moves every adapter (lora_B starts at zero, so step 0 is the base)."""
     with torch.no_grad():
@@ -89,7 +74,7 @@ def test_adapter_updates_reach_vllm(setup):
     sender = WeightSender(trainer, torch.float32, bucket, rank=0)
     assert sender.spec.names and all(n.endswith((".lora_A.weight", ".lora_B.weight")) for n in sender.spec.names)
     assert len(sender.buckets) > 10, len(sender.buckets)
-    bridge = _QueueBridge()
+    bridge = QueueBridge()
     sender.send(bridge, cpu, version=1)
     sent_bytes = sum(t.numel() * t.element_size() for t in bridge.sent)
     model_bytes = sum(p.numel() * p.element_size() for n, p in trainer.named_parameters() if ".lora_" not in n)

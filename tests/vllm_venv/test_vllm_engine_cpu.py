@@ -7,12 +7,11 @@ WeightSender/WeightReceiver pair (a queue stands in for the weight bridge's broa
 
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
 
 from prime_spmd.inference.engine import Request, SamplingParams
+from tests.fakes import QueueBridge
 
 WORDS = ("abc", "hello", "xyz!", "q", "reverse me", "12345")
 
@@ -92,21 +91,6 @@ def test_sampled_logprobs_match_the_trainer(setup, temperature, top_k):
     assert kl < 1e-3, (kl, dmax)
 
 
-class _QueueBridge:
-    """Stands in for the weight bridge in one process: the sender's broadcasts are queued (copied), the
-    receiver's broadcasts pop them in order."""
-
-    def __init__(self) -> None:
-        self.sent: collections.deque[torch.Tensor] = collections.deque()
-        self.receiving = False
-
-    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        if self.receiving:
-            tensor.copy_(self.sent.popleft())
-        else:
-            self.sent.append(tensor.detach().clone())
-
-
 def test_bucketed_weight_update_reaches_vllm(setup):
     from prime_spmd.weights import WeightReceiver, WeightSender
 
@@ -120,7 +104,7 @@ def test_bucketed_weight_update_reaches_vllm(setup):
     bucket = 16 << 10
     sender = WeightSender(trainer, torch.float32, bucket, rank=0)
     assert len(sender.buckets) > 20, len(sender.buckets)
-    bridge = _QueueBridge()
+    bridge = QueueBridge()
     sender.send(bridge, torch.device("cpu"), version=1)
     bridge.receiving = True
     WeightReceiver(sender.spec, bucket, eng, torch.device("cpu")).recv(bridge)
