@@ -25,7 +25,8 @@ from torch import Tensor
 from kernels.lm_logprob import fused_kernel
 from kernels.lm_logprob.reference import temperature_per_token
 
-TokenLoss = Callable[[Tensor, Tensor, dict[str, Tensor]], Tensor]
+# the per-token loss, e.g. a bound prime_spmd.rl.loss.TokenLoss.token_loss: (logprob, entropy, fields) -> [N]
+TokenLossFn = Callable[[Tensor, Tensor, dict[str, Tensor]], Tensor]
 # Cap on C * V per chunk. Extra memory per element of C * V: torch ~14 B (two fp32 [C, V] + G; 2**29 is
 # 3456 tokens at V = 151936, ~7 GiB), triton 6 B (fp32 logits + bf16 G; 2**30 lets the default 4096-token
 # chunk through at V = 151936, 3.5 GiB: measured 602 vs 594 TFLOP/s fwd+bwd on an H200 against 3456-token
@@ -73,7 +74,7 @@ def logits_fp32(hidden_CH: Tensor, weight_VH: Tensor) -> Tensor:
 
 
 def token_loss_grads(
-    token_loss: TokenLoss, logprob_C: Tensor, entropy_C: Tensor, fields_C: dict[str, Tensor], need_grad: bool
+    token_loss: TokenLossFn, logprob_C: Tensor, entropy_C: Tensor, fields_C: dict[str, Tensor], need_grad: bool
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """(loss [C] fp32 detached, d loss / d lp or None, d loss / d ent or None); None where loss ignores it."""
     lp_C = logprob_C.detach().requires_grad_(need_grad)
@@ -194,7 +195,7 @@ def fused_lm_head_loss(
     weight: Tensor,
     targets: Tensor,
     temperature: float | Tensor,
-    token_loss: TokenLoss,
+    token_loss: TokenLossFn,
     fields: dict[str, Tensor] | None = None,
     chunk_tokens: int = 4096,
     impl: Literal["torch", "triton"] = "torch",

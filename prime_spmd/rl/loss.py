@@ -18,10 +18,24 @@ from __future__ import annotations
 import torch
 
 from prime_spmd.config.rl_sections import LossConfig
-from prime_spmd.trainer.policy import TokenLoss
 
 
-def token_loss(
+class TokenLoss:
+    """A loss that is a sum over tokens of ``token_loss(logprob, entropy, fields)``.
+
+    ``fields`` holds per-token float tensors aligned with the targets, including ``loss_mask``
+    (1.0 where the target is trained); ``token_loss`` must be elementwise over tokens and return 0
+    where the mask is 0. ``stats`` returns summed, detached statistics of a micro-batch.
+    """
+
+    def token_loss(self, lp: torch.Tensor, ent: torch.Tensor, fields: dict[str, torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def stats(self, lp: torch.Tensor, ent: torch.Tensor, fields: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {}
+
+
+def compute_policy_loss(
     lp: torch.Tensor, lq: torch.Tensor, adv: torch.Tensor, cfg: LossConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token loss [L] and the bool mask of masked/clipped tokens [L] (fp32 inputs)."""
@@ -52,14 +66,14 @@ class RLLoss(TokenLoss):
         self.cfg = cfg
 
     def token_loss(self, lp: torch.Tensor, ent: torch.Tensor, fields: dict[str, torch.Tensor]) -> torch.Tensor:
-        per_tok, _ = token_loss(
+        per_tok, _ = compute_policy_loss(
             lp, _field(fields, "inference_logprobs", lp), _field(fields, "advantages", lp), self.cfg
         )
         return per_tok * fields["loss_mask"]
 
     def stats(self, lp: torch.Tensor, ent: torch.Tensor, fields: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         m, lq = fields["loss_mask"], _field(fields, "inference_logprobs", lp)
-        _, masked = token_loss(lp, lq, _field(fields, "advantages", lp), self.cfg)
+        _, masked = compute_policy_loss(lp, lq, _field(fields, "advantages", lp), self.cfg)
         # float64: exp(d) - d - 1 cancels catastrophically in fp32 for |d| ~ 1e-6 (it went negative)
         d = (lp - lq).clamp(-self.cfg.max_log_ratio, self.cfg.max_log_ratio).double()
         return {

@@ -24,6 +24,7 @@ from torch import nn
 
 from prime_spmd.log import logger
 from prime_spmd.models.common.moe import load_balance_loss
+from prime_spmd.rl.loss import TokenLoss
 from prime_spmd.trainer.packing import row_layout
 
 # transformers MoE types whose router is a softmax top-k over router logits (our load_balance_loss applies)
@@ -220,21 +221,6 @@ class PolicyModel(nn.Module):
             # inside the FSDP root's forward, so the router grads take the same hooks as the main loss's
             loss_sum = loss_sum + self.router_aux_coef * fields["loss_mask"].sum() * aux
         return loss_sum, lp, ent
-
-
-class TokenLoss:
-    """A loss that is a sum over tokens of ``token_loss(logprob, entropy, fields)``.
-
-    ``fields`` holds per-token float tensors aligned with the targets, including ``loss_mask``
-    (1.0 where the target is trained); ``token_loss`` must be elementwise over tokens and return 0
-    where the mask is 0. ``stats`` returns summed, detached statistics of a micro-batch.
-    """
-
-    def token_loss(self, lp: torch.Tensor, ent: torch.Tensor, fields: dict[str, torch.Tensor]) -> torch.Tensor:
-        raise NotImplementedError
-
-    def stats(self, lp: torch.Tensor, ent: torch.Tensor, fields: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {}
 
 
 def resolve_loss_impl(name: str, device: torch.device) -> Literal["reference", "chunked", "triton", "fused"]:

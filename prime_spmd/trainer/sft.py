@@ -20,10 +20,10 @@ from prime_spmd.distributed.groups import init_distributed
 from prime_spmd.log import logger
 from prime_spmd.metrics import MetricsSink
 from prime_spmd.progress import Progress
+from prime_spmd.rl.loss import TokenLoss
 from prime_spmd.trainer.build import build_trainer, prepare_model_dir, set_threads, strip_prefix
 from prime_spmd.trainer.checkpoint import Checkpointer, full_state_dict, save_hf
 from prime_spmd.trainer.packing import pack
-from prime_spmd.trainer.policy import TokenLoss
 from prime_spmd.trainer.step import router_metrics, train_step
 from prime_spmd.trainer.stop import SkipGuard, StopSignal
 

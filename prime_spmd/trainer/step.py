@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from prime_spmd.distributed.fsdp import clip_grad_norm_
+from prime_spmd.rl.loss import TokenLoss
 from prime_spmd.trainer.packing import MicroBatch
-from prime_spmd.trainer.policy import TokenLoss
 
 
 def _all_reduce_sum(values: dict[str, torch.Tensor], device: torch.device) -> dict[str, float]:

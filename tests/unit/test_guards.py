@@ -22,7 +22,7 @@ from prime_spmd.config.sections import (
     SamplingConfig,
     TrainerConfig,
 )
-from prime_spmd.rl.loss import token_loss
+from prime_spmd.rl.loss import compute_policy_loss
 from prime_spmd.trainer.stop import SkipGuard
 
 
@@ -43,7 +43,7 @@ def test_importance_ratio_cannot_overflow(loss_type: str) -> None:
     lp = torch.tensor([0.0, -1e4, -0.5, -1e4, 0.0], requires_grad=True)
     lq = torch.tensor([-1e4, 0.0, -0.5, 0.0, -1e4])
     adv = torch.tensor([1.0, 1.0, -1.0, -1.0, -1.0])
-    per_tok, masked = token_loss(lp, lq, adv, cfg)
+    per_tok, masked = compute_policy_loss(lp, lq, adv, cfg)
     assert torch.isfinite(per_tok).all(), per_tok
     per_tok.sum().backward()
     assert torch.isfinite(lp.grad).all(), lp.grad

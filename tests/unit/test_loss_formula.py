@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from prime_spmd.config.rl_sections import LossConfig
-from prime_spmd.rl.loss import RLLoss, token_loss
+from prime_spmd.rl.loss import RLLoss, compute_policy_loss
 from prime_spmd.trainer.packing import Sample, dummy_microbatch, pack
 from prime_spmd.trainer.policy import PolicyModel
 from prime_spmd.trainer.step import train_step
@@ -64,7 +64,7 @@ PPO_CLAMPED = [(5.0, -1.0, False, E2), (-5.0, 1.0, False, -1 / E2)]  # -min(e^2 
 def _check(lp: torch.Tensor, lq: torch.Tensor, adv: torch.Tensor, cfg: LossConfig, rows: list[tuple]) -> None:
     """rows: (log r before the clamp, masked, pg, d pg / d lp) per token."""
     lp = lp.clone().requires_grad_(True)
-    per_tok, masked = token_loss(lp, lq, adv, cfg)
+    per_tok, masked = compute_policy_loss(lp, lq, adv, cfg)
     per_tok.sum().backward()
     want_loss, want_grad = [], []
     for log_r, _, pg, dpg in rows:
@@ -103,12 +103,12 @@ def test_kl_term_alone(loss_type: str) -> None:
     """A = 0: the loss is kl_coef (log r)^2 exactly; kl_coef = 0 and r = 1: exactly -A."""
     lp = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
     lq = torch.tensor([-1.5, -1.0, -0.5])
-    per_tok, _ = token_loss(lp, lq, torch.zeros(3), LossConfig(type=loss_type, kl_coef=0.5))
+    per_tok, _ = compute_policy_loss(lp, lq, torch.zeros(3), LossConfig(type=loss_type, kl_coef=0.5))
     per_tok.sum().backward()
     torch.testing.assert_close(per_tok, torch.tensor([0.5 * 0.25, 0.5 * 1.0, 0.0]))
     torch.testing.assert_close(lp.grad, torch.tensor([2 * 0.5 * 0.5, 2 * 0.5 * -1.0, 0.0]))
     adv = torch.tensor([1.0, -3.0, 0.25])
-    per_tok, masked = token_loss(lq.clone(), lq, adv, LossConfig(type=loss_type, kl_coef=0.0))
+    per_tok, masked = compute_policy_loss(lq.clone(), lq, adv, LossConfig(type=loss_type, kl_coef=0.0))
     assert per_tok.tolist() == [-1.0, 3.0, -0.25] and not masked.any()
 
 

@@ -8,8 +8,9 @@ import copy
 import pytest
 import torch
 
+from prime_spmd.rl.loss import TokenLoss
 from prime_spmd.trainer.packing import Sample, pack, row_layout
-from prime_spmd.trainer.policy import PolicyModel, TokenLoss
+from prime_spmd.trainer.policy import PolicyModel
 
 
 class _MeanLogprob(TokenLoss):
