@@ -35,6 +35,7 @@ import torch.distributed as dist
 from prime_spmd.config import RLJobConfig, to_json, write_resolved_config
 from prime_spmd.distributed.groups import SENDS_PER_OBJECT, DistContext, init_distributed
 from prime_spmd.distributed.topology import CONTROLLER_RANK
+from prime_spmd.distributed.weights import WeightReceiver, WeightSender
 from prime_spmd.envs.base import Environment
 from prime_spmd.envs.loader import load_environment
 from prime_spmd.inference.engine import InferenceEngine, SamplingParams
@@ -54,7 +55,6 @@ from prime_spmd.trainer.packing import pack
 from prime_spmd.trainer.rl_data import Batch, rollouts_to_samples
 from prime_spmd.trainer.step import router_metrics, train_step
 from prime_spmd.trainer.stop import SkipGuard, StopSignal
-from prime_spmd.weights import WeightReceiver, WeightSender
 
 BUFFER_FILE = "rollout_buffer.pkl"
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -33,8 +34,10 @@ from torch import nn
 from prime_spmd.distributed.fsdp import unwrapped_name
 from prime_spmd.distributed.groups import Bridge
 from prime_spmd.distributed.topology import CONTROLLER_RANK
-from prime_spmd.inference.engine import InferenceEngine
 from prime_spmd.models.lora import LoraMerger, is_adapter, lora_scale
+
+if TYPE_CHECKING:  # annotations only: distributed/ does not import inference/ at run time
+    from prime_spmd.inference.engine import InferenceEngine
 
 
 @dataclass(frozen=True, slots=True)
