@@ -1,4 +1,4 @@
-"""The rollout record that crosses from inference ranks to the controller."""
+"""The records that cross from inference ranks to the controller: a rollout, and a batch of rollout groups."""
 
 from __future__ import annotations
 
@@ -43,3 +43,13 @@ class Rollout:
             raise ValueError(f"rollout (example {self.example_id}, sample {self.sample_idx}): empty prompt_ids")
         if self.reward != self.reward:
             raise ValueError(f"rollout (example {self.example_id}, sample {self.sample_idx}): reward is NaN")
+
+
+@dataclass(kw_only=True)
+class Batch:
+    """One generated batch j as the controller holds it."""
+
+    index: int
+    groups: list[list[Rollout]]
+    gen_time_s: float = 0.0
+    info: dict[str, float] = field(default_factory=dict)

@@ -7,24 +7,22 @@ the same on every rank, so each knows the next collective:
   then per step j: [controller] take batch j (buffered or received over the data bridge),
   advantages, packing; scatter micro-batches over the trainer group; one optimizer step; if a
   later batch needs w_(j+1), send it (bucketed broadcast over the weight bridge);
-- inference ranks (``_InferenceLoop``, disjoint mode): receive weights, generate the batch the
-  schedule says, send rollouts to the controller (asynchronously), repeat;
+- inference ranks (``InferenceLoop`` in rl/inference_loop.py, disjoint mode): receive weights, generate
+  the batch the schedule says, send rollouts to the controller (asynchronously), repeat;
 - colocated mode: every rank runs the trainer loop and generates its share of each batch itself
   (weights copied in-process, rollouts gathered to the controller over the default group).
 
 Stopping on SIGTERM/SIGINT: trainer ranks agree at step j through train_step's all-reduce (an
-inference rank's signal reaches the controller through the store key ``_stop_request_key``). In
-disjoint mode the controller writes ``_go_key(j)`` ("go"/"stop") after every step that would send
-weights, and the inference ranks read it before they wait for those weights: on "stop" they flush
-their rollouts and leave. The trainer then saves w_(j+1) with batches j+1..j+k (already generated)
-and every rank returns; the job exits 0.
+inference rank's signal reaches the controller through a store key). In disjoint mode the controller
+posts "go"/"stop" after every step that would send weights, and the inference ranks read it before
+they wait for those weights: on "stop" they flush their rollouts and leave (rl/stop_go.py). The
+trainer then saves w_(j+1) with batches j+1..j+k (already generated) and every rank returns; the
+job exits 0.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import pickle
 import time
 from pathlib import Path
@@ -33,22 +31,19 @@ import torch
 import torch.distributed as dist
 
 from prime_spmd.config import RLJobConfig, to_json, write_resolved_config
-from prime_spmd.distributed.groups import SENDS_PER_OBJECT, DistContext, init_distributed
+from prime_spmd.distributed.groups import DistContext, init_distributed
 from prime_spmd.distributed.topology import CONTROLLER_RANK
-from prime_spmd.distributed.weights import WeightReceiver, WeightSender
+from prime_spmd.distributed.weights import WeightSender
 from prime_spmd.envs.base import Environment
 from prime_spmd.envs.loader import load_environment
-from prime_spmd.inference.engine import InferenceEngine, SamplingParams
+from prime_spmd.inference.engine import InferenceEngine
 from prime_spmd.log import logger
 from prime_spmd.models.loading import resolve_dtype
+from prime_spmd.rl import stop_go
+from prime_spmd.rl.generate import generate_share, merge
+from prime_spmd.rl.inference_loop import InferenceLoop
 from prime_spmd.rl.loss import make_rl_loss
-from prime_spmd.rl.schedule import (
-    batch_after_step,
-    pregenerated_batches,
-    restored_batches,
-    unreceived_batches_bound,
-    version_of_batch,
-)
+from prime_spmd.rl.schedule import batch_after_step, pregenerated_batches, restored_batches, version_of_batch
 from prime_spmd.trainer.build import build_trainer, prepare_model_dir, set_threads, strip_prefix
 from prime_spmd.trainer.checkpoint import Checkpointer, full_state_dict, latest_checkpoint, save_hf
 from prime_spmd.trainer.packing import pack
@@ -59,87 +54,10 @@ from prime_spmd.trainer.stop import SkipGuard, StopSignal
 BUFFER_FILE = "rollout_buffer.pkl"
 
 
-def sampling_params(cfg: RLJobConfig) -> SamplingParams:
-    s = cfg.sampling
-    return SamplingParams(
-        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, max_tokens=s.max_tokens
-    )
-
-
-def batch_example_ids(cfg: RLJobConfig, env: Environment, b: int, engine_index: int, num_engines: int) -> list[int]:
-    """Prompts of batch b served by one engine: a contiguous share of the batch's prompt ids."""
-    p = cfg.rollout.prompts_per_step
-    n = env.num_examples("train")
-    ids = [(b * p + i) % n for i in range(p)]
-    return ids[engine_index * p // num_engines : (engine_index + 1) * p // num_engines]
-
-
-def batch_seed(seed: int, b: int) -> int:
-    """The seed batch b's requests derive from: (run seed, batch), so a prompt revisited in a later batch
-    (the dataset wrapped around) gets new sampling noise, and a resumed run regenerates batch b exactly."""
-    digest = hashlib.blake2b(f"rl/{seed}/batch/{b}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-def generate_share(
-    cfg: RLJobConfig,
-    env: Environment,
-    engine: InferenceEngine,
-    b: int,
-    version: int,
-    engine_index: int,
-    num_engines: int,
-) -> Batch:
-    """Generate and score this engine's share of batch b with weights version ``version`` (the schedule's).
-
-    Raises ``RuntimeError`` when the engine holds another version (a weight update that did not arrive,
-    or arrived twice); every rollout carries the version the engine reported.
-    """
-    assert version == version_of_batch(b, cfg.rollout.max_async), (b, version)
-    if engine.weights_version != version:
-        raise RuntimeError(
-            f"batch {b}: the engine holds weights version {engine.weights_version}, but the schedule generates "
-            f"it with version {version} (max_async {cfg.rollout.max_async})"
-        )
-    t0 = time.perf_counter()
-    ids = batch_example_ids(cfg, env, b, engine_index, num_engines)
-    seed = batch_seed(cfg.trainer.seed, b)
-    groups = env.run_groups(engine, "train", ids, cfg.rollout.group_size, sampling_params(cfg), seed)
-    assert engine.weights_version == version, "weights changed during generation"
-    for g in groups:
-        for r in g:
-            r.policy_version = engine.weights_version
-    return Batch(index=b, groups=groups, gen_time_s=time.perf_counter() - t0)
-
-
-def merge(parts: list[Batch]) -> Batch:
-    assert len({p.index for p in parts}) == 1, [p.index for p in parts]
-    return Batch(
-        index=parts[0].index,
-        groups=[g for p in parts for g in p.groups],
-        gen_time_s=max(p.gen_time_s for p in parts),
-    )
-
-
-def _attempt() -> str:
-    # torchrun's agent store outlives a worker restart: key the per-run flags by attempt
-    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-
-
-def _go_key(j: int) -> str:
-    """Store key the controller sets after step j in disjoint mode: b"go" or b"stop"."""
-    return f"rl/{_attempt()}/go/{j}"
-
-
 def bridge_timeout_s(cfg: RLJobConfig) -> float:
     """Watchdog of the cross-role bridges: --topology.bridge_timeout_s, or (0) --topology.timeout_s plus
     1 s per --sampling.max_tokens token, since a controller waits on the bridge for a whole generation."""
     return cfg.topology.bridge_timeout_s or cfg.topology.timeout_s + 1.0 * cfg.sampling.max_tokens
-
-
-def _stop_request_key() -> str:
-    """Store key an inference rank sets when it got SIGTERM/SIGINT (the controller checks it each step)."""
-    return f"rl/{_attempt()}/stop_request"
 
 
 def _start_step(ctx: DistContext, cfg: RLJobConfig) -> int:
@@ -151,52 +69,6 @@ def _start_step(ctx: DistContext, cfg: RLJobConfig) -> int:
             logger.warning(f"--ckpt.resume: no complete checkpoint in {cfg.output_dir}/checkpoints; starting at 0")
         ctx.store.set(key, str(json.loads((latest / "state.json").read_text())["step"] if latest else 0))
     return int(ctx.store.get(key).decode())
-
-
-class _InferenceLoop:
-    """Disjoint-mode inference rank: receive weights, generate, send rollouts (engine leader)."""
-
-    def __init__(
-        self, cfg: RLJobConfig, ctx: DistContext, env: Environment, engine: InferenceEngine, stop: StopSignal
-    ) -> None:
-        self.cfg, self.ctx, self.env, self.engine, self.stop = cfg, ctx, env, engine, stop
-        self.stop_posted = False
-
-    def run(self, start: int) -> None:
-        cfg, ctx, topo = self.cfg, self.ctx, self.ctx.topo
-        k, n = cfg.rollout.max_async, cfg.trainer.max_steps
-        bridge = ctx.weight_bridge
-        assert bridge is not None
-        spec = bridge.broadcast_object(None, src=CONTROLLER_RANK, device=ctx.device)
-        receiver = WeightReceiver(spec, cfg.inference.weight_bucket_mb << 20, self.engine, ctx.device)
-        receiver.recv(bridge)  # w_start
-        for b in pregenerated_batches(start, k, n):
-            self._generate_and_send(b, version_of_batch(b, k))
-        for j in range(start, n):
-            b = batch_after_step(j, k, n)
-            if b is None:
-                continue
-            if self.stop.requested and not self.stop_posted:
-                ctx.store.set(_stop_request_key(), "1")
-                self.stop_posted = True
-            if ctx.store.get(_go_key(j)) == b"stop":  # blocks until the controller finished step j
-                logger.info(f"[rank {topo.rank}] the controller stopped the run after step {j}; leaving")
-                break
-            receiver.recv(bridge)  # w_(j+1)
-            self._generate_and_send(b, j + 1)
-        if ctx.data_bridge is not None:
-            ctx.data_bridge.wait_sends()
-
-    def _generate_and_send(self, b: int, version: int) -> None:
-        topo = self.ctx.topo
-        batch = generate_share(self.cfg, self.env, self.engine, b, version, topo.engine_index, topo.num_engines)
-        if topo.is_engine_leader:
-            bridge = self.ctx.data_bridge
-            assert bridge is not None
-            bridge.isend_object(batch, dst=CONTROLLER_RANK)
-            # Release the batches the controller has certainly received (waiting on them returns at
-            # once), so host memory stays flat over the run instead of holding every batch sent.
-            bridge.wait_sends(keep_newest=SENDS_PER_OBJECT * unreceived_batches_bound(self.cfg.rollout.max_async))
 
 
 class _TrainerLoop:
@@ -303,9 +175,26 @@ class _TrainerLoop:
         return last
 
     def step(self, j: int) -> dict[str, float]:
-        cfg, topo = self.cfg, self.topo
-        k, n = cfg.rollout.max_async, cfg.trainer.max_steps
+        """Training step j on every trainer rank, in four phases; returns the metrics (controller; {} elsewhere)."""
         t_step = time.perf_counter()
+        mine, bm, wait_s, forward_tokens = self._take_batch_phase(j)
+        stats, train_s = self._train_phase(j, mine)
+        sync_wait_s, sync_s, gen_s = self._after_step_phase(j, stats)
+        if not self.topo.is_controller:
+            return {}
+        timings = {
+            "train_time_s": train_s,
+            "weight_sync_s": sync_s,
+            "weight_sync_wait_s": sync_wait_s,
+            "wait_s": wait_s,
+            "step_time_s": time.perf_counter() - t_step,
+        }
+        return self._metrics_phase(j, stats, bm, timings, forward_tokens, gen_s)
+
+    def _take_batch_phase(self, j: int) -> tuple[list, dict[str, float], float, int]:
+        """The controller takes batch j, computes advantages and packs it; every trainer rank gets its
+        micro-batches (scatter over the trainer group). Returns (mine, batch metrics, wait s, forward tokens)."""
+        cfg, topo = self.cfg, self.topo
         per_rank, bm, wait, forward_tokens = None, {}, 0.0, 0
         if topo.is_controller:
             batch, wait = self.take_batch(j)
@@ -318,15 +207,20 @@ class _TrainerLoop:
             forward_tokens = sum(mb.num_tokens for mbs in per_rank for mb in mbs)
         mine = [None]
         dist.scatter_object_list(mine, per_rank, src=CONTROLLER_RANK)
+        return mine[0], bm, wait, forward_tokens  # type: ignore[return-value]
+
+    def _train_phase(self, j: int, micro_batches: list) -> tuple[dict[str, float], float]:
+        """One optimizer step (all trainer ranks); its all-reduce also agrees on a stop. Returns (stats, s)."""
+        cfg, n = self.cfg, self.cfg.trainer.max_steps
         stop_requested = self.stop.requested
-        if topo.is_controller and not self.colocated:
-            stop_requested = stop_requested or self.ctx.store.check([_stop_request_key()])
+        if self.topo.is_controller and not self.colocated:
+            stop_requested = stop_requested or stop_go.stop_was_requested(self.ctx.store)
         t_train = time.perf_counter()
         stats = train_step(
             self.parts.policy,
             self.parts.optimizer,
             self.parts.scheduler,
-            mine[0],
+            micro_batches,
             self.loss_fn,
             device=self.ctx.device,
             temperature=max(cfg.sampling.temperature, 1e-6) if cfg.sampling.temperature > 0 else 1.0,
@@ -334,24 +228,40 @@ class _TrainerLoop:
             stop_requested=stop_requested,
         )
         self.stop_agreed = stats["stop"] > 0 and j + 1 < n
-        train_s = time.perf_counter() - t_train
+        return stats, time.perf_counter() - t_train
+
+    def _after_step_phase(self, j: int, stats: dict[str, float]) -> tuple[float, float, float]:
+        """After step j: the non-finite guard, the go/stop decision for the inference ranks (disjoint mode),
+        then, when the schedule generates a batch with w_(j+1) and nobody stops, the weight sync (and, in
+        colocated mode, generating that batch). Returns (sync wait s, sync s, generation s)."""
+        k, n = self.cfg.rollout.max_async, self.cfg.trainer.max_steps
         sync_wait_s, sync_s, gen_s = 0.0, 0.0, 0.0
         b = batch_after_step(j, k, n)
         try:
             self.guard.update(j, stats["nonfinite"] > 0)
         finally:  # on a guard failure too, the inference ranks leave instead of waiting for weights
-            if b is not None and topo.is_controller and not self.colocated:
+            if b is not None and self.topo.is_controller and not self.colocated:
                 failed = self.guard.max_skipped_steps and self.guard.in_a_row >= self.guard.max_skipped_steps
-                self.ctx.store.set(_go_key(j), "stop" if self.stop_agreed or failed else "go")
+                stop_go.post_go(self.ctx.store, j, go=not (self.stop_agreed or failed))
         if b is not None and not self.stop_agreed:
             sync_wait_s, sync_s = self.sync_weights(j + 1)
             if self.colocated:
                 t0 = time.perf_counter()
                 self.generate_colocated(b, j + 1)
                 gen_s = time.perf_counter() - t0
-        if not topo.is_controller:
-            return {}
-        step_s = time.perf_counter() - t_step
+        return sync_wait_s, sync_s, gen_s
+
+    def _metrics_phase(
+        self,
+        j: int,
+        stats: dict[str, float],
+        bm: dict[str, float],
+        timings: dict[str, float],
+        forward_tokens: int,
+        gen_s: float,
+    ) -> dict[str, float]:
+        """Controller: step j's metrics, logged to the sink when it is due; returns them."""
+        n = self.cfg.trainer.max_steps
         tokens = max(stats.get("tokens", 0.0), 1.0)
         m = {
             **bm,
@@ -366,12 +276,8 @@ class _TrainerLoop:
             "skipped_steps": stats["skipped"],
             "nonfinite_steps": stats["nonfinite"],
             "empty_batch": stats["empty_batch"],
-            "train_time_s": train_s,
-            "weight_sync_s": sync_s,
-            "weight_sync_wait_s": sync_wait_s,
-            "wait_s": wait,
-            "step_time_s": step_s,
-            "gen_tokens_per_s": bm["generated_tokens"] / step_s,
+            **timings,
+            "gen_tokens_per_s": bm["generated_tokens"] / timings["step_time_s"],
             **router_metrics(stats),
         }
         if self.colocated:
@@ -452,7 +358,7 @@ def _run_rl(cfg: RLJobConfig, stop: StopSignal) -> dict[str, float]:
         result = _TrainerLoop(cfg, ctx, env, engine, stop).run(start)
     else:
         assert engine is not None
-        _InferenceLoop(cfg, ctx, env, engine, stop).run(start)
+        InferenceLoop(cfg, ctx, env, engine, stop).run(start)
     if engine is not None and hasattr(engine, "close"):
         engine.close()  # vLLM: its teardown needs the process groups that ctx.close destroys
     ctx.close()

@@ -3,22 +3,11 @@
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
 
 from prime_spmd.config.rl_sections import RolloutConfig
 from prime_spmd.rl.advantages import compute_advantages
-from prime_spmd.rl.types import Rollout
+from prime_spmd.rl.types import Batch, Rollout
 from prime_spmd.trainer.packing import Sample
-
-
-@dataclass(kw_only=True)
-class Batch:
-    """One generated batch j as the controller holds it."""
-
-    index: int
-    groups: list[list[Rollout]]
-    gen_time_s: float = 0.0
-    info: dict[str, float] = field(default_factory=dict)
 
 
 def is_failed(r: Rollout) -> bool:

@@ -138,9 +138,9 @@ def test_hung_inference_rank_times_out_and_ends_every_agent(tmp_path: Path) -> N
 def _install_fault_hook() -> None:
     if int(os.environ.get("RANK", "0")) != int(os.environ["FAULT_RANK"]):
         return
-    from prime_spmd.trainer import rl
+    from prime_spmd.rl import inference_loop
 
-    batch, original = int(os.environ["FAULT_BATCH"]), rl._InferenceLoop._generate_and_send
+    batch, original = int(os.environ["FAULT_BATCH"]), inference_loop.InferenceLoop._generate_and_send
 
     def generate_or_hang(self, b: int, version: int) -> None:
         if b == batch:
@@ -149,7 +149,7 @@ def _install_fault_hook() -> None:
                 time.sleep(60)
         original(self, b, version)
 
-    rl._InferenceLoop._generate_and_send = generate_or_hang
+    inference_loop.InferenceLoop._generate_and_send = generate_or_hang
 
 
 if __name__ == "__main__":

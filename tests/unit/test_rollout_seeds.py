@@ -15,7 +15,7 @@ from prime_spmd.config.sections import EnvConfig, SamplingConfig
 from prime_spmd.envs.loader import load_environment
 from prime_spmd.inference.native import NativeEngine
 from prime_spmd.models.tiny import build_tiny_model
-from prime_spmd.trainer.rl import batch_example_ids, generate_share
+from prime_spmd.rl.generate import batch_example_ids, generate_share
 
 
 def test_revisited_prompt_gets_new_noise_and_same_batch_repeats(tmp_path) -> None:

@@ -19,6 +19,7 @@ from prime_spmd.config.sections import SamplingConfig, TopologyConfig
 from prime_spmd.distributed.groups import Bridge
 from prime_spmd.distributed.weights import WeightReceiver, WeightSender
 from prime_spmd.inference.engine import InferenceEngine
+from prime_spmd.rl.generate import generate_share
 from prime_spmd.rl.types import Rollout
 from prime_spmd.trainer import rl as rl_loop
 
@@ -108,11 +109,11 @@ def test_generation_checks_the_engine_version_against_the_schedule() -> None:
     cfg.rollout.prompts_per_step, cfg.rollout.max_async = 2, 1
     engine = _Engine()
     engine.weights_version = 2
-    batch = rl_loop.generate_share(cfg, _Env(), engine, b=3, version=2, engine_index=0, num_engines=1)
+    batch = generate_share(cfg, _Env(), engine, b=3, version=2, engine_index=0, num_engines=1)
     assert {r.policy_version for g in batch.groups for r in g} == {2}
     engine.weights_version = 1  # e.g. a weight update that never arrived
     with pytest.raises(RuntimeError, match=r"batch 3.*weights version 1.*schedule.*2"):
-        rl_loop.generate_share(cfg, _Env(), engine, b=3, version=2, engine_index=0, num_engines=1)
+        generate_share(cfg, _Env(), engine, b=3, version=2, engine_index=0, num_engines=1)
 
 
 def test_sync_time_waits_for_the_device(monkeypatch) -> None:
