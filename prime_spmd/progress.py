@@ -6,6 +6,9 @@ import re
 import sys
 import time
 
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+from rich.progress import Progress as RichProgress
+
 _CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
@@ -34,9 +37,6 @@ class Progress:
         self._printed_n = 0
         self._rich = None
         if enabled and sys.stderr.isatty():
-            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
-            from rich.progress import Progress as RichProgress
-
             self._rich = RichProgress(
                 TextColumn("{task.description}"),
                 BarColumn(),

@@ -14,6 +14,8 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
+import tyro
+
 T = TypeVar("T")
 
 
@@ -118,8 +120,6 @@ def parse_cli(cls: type[T], argv: list[str], prog: str) -> T:
 
     Runs ``validate()`` (cross-section rules) on the result. Raises ``ValueError`` for bad TOML.
     """
-    import tyro
-
     path = _config_path(argv)
     default = load_toml(cls, path) if path else None
     cfg = tyro.cli(cls, default=default, args=argv, prog=prog, use_underscores=True)

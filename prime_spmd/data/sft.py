@@ -16,6 +16,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
+
 from prime_spmd.config.sections import DataConfig
 from prime_spmd.data.reverse_text import example_rng, reverse_text_example
 from prime_spmd.log import logger
@@ -91,7 +93,6 @@ def read_rows(path: str, source: str) -> list[Any]:
             except json.JSONDecodeError as e:
                 rows.append(ValueError(f"line {i + 1} is not valid JSON: {e}"))
         return rows
-    import pyarrow.parquet as pq
 
     return pq.read_table(p).to_pylist()
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -79,8 +80,6 @@ def unwrapped_name(name: str) -> str:
 
 def apply_activation_checkpointing(blocks: list[nn.Module], parent_lists: list[nn.ModuleList]) -> None:
     """Wrap every transformer block so its activations are recomputed in the backward."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
     for layers in parent_lists:
         for i, block in enumerate(list(layers)):
             layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)

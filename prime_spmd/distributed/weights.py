@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from prime_spmd.distributed.fsdp import unwrapped_name
 from prime_spmd.distributed.groups import Bridge
@@ -139,8 +140,6 @@ def _full(p: torch.Tensor) -> torch.Tensor:
 
 def _dim0_mesh(p: torch.Tensor):
     """The 1-D mesh of a DTensor sharded ``Shard(0)`` on it (what FSDP2 makes of a dense parameter), else None."""
-    from torch.distributed.tensor import DTensor, Shard
-
     if isinstance(p, DTensor) and p.device_mesh.ndim == 1 and tuple(p.placements) == (Shard(0),) and p.ndim >= 1:
         return p.device_mesh
     return None

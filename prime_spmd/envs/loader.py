@@ -16,6 +16,7 @@ from typing import Literal
 
 from prime_spmd.config.sections import EnvConfig
 from prime_spmd.envs.base import Environment
+from prime_spmd.envs.reverse_text import ReverseTextEnv
 
 BUILTINS = ("reverse_text",)
 
@@ -33,8 +34,6 @@ def verifiers_api() -> tuple[Literal["classic", "v1"] | None, str]:
 def load_environment(cfg: EnvConfig) -> Environment:
     """The built-in environment named ``cfg.name``, else the verifiers environment of that id."""
     if cfg.name == "reverse_text":
-        from prime_spmd.envs.reverse_text import ReverseTextEnv
-
         return ReverseTextEnv(seed=cfg.seed, num_eval_examples=cfg.num_eval_examples, args=cfg.args)
     api, installed = verifiers_api()
     if api is None:

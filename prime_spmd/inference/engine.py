@@ -23,6 +23,8 @@ from typing import Any, Literal
 
 import torch
 
+from prime_spmd.progress import Progress
+
 
 @dataclass(kw_only=True, slots=True)
 class SamplingParams:
@@ -136,8 +138,6 @@ def render_chat_ids(tokenizer: Any, messages: list[dict], tools: list[dict] | No
 
 class _progress:
     def __init__(self, total: int) -> None:
-        from prime_spmd.progress import Progress
-
         self._p = Progress(total=total, desc="generate")
 
     def advance(self) -> None:

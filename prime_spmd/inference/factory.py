@@ -6,6 +6,8 @@ import torch
 
 from prime_spmd.config.sections import InferenceConfig, ModelConfig
 from prime_spmd.inference.engine import InferenceEngine
+from prime_spmd.inference.native import NativeEngine
+from prime_spmd.models.loading import load_model, load_tokenizer, resolve_dtype
 
 
 def build_engine(
@@ -32,9 +34,6 @@ def build_engine(
         return build_vllm_engine(model_cfg, inference_cfg, device=device, tp=tp, seed=seed, max_model_len=max_len)
     if tp != 1:
         raise ValueError(f"--topology.engine_tp={tp} needs --inference.engine=vllm (the native engine runs tp 1)")
-    from prime_spmd.inference.native import NativeEngine
-    from prime_spmd.models.loading import load_model, load_tokenizer, resolve_dtype
-
     dtype = resolve_dtype(model_cfg.dtype, device)
     model = load_model(model_cfg, device, dtype)
     return NativeEngine(

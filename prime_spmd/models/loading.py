@@ -8,9 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from prime_spmd.config.sections import ModelConfig
 from prime_spmd.log import logger
+from prime_spmd.models import registry
+from prime_spmd.models.tiny import build_tiny_model
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -50,7 +53,6 @@ def maybe_build_tiny(cfg: ModelConfig, seed: int) -> None:
     if (p / "config.json").is_file():
         logger.info(f"model.init_tiny={cfg.init_tiny}: {p} already holds a model, loading it")
         return
-    from prime_spmd.models.tiny import build_tiny_model
 
     logger.info(f"model.init_tiny={cfg.init_tiny}: writing a random-init model to {p}")
     build_tiny_model(p, preset=cfg.init_tiny, seed=seed)
@@ -58,8 +60,6 @@ def maybe_build_tiny(cfg: ModelConfig, seed: int) -> None:
 
 def load_tokenizer(cfg: ModelConfig):
     """Load the tokenizer of ``--model.tokenizer_path`` (or ``--model.path``); pad token set."""
-    from transformers import AutoTokenizer
-
     path = cfg.tokenizer_path or cfg.path
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
@@ -74,12 +74,8 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype | None
     """Load the causal LM of ``cfg`` onto ``device``: custom code where registered (impl auto/custom), else HF."""
     check_model_dir(cfg.path)
     dtype = dtype or resolve_dtype(cfg.dtype, device)
-    from prime_spmd.models import registry
-
     if registry.use_custom(cfg):
         return registry.load_custom(cfg.path, device=device, dtype=dtype)
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(
         cfg.path,
         dtype=dtype,

@@ -29,9 +29,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from prime_spmd.config.sections import LoraConfig
+from prime_spmd.distributed.fsdp import unwrapped_name
 from prime_spmd.log import logger
 
 PEFT_PREFIX = "base_model.model."
@@ -107,8 +109,6 @@ def apply_lora(lm: nn.Module, cfg: LoraConfig, seed: int = 0, base_model: str = 
 
 def lora_modules(lm: nn.Module) -> dict[str, LoraLinear]:
     """The ``LoraLinear`` modules of ``lm`` by module name (activation-checkpoint segments removed)."""
-    from prime_spmd.distributed.fsdp import unwrapped_name
-
     return {unwrapped_name(n): m for n, m in lm.named_modules() if isinstance(m, LoraLinear)}
 
 
@@ -182,8 +182,6 @@ def peft_config(cfg: LoraConfig, base_model: str) -> dict:
 def save_adapter(state: dict[str, torch.Tensor], cfg: LoraConfig, base_model: str, out_dir: str | Path) -> Path:
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (PEFT layout) from a full state dict
     with the LM's own names; only the adapters are written. Call on one rank only."""
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().cpu().clone().contiguous() for k, v in to_peft(state).items()}
@@ -195,8 +193,6 @@ def save_adapter(state: dict[str, torch.Tensor], cfg: LoraConfig, base_model: st
 
 def load_adapter(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(adapter_config.json as a dict, adapter tensors under our names) of a PEFT adapter directory."""
-    from safetensors.torch import load_file
-
     p = Path(path)
     config = json.loads((p / "adapter_config.json").read_text())
     return config, from_peft(load_file(str(p / "adapter_model.safetensors")))

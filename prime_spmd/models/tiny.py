@@ -10,6 +10,8 @@ import string
 from pathlib import Path
 
 import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
 
 SPECIAL_TOKENS = ["<|pad|>", "<|unk|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHARS = list(string.printable[:95]) + ["\n"]  # digits, letters, punctuation, space, then newline
@@ -28,9 +30,6 @@ PRESETS: dict[str, tuple[int, int, int, int, int, int]] = {
 
 def build_char_tokenizer():
     """A character-level fast tokenizer with Qwen-style chat special tokens and a chat template."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|unk|>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
@@ -49,8 +48,6 @@ def build_char_tokenizer():
 
 def tiny_qwen3_config(preset: str, vocab_size: int, max_position_embeddings: int = 2048, **overrides):
     """A ``Qwen3Config`` of the named preset (see PRESETS)."""
-    from transformers import Qwen3Config
-
     if preset not in PRESETS:
         raise ValueError(f"unknown tiny preset {preset!r}; choose one of {sorted(PRESETS)}")
     hidden, layers, heads, kv_heads, head_dim, inter = PRESETS[preset]
@@ -78,8 +75,6 @@ def build_tiny_model(path: str | Path, preset: str = "qwen3-nano", seed: int = 0
 
     Deterministic for a given (preset, seed, overrides).
     """
-    from transformers import AutoModelForCausalLM
-
     path = Path(path)
     tokenizer = build_char_tokenizer()
     overrides.setdefault("vocab_size", len(tokenizer))  # a larger vocab (benchmark shapes) is allowed

@@ -14,6 +14,7 @@ from prime_spmd.distributed.fsdp import parallelize, unwrapped_name
 from prime_spmd.distributed.groups import DistContext
 from prime_spmd.distributed.mesh import build_trainer_mesh
 from prime_spmd.log import logger
+from prime_spmd.models.common.attention import flash_attn_varlen_func
 from prime_spmd.models.loading import load_model, load_tokenizer, maybe_build_tiny, resolve_dtype
 from prime_spmd.models.lora import apply_lora
 from prime_spmd.trainer.optim import build_optimizer, build_scheduler
@@ -55,7 +56,6 @@ def varlen_attention(model_cfg: ModelConfig, device: torch.device) -> bool:
     documents into padded rows (``PolicyModel.unpack_documents``)."""
     if model_cfg.attn_implementation == "flash_attention_2":
         return True
-    from prime_spmd.models.common.attention import flash_attn_varlen_func
 
     return device.type == "cuda" and flash_attn_varlen_func is not None
 

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -35,8 +36,11 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+from transformers import AutoModelForCausalLM
 
+from prime_spmd.distributed.fsdp import unwrapped_name
 from prime_spmd.log import logger
+from prime_spmd.models.lora import is_adapter, lora_modules, lora_scale, merge_state_dict, save_adapter
 
 
 def _has_frozen(model: nn.Module) -> bool:
@@ -52,8 +56,6 @@ def _options(model: nn.Module) -> StateDictOptions:
 def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """``get_state_dict`` without frozen parameters; tied aliases of a frozen parameter (a tied LM head)
     are dropped too, which ``ignore_frozen_params`` alone keeps (torch 2.13)."""
-    from prime_spmd.distributed.fsdp import unwrapped_name
-
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
     frozen = {unwrapped_name(n) for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     return {k: v for k, v in model_sd.items() if k not in frozen}, optim_sd
@@ -183,9 +185,6 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def _save_adapter_if_lora(model: nn.Module, out_dir: Path, rank: int) -> None:
     """LoRA: gather the adapters (collective over the trainer role: every trainer rank calls it) and
     write them in PEFT's layout on trainer rank 0. Does nothing without LoRA."""
-    from prime_spmd.distributed.fsdp import unwrapped_name
-    from prime_spmd.models.lora import lora_modules, save_adapter
-
     lm = getattr(model, "lm", model)
     if not lora_modules(lm):
         return
@@ -202,8 +201,6 @@ def save_hf(lm: nn.Module, state_dict: dict[str, torch.Tensor], out_dir: str | P
     LoRA (adapters in ``state_dict``): the merged model goes to ``out_dir`` and the adapters, in
     PEFT's layout, to ``<out_dir>/../adapter``. Call on one rank only.
     """
-    from prime_spmd.models.lora import is_adapter, lora_scale, merge_state_dict, save_adapter
-
     if any(is_adapter(k) for k in state_dict):
         save_adapter(state_dict, lm.lora_config, lm.lora_base_model, Path(out_dir).with_name("adapter"))
         state_dict = merge_state_dict(state_dict, lora_scale(lm))
@@ -211,8 +208,6 @@ def save_hf(lm: nn.Module, state_dict: dict[str, torch.Tensor], out_dir: str | P
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     if hasattr(lm, "hf_config"):  # our own model code: HF names via the family's mapping (experts split)
-        from safetensors.torch import save_file
-
         from prime_spmd.models.qwen3.hf import to_hf
 
         tmp.mkdir(parents=True)
@@ -222,8 +217,6 @@ def save_hf(lm: nn.Module, state_dict: dict[str, torch.Tensor], out_dir: str | P
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(lm.hf_config, indent=2))
     else:
-        from transformers import AutoModelForCausalLM
-
         with torch.device("meta"):
             fresh = AutoModelForCausalLM.from_config(lm.config)
         fresh.load_state_dict(state_dict, strict=False, assign=True)
