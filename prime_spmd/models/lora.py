@@ -17,7 +17,8 @@ Supported targets: any ``nn.Linear`` whose module name ends with a target (``q_p
 are not linear modules and are never adapted; transformers models whose experts are ``nn.Linear``
 modules are adapted like any other linear layer.
 
-Legend: N tokens (any leading dims), I in features, O out features, R rank.
+Legend (docs/conventions.md; local letters of this file: I in features, O out features, R rank): T tokens (any
+leading dims).
 """
 
 from __future__ import annotations
@@ -64,9 +65,9 @@ class LoraLinear(nn.Linear):
             self.lora_B.weight.zero_()
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
-    def forward(self, x_NI: torch.Tensor) -> torch.Tensor:
-        y_NO = F.linear(x_NI, self.weight, self.bias)
-        return y_NO + self.scale * self.lora_B(self.lora_A(self.lora_dropout(x_NI)))
+    def forward(self, x_TI: torch.Tensor) -> torch.Tensor:
+        y_TO = F.linear(x_TI, self.weight, self.bias)
+        return y_TO + self.scale * self.lora_B(self.lora_A(self.lora_dropout(x_TI)))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.rank}, alpha={self.alpha}"

@@ -2,7 +2,8 @@
 
 Wrapping the LM keeps the LM-head weight inside the root module's forward, so FSDP2 gathers it
 before the fused logprob computation reads it (calling the decoder directly would bypass the
-root's hooks). Legend: L = packed tokens, H = hidden size, V = vocabulary, E = experts.
+root's hooks). Legend (docs/conventions.md): B batch, T tokens (packed), D hidden, V vocab, E experts,
+L layers, S rows.
 
 MoE models: the router load-balance loss (``models/common/moe.py: load_balance_loss``, mean over MoE
 layers) of each micro-batch is added to its loss sum as ``coef * trained_tokens * aux``, i.e. every
@@ -54,7 +55,7 @@ def lm_head_weight(lm: nn.Module) -> torch.Tensor:
 
 
 def forward_hidden(lm: nn.Module, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor) -> torch.Tensor:
-    """Final hidden states [B, T, H] (after the final norm), without computing logits."""
+    """Final hidden states [B, T, D] (after the final norm), without computing logits."""
     if hasattr(lm, "forward_hidden"):
         return lm.forward_hidden(input_ids_BT, position_ids_BT)
     decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
@@ -113,13 +114,13 @@ class RouterStats:
 def forward_hidden_routed(
     lm: nn.Module, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(final hidden states [B, T, H], load-balance loss with grad, tokens per expert [layers, E]);
+    """(final hidden states [B, T, D], load-balance loss with grad, tokens per expert [layers, E]);
     the last two are None unless ``has_router_aux(lm)``."""
     if not has_router_aux(lm):
         return forward_hidden(lm, input_ids_BT, position_ids_BT), None, None
     if hasattr(lm, "forward_hidden"):
-        hidden_BTH = lm.forward_hidden(input_ids_BT, position_ids_BT)
-        return hidden_BTH, lm.aux_loss(), lm.tokens_per_expert()
+        hidden_BTD = lm.forward_hidden(input_ids_BT, position_ids_BT)
+        return hidden_BTD, lm.aux_loss(), lm.tokens_per_expert()
     decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
     out = decoder(input_ids=input_ids_BT, position_ids=position_ids_BT, use_cache=False, output_router_logits=True)
     losses, counts = [], []
@@ -172,49 +173,49 @@ class PolicyModel(nn.Module):
     def hidden(
         self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """(final hidden states [B*T, H] in input order, router aux loss, tokens per expert): see
+        """(final hidden states [B*T, D] in input order, router aux loss, tokens per expert): see
         ``forward_hidden_routed``; one packed row ([1, L]) goes through ``RowLayout`` when unpacking."""
         layout = None
         if self.unpack_documents and input_ids_BT.shape[0] == 1:
             layout = row_layout(position_ids_BT)
         if layout is None:
-            hidden_BTH, aux, counts_LE = forward_hidden_routed(self.lm, input_ids_BT, position_ids_BT)
-            return hidden_BTH.reshape(-1, hidden_BTH.shape[-1]), aux, counts_LE
-        hidden_STH, aux, counts_LE = forward_hidden_routed(
+            hidden_BTD, aux, counts_LE = forward_hidden_routed(self.lm, input_ids_BT, position_ids_BT)
+            return hidden_BTD.reshape(-1, hidden_BTD.shape[-1]), aux, counts_LE
+        hidden_STD, aux, counts_LE = forward_hidden_routed(
             self.lm, layout.to_rows(input_ids_BT), layout.position_ids_ST
         )
-        return layout.from_rows(hidden_STH), aux, counts_LE
+        return layout.from_rows(hidden_STD), aux, counts_LE
 
     def logprobs(
-        self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, targets_N: torch.Tensor, temperature: float
+        self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, targets_T: torch.Tensor, temperature: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Differentiable per-token (logprob, entropy) [L] fp32 (impls reference/chunked/triton)."""
-        hidden_NH, _, _ = self.hidden(input_ids_BT, position_ids_BT)
+        hidden_TD, _, _ = self.hidden(input_ids_BT, position_ids_BT)
         from kernels.lm_logprob.op import lm_head_logprobs
 
         impl = "triton" if self.loss_impl == "fused" else self.loss_impl
-        return lm_head_logprobs(hidden_NH, lm_head_weight(self.lm), targets_N, temperature=temperature, impl=impl)
+        return lm_head_logprobs(hidden_TD, lm_head_weight(self.lm), targets_T, temperature=temperature, impl=impl)
 
     def forward(
         self,
         input_ids_BT: torch.Tensor,
         position_ids_BT: torch.Tensor,
-        targets_N: torch.Tensor,
+        targets_T: torch.Tensor,
         temperature: float,
         loss: TokenLoss,
         fields: dict[str, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         from kernels.lm_logprob.op import fused_lm_head_loss, lm_head_logprobs
 
-        hidden_NH, aux, counts_LE = self.hidden(input_ids_BT, position_ids_BT)
-        weight_VH = lm_head_weight(self.lm)
+        hidden_TD, aux, counts_LE = self.hidden(input_ids_BT, position_ids_BT)
+        weight_VD = lm_head_weight(self.lm)
         if self.loss_impl == "fused":
-            impl = "triton" if hidden_NH.is_cuda else "torch"
+            impl = "triton" if hidden_TD.is_cuda else "torch"
             loss_sum, lp, ent = fused_lm_head_loss(
-                hidden_NH, weight_VH, targets_N, temperature, loss.token_loss, fields, impl=impl
+                hidden_TD, weight_VD, targets_T, temperature, loss.token_loss, fields, impl=impl
             )
         else:
-            lp, ent = lm_head_logprobs(hidden_NH, weight_VH, targets_N, temperature=temperature, impl=self.loss_impl)
+            lp, ent = lm_head_logprobs(hidden_TD, weight_VD, targets_T, temperature=temperature, impl=self.loss_impl)
             loss_sum, lp, ent = loss.token_loss(lp, ent, fields).sum(), lp.detach(), ent.detach()
         self.last_router = None if aux is None else RouterStats(aux.detach(), counts_LE)
         if aux is not None and self.router_aux_coef > 0:
