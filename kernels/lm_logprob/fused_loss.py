@@ -4,13 +4,13 @@ during the forward, one chunk of tokens at a time (Liger's fused-linear-cross-en
 Per chunk of C tokens: logits [C, V] = h_C @ W^T (one GEMM, fp32 output), softmax stats of z = logits / T,
 logprob and entropy, then g_lp = d loss / d lp and g_ent = d loss / d ent from autograd on the [C]-sized
 per-token loss, then G = d loss / d logits [C, V] in the input dtype and two GEMMs: d h_C = G @ W and
-d W += G^T @ h_C. That is 3 GEMM passes of 2 N H V FLOPs for forward + backward; the backward only scales the
+d W += G^T @ h_C. That is 3 GEMM passes of 2 T D V FLOPs for forward + backward; the backward only scales the
 saved gradients by the upstream scalar. `op.lm_head_logprobs` needs 4 (see README.md).
 
 impl="torch": cuBLAS GEMMs + torch elementwise (runs on CPU). impl="triton": the elementwise part is two
 Triton kernels (`fused_kernel.py`), GEMMs stay in cuBLAS.
 
-Shape legend: N tokens, H hidden size, V vocabulary size, C tokens in a chunk.
+Shape legend (docs/conventions.md): T tokens, D hidden size, V vocabulary size, C tokens in a chunk.
 """
 
 import functools
@@ -25,7 +25,7 @@ from torch import Tensor
 from kernels.lm_logprob import fused_kernel
 from kernels.lm_logprob.reference import temperature_per_token
 
-# the per-token loss, e.g. a bound prime_spmd.rl.loss.TokenLoss.token_loss: (logprob, entropy, fields) -> [N]
+# the per-token loss, e.g. a bound prime_spmd.rl.loss.TokenLoss.token_loss: (logprob, entropy, fields) -> [T]
 TokenLossFn = Callable[[Tensor, Tensor, dict[str, Tensor]], Tensor]
 # Cap on C * V per chunk. Extra memory per element of C * V: torch ~14 B (two fp32 [C, V] + G; 2**29 is
 # 3456 tokens at V = 151936, ~7 GiB), triton 6 B (fp32 logits + bf16 G; 2**30 lets the default 4096-token
@@ -62,15 +62,15 @@ def _has_fp32_out_gemm(device: torch.device) -> bool:
     return True
 
 
-def logits_fp32(hidden_CH: Tensor, weight_VH: Tensor) -> Tensor:
+def logits_fp32(hidden_CD: Tensor, weight_VD: Tensor) -> Tensor:
     """[C, V] fp32 logits, products accumulated in fp32 and not rounded to bf16 (unlike `chunked.py`)."""
-    if hidden_CH.dtype == torch.float32:
-        return hidden_CH @ weight_VH.T
-    if hidden_CH.device.type != "cuda":
-        return hidden_CH.float() @ weight_VH.float().T  # CPU: bf16 products are exact in fp32
-    if _has_fp32_out_gemm(hidden_CH.device):
-        return torch.mm(hidden_CH, weight_VH.T, out_dtype=torch.float32)
-    return (hidden_CH @ weight_VH.T).float()
+    if hidden_CD.dtype == torch.float32:
+        return hidden_CD @ weight_VD.T
+    if hidden_CD.device.type != "cuda":
+        return hidden_CD.float() @ weight_VD.float().T  # CPU: bf16 products are exact in fp32
+    if _has_fp32_out_gemm(hidden_CD.device):
+        return torch.mm(hidden_CD, weight_VD.T, out_dtype=torch.float32)
+    return (hidden_CD @ weight_VD.T).float()
 
 
 def token_loss_grads(
@@ -113,32 +113,32 @@ def _grad_logits_torch(z_CV, targets_C, temperature_C, lse_C, expected_z_C, grad
     return grad_CV.div_(temperature_C[:, None]).to(dtype)
 
 
-def _run_chunks(hidden_NH, weight_VH, targets_N, temperature_N, token_loss, fields, chunk, impl, need_gh, need_gw):
-    """The chunk loop: (loss_sum fp32 scalar, lp [N], ent [N], d hidden or None, d weight or None)."""
-    num_tokens = hidden_NH.shape[0]
+def _run_chunks(hidden_TD, weight_VD, targets_T, temperature_T, token_loss, fields, chunk, impl, need_gh, need_gw):
+    """The chunk loop: (loss_sum fp32 scalar, lp [T], ent [T], d hidden or None, d weight or None)."""
+    num_tokens = hidden_TD.shape[0]
     alloc = fused_kernel.empty_buffer
-    logprob_N = alloc((num_tokens,), hidden_NH, torch.float32)
-    entropy_N = alloc((num_tokens,), hidden_NH, torch.float32)
-    grad_hidden_NH = alloc(tuple(hidden_NH.shape), hidden_NH, hidden_NH.dtype) if need_gh else None
-    grad_weight_VH = alloc(tuple(weight_VH.shape), weight_VH, weight_VH.dtype) if need_gw else None
-    loss_sum = torch.zeros((), device=hidden_NH.device, dtype=torch.float32)
+    logprob_T = alloc((num_tokens,), hidden_TD, torch.float32)
+    entropy_T = alloc((num_tokens,), hidden_TD, torch.float32)
+    grad_hidden_TD = alloc(tuple(hidden_TD.shape), hidden_TD, hidden_TD.dtype) if need_gh else None
+    grad_weight_VD = alloc(tuple(weight_VD.shape), weight_VD, weight_VD.dtype) if need_gw else None
+    loss_sum = torch.zeros((), device=hidden_TD.device, dtype=torch.float32)
     if need_gw and num_tokens == 0:
-        grad_weight_VH.zero_()
+        grad_weight_VD.zero_()
     for start in range(0, num_tokens, chunk):
         end = min(start + chunk, num_tokens)
-        h_CH, tgt_C, temp_C = hidden_NH[start:end], targets_N[start:end], temperature_N[start:end]
-        logits_CV, z_CV = logits_fp32(h_CH, weight_VH), None
+        h_CD, tgt_C, temp_C = hidden_TD[start:end], targets_T[start:end], temperature_T[start:end]
+        logits_CV, z_CV = logits_fp32(h_CD, weight_VD), None
         if impl == "triton":
             lse_C, expected_z_C = fused_kernel.softmax_stats(logits_CV, temp_C)
             z_target_C = logits_CV.gather(1, tgt_C[:, None]).squeeze(1) / temp_C
         else:
             z_CV, lse_C, expected_z_C = _stats_torch(logits_CV, temp_C)
             z_target_C = z_CV.gather(1, tgt_C[:, None]).squeeze(1)
-        logprob_N[start:end] = z_target_C - lse_C
-        entropy_N[start:end] = lse_C - expected_z_C
+        logprob_T[start:end] = z_target_C - lse_C
+        entropy_T[start:end] = lse_C - expected_z_C
         fields_C = {k: v[start:end] for k, v in fields.items()}
         loss_C, g_lp, g_ent = token_loss_grads(
-            token_loss, logprob_N[start:end], entropy_N[start:end], fields_C, need_gh or need_gw
+            token_loss, logprob_T[start:end], entropy_T[start:end], fields_C, need_gh or need_gw
         )
         loss_sum += loss_C.sum()
         if not (need_gh or need_gw):
@@ -146,48 +146,48 @@ def _run_chunks(hidden_NH, weight_VH, targets_N, temperature_N, token_loss, fiel
         if g_lp is None and g_ent is None:  # the loss does not depend on this chunk's logits
             g_lp = torch.zeros_like(loss_C)
         if impl == "triton":
-            grad_CV = alloc(tuple(logits_CV.shape), logits_CV, hidden_NH.dtype)
+            grad_CV = alloc(tuple(logits_CV.shape), logits_CV, hidden_TD.dtype)
             fused_kernel.write_grad_logits(logits_CV, grad_CV, tgt_C, temp_C, lse_C, expected_z_C, g_lp, g_ent)
         else:
-            grad_CV = _grad_logits_torch(z_CV, tgt_C, temp_C, lse_C, expected_z_C, g_lp, g_ent, hidden_NH.dtype)
+            grad_CV = _grad_logits_torch(z_CV, tgt_C, temp_C, lse_C, expected_z_C, g_lp, g_ent, hidden_TD.dtype)
         logits_CV = z_CV = None  # free the fp32 [C, V] buffers before the gradient GEMMs
         if need_gh:
-            torch.mm(grad_CV, weight_VH, out=grad_hidden_NH[start:end])
+            torch.mm(grad_CV, weight_VD, out=grad_hidden_TD[start:end])
         if need_gw and start == 0:
-            torch.mm(grad_CV.T, h_CH, out=grad_weight_VH)
+            torch.mm(grad_CV.T, h_CD, out=grad_weight_VD)
         elif need_gw:  # accumulates in the weight dtype: one rounding per chunk (see README)
-            grad_weight_VH.addmm_(grad_CV.T, h_CH)
-    return loss_sum, logprob_N, entropy_N, grad_hidden_NH, grad_weight_VH
+            grad_weight_VD.addmm_(grad_CV.T, h_CD)
+    return loss_sum, logprob_T, entropy_T, grad_hidden_TD, grad_weight_VD
 
 
 class FusedLMHeadLoss(torch.autograd.Function):
-    """(hidden, weight, targets, temperature_N, token_loss, fields, chunk, impl) -> (loss_sum, lp, ent).
+    """(hidden, weight, targets, temperature_T, token_loss, fields, chunk, impl) -> (loss_sum, lp, ent).
 
     Gradients are computed in forward; backward scales them by the upstream scalar, in place, and releases
     them, so a second backward through the same graph (retain_graph) raises.
     """
 
     @staticmethod
-    def forward(ctx, hidden_NH, weight_VH, targets_N, temperature_N, token_loss, fields, chunk, impl):
+    def forward(ctx, hidden_TD, weight_VD, targets_T, temperature_T, token_loss, fields, chunk, impl):
         need_gh, need_gw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        loss_sum, logprob_N, entropy_N, grad_hidden_NH, grad_weight_VH = _run_chunks(
-            hidden_NH, weight_VH, targets_N, temperature_N, token_loss, fields, chunk, impl, need_gh, need_gw
+        loss_sum, logprob_T, entropy_T, grad_hidden_TD, grad_weight_VD = _run_chunks(
+            hidden_TD, weight_VD, targets_T, temperature_T, token_loss, fields, chunk, impl, need_gh, need_gw
         )
-        ctx.grads = (grad_hidden_NH, grad_weight_VH)
-        ctx.mark_non_differentiable(logprob_N, entropy_N)
-        return loss_sum, logprob_N, entropy_N
+        ctx.grads = (grad_hidden_TD, grad_weight_VD)
+        ctx.mark_non_differentiable(logprob_T, entropy_T)
+        return loss_sum, logprob_T, entropy_T
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_logprob, _grad_entropy):
         if ctx.grads is None:
             raise RuntimeError("fused_lm_head_loss: backward ran twice; its gradients were already released")
-        grad_hidden_NH, grad_weight_VH = ctx.grads
+        grad_hidden_TD, grad_weight_VD = ctx.grads
         ctx.grads = None
-        if grad_hidden_NH is not None:
-            grad_hidden_NH.mul_(grad_loss)
-        if grad_weight_VH is not None:
-            grad_weight_VH.mul_(grad_loss)
-        return grad_hidden_NH, grad_weight_VH, None, None, None, None, None, None
+        if grad_hidden_TD is not None:
+            grad_hidden_TD.mul_(grad_loss)
+        if grad_weight_VD is not None:
+            grad_weight_VD.mul_(grad_loss)
+        return grad_hidden_TD, grad_weight_VD, None, None, None, None, None, None
 
 
 def fused_lm_head_loss(
@@ -203,19 +203,19 @@ def fused_lm_head_loss(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """sum_t token_loss(lp, ent, fields)[t] of softmax(hidden @ weight.T / T), in 3 GEMM passes.
 
-    hidden [N, H] and weight [V, H] share a dtype (bf16 or fp32; weight may be the tied embedding); targets
-    [N] int in [0, V) (not checked); temperature a float or an [N] tensor (no gradient). token_loss maps
+    hidden [T, D] and weight [V, D] share a dtype (bf16 or fp32; weight may be the tied embedding); targets
+    [T] int in [0, V) (not checked); temperature a float or a [T] tensor (no gradient). token_loss maps
     (lp [C] fp32, ent [C] fp32, {name: field[start:end]}) to a [C] per-token loss; it is called once per
     chunk (chunks of at most chunk_tokens, fewer when C * V exceeds max_logits_elements, default
     LOGITS_BUFFER_ELEMENTS, TRITON_LOGITS_BUFFER_ELEMENTS for impl="triton"), must be
-    elementwise over tokens, and is differentiated by autograd in lp and ent only: fields [N, ...] are
-    constants (detached). Returns (loss_sum fp32 scalar, differentiable in hidden and weight; lp [N] fp32
-    and ent [N] fp32, detached). Under torch.no_grad or when neither input requires grad it runs the
+    elementwise over tokens, and is differentiated by autograd in lp and ent only: fields [T, ...] are
+    constants (detached). Returns (loss_sum fp32 scalar, differentiable in hidden and weight; lp [T] fp32
+    and ent [T] fp32, detached). Under torch.no_grad or when neither input requires grad it runs the
     forward GEMM only. Extra memory is bounded by the chunk, plus the d hidden and d weight it holds
     from forward to backward.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"need hidden [N, H] and weight [V, H], got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+        raise ValueError(f"need hidden [T, D] and weight [V, D], got {tuple(hidden.shape)} and {tuple(weight.shape)}")
     num_tokens = hidden.shape[0]
     if targets.shape != (num_tokens,):
         raise ValueError(f"targets must be shape [{num_tokens}], got {tuple(targets.shape)}")
@@ -232,12 +232,12 @@ def fused_lm_head_loss(
         if value.shape[:1] != (num_tokens,):
             raise ValueError(f"field {name!r} must have {num_tokens} rows, got shape {tuple(value.shape)}")
     fields = {name: value.detach() for name, value in fields.items()}
-    temperature_N = temperature_per_token(temperature, num_tokens, hidden.device)
+    temperature_T = temperature_per_token(temperature, num_tokens, hidden.device)
     if max_logits_elements is None and impl == "triton":
         max_logits_elements = TRITON_LOGITS_BUFFER_ELEMENTS
     chunk = num_chunk_tokens(num_tokens, weight.shape[0], chunk_tokens, max_logits_elements) if num_tokens else 1
-    args = (hidden.contiguous(), weight.contiguous(), targets.long().contiguous(), temperature_N)
+    args = (hidden.contiguous(), weight.contiguous(), targets.long().contiguous(), temperature_T)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return FusedLMHeadLoss.apply(*args, token_loss, fields, chunk, impl)
-    loss_sum, logprob_N, entropy_N, _, _ = _run_chunks(*args, token_loss, fields, chunk, impl, False, False)
-    return loss_sum, logprob_N, entropy_N
+    loss_sum, logprob_T, entropy_T, _, _ = _run_chunks(*args, token_loss, fields, chunk, impl, False, False)
+    return loss_sum, logprob_T, entropy_T

@@ -1,13 +1,13 @@
 """The one entry point the trainer calls: `lm_head_logprobs`, and the torch.library ops behind impl="triton".
 
 Ops (namespace `prime_spmd`):
-- `lm_logprob_fwd(hidden, weight, targets, temperature) -> (logprob, entropy, lse)`, fp32 [N] each;
+- `lm_logprob_fwd(hidden, weight, targets, temperature) -> (logprob, entropy, lse)`, fp32 [T] each;
   autograd registered: grads flow to hidden and weight from logprob and entropy (lse is not differentiable).
 - `lm_logprob_bwd(grad_logprob?, grad_entropy?, hidden, weight, targets, temperature, lse, entropy)
   -> (grad_hidden, grad_weight)`.
 Both have fake impls, so they trace under torch.compile without running Triton.
 
-Shape legend: N tokens, H hidden size, V vocabulary size.
+Shape legend (docs/conventions.md): T tokens, D hidden size, V vocabulary size.
 """
 
 from typing import Literal
@@ -83,25 +83,25 @@ def lm_head_logprobs(
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token log p(target) and entropy of softmax(hidden @ weight.T / temperature).
 
-    hidden [N, H] and weight [V, H] share a dtype (bf16 or fp32); targets [N] int in [0, V) (out of range is
-    not checked: the result is undefined); temperature a float or an [N] tensor (no gradient). Returns fp32
-    [N] logprob and fp32 [N] entropy (None when return_entropy is False). Differentiable in hidden and
+    hidden [T, D] and weight [V, D] share a dtype (bf16 or fp32); targets [T] int in [0, V) (out of range is
+    not checked: the result is undefined); temperature a float or a [T] tensor (no gradient). Returns fp32
+    [T] logprob and fp32 [T] entropy (None when return_entropy is False). Differentiable in hidden and
     weight, through the entropy too, for every impl. Weight may be the tied embedding table.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"need hidden [N, H] and weight [V, H], got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+        raise ValueError(f"need hidden [T, D] and weight [V, D], got {tuple(hidden.shape)} and {tuple(weight.shape)}")
     if targets.shape != (hidden.shape[0],):
         raise ValueError(f"targets must be shape [{hidden.shape[0]}], got {tuple(targets.shape)}")
     if hidden.dtype != weight.dtype:
         raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
-    temperature_N = temperature_per_token(temperature, hidden.shape[0], hidden.device)
+    temperature_T = temperature_per_token(temperature, hidden.shape[0], hidden.device)
     if impl == "reference":
-        logprob, entropy = reference_logprobs(hidden, weight, targets, temperature_N)
+        logprob, entropy = reference_logprobs(hidden, weight, targets, temperature_T)
     elif impl == "chunked":
-        logprob, entropy = chunked_logprobs(hidden, weight, targets, temperature_N)
+        logprob, entropy = chunked_logprobs(hidden, weight, targets, temperature_T)
     elif impl == "triton":
         logprob, entropy, _ = lm_logprob_fwd(
-            hidden.contiguous(), weight.contiguous(), targets.long().contiguous(), temperature_N
+            hidden.contiguous(), weight.contiguous(), targets.long().contiguous(), temperature_T
         )
     else:
         raise ValueError(f"impl must be 'reference', 'chunked' or 'triton', got {impl!r}")
