@@ -9,8 +9,10 @@ LoRA vs full (issue 20; H200 numbers in docs/benchmarks.md):
 
 Models are random-init from the flavor's HF config (prime_spmd/models/qwen3/__init__.py FLAVORS):
 ``custom`` is our Qwen3ForCausalLM (MoE experts: --moe_impl), ``hf`` is transformers' model with sdpa.
-Both take the trainer's path: final hidden states (prime_spmd/models/hidden.py) then the fused
-LM-head logprob kernel (kernels/lm_logprob, impl triton on GPU) and loss = -mean logprob.
+Both run final hidden states (prime_spmd/models/hidden.py), then the LM-head logprob kernel
+(kernels/lm_logprob ``lm_head_logprobs``, impl triton on GPU, reference on CPU) and loss = -mean logprob,
+on one device without FSDP. This is not the trainer's own step: PolicyModel (trainer/policy.py) wraps the
+LM as an FSDP root and on CUDA uses the loss-fused kernel (``fused_lm_head_loss``) with the RL/SFT loss.
 Params and compute in bf16 on GPU, AdamW (fused on CUDA), one sequence of --tokens tokens
 (--doc_len packs it into documents). MFU = model FLOPs / step time / --peak_tflops, with
 model FLOPs per token = 6 * (active matmul params incl. LM head) + 6 * L * 2 * N * Dh * S_eff
