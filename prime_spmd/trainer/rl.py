@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from prime_spmd.config import RLJobConfig, to_json, write_resolved_config
+from prime_spmd.config import RLJobConfig, write_resolved_config
 from prime_spmd.distributed.groups import DistContext, init_distributed
 from prime_spmd.distributed.topology import CONTROLLER_RANK
 from prime_spmd.distributed.weights import WeightSender
@@ -39,13 +39,15 @@ from prime_spmd.envs.loader import load_environment
 from prime_spmd.inference.engine import InferenceEngine
 from prime_spmd.log import logger
 from prime_spmd.models.loading import resolve_dtype
+from prime_spmd.progress import Progress
 from prime_spmd.rl import stop_go
 from prime_spmd.rl.generate import generate_share, merge
 from prime_spmd.rl.inference_loop import InferenceLoop
 from prime_spmd.rl.loss import make_rl_loss
 from prime_spmd.rl.schedule import batch_after_step, pregenerated_batches, restored_batches, version_of_batch
-from prime_spmd.trainer.build import build_trainer, prepare_model_dir, set_threads, strip_prefix
-from prime_spmd.trainer.checkpoint import Checkpointer, full_state_dict, latest_checkpoint, save_hf
+from prime_spmd.trainer.build import build_trainer, prepare_model_dir, set_threads
+from prime_spmd.trainer.checkpoint import Checkpointer, latest_checkpoint
+from prime_spmd.trainer.job import close_run, export_hf, load_checkpoint, open_sink, run_steps
 from prime_spmd.trainer.packing import pack
 from prime_spmd.trainer.rl_data import Batch, rollouts_to_samples
 from prime_spmd.trainer.step import router_metrics, train_step
@@ -89,13 +91,7 @@ class _TrainerLoop:
         self.ckpt = Checkpointer(self.out, cfg.ckpt.keep_last, self.topo.trainer_rank)
         self.loss_fn = make_rl_loss(cfg.loss)
         self.buffer: dict[int, Batch] = {}
-        self.sink = None
-        if self.topo.is_controller:
-            from prime_spmd.metrics import MetricsSink
-
-            self.sink = MetricsSink(
-                self.out, cfg.log, enabled=True, run_name=self.out.name, config=json.loads(to_json(cfg))
-            )
+        self.sink = open_sink(cfg, self.out, enabled=True) if self.topo.is_controller else None
 
     # ---- weights and batches ----------------------------------------------------------------
     def sync_weights(self, version: int) -> tuple[float, float]:
@@ -148,30 +144,20 @@ class _TrainerLoop:
         if self.colocated:
             for b in pregenerated_batches(start, k, n):
                 self.generate_colocated(b, version_of_batch(b, k))
-        from prime_spmd.progress import Progress
-
         bar = Progress(total=n - start, desc="rl", enabled=topo.is_controller and cfg.log.progress)
-        last: dict[str, float] = {}
-        for j in range(start, n):
-            last = self.step(j)
-            bar.update(1, reward=last.get("reward_mean", 0.0))
-            done = j + 1
-            if self.stop_agreed and done < n:
-                path = self.save(done)
-                bar.close()
-                logger.info(
-                    f"stopped by {self.stop.signal_name or 'a signal on another rank'} after {done} steps: "
-                    f"checkpoint saved to {path}; continue with --ckpt.resume"
-                )
-                if self.sink is not None:
-                    self.sink.close()
-                return last
-            if cfg.ckpt.interval_steps and done % cfg.ckpt.interval_steps == 0 and done < n:
-                self.save(done)
-        bar.close()
-        if start < n:
-            self.save(n)
-        self.finish()
+        last, stopped_at = run_steps(
+            start,
+            n,
+            lambda j: (self.step(j), self.stop_agreed),
+            self.save,
+            interval_steps=cfg.ckpt.interval_steps,
+            stop=self.stop,
+            bar=bar,
+            bar_metric=("reward", "reward_mean"),
+        )
+        if stopped_at is None:
+            export_hf(cfg.ckpt.save_hf, self.parts, self.out, is_writer=topo.is_controller)
+        close_run(self.sink, self.out, cfg.log.plots and stopped_at is None, is_writer=topo.is_controller)
         return last
 
     def step(self, j: int) -> dict[str, float]:
@@ -306,23 +292,9 @@ class _TrainerLoop:
     def _restore(self, start: int) -> None:
         path = self.ckpt.latest()
         assert path is not None and int(path.name[5:]) == start, (path, start)
-        state = self.ckpt.load(path, self.parts.policy, self.parts.optimizer)
-        self.parts.scheduler.load_state_dict(state["scheduler"])
+        load_checkpoint(self.ckpt, path, self.parts)
         if self.topo.is_controller:
             self.buffer.update(pickle.loads((path / BUFFER_FILE).read_bytes()))
-
-    def finish(self) -> None:
-        if self.cfg.ckpt.save_hf:
-            sd = strip_prefix(full_state_dict(self.parts.policy))
-            if self.topo.is_controller:
-                hf = save_hf(self.parts.policy.lm, sd, self.out / "hf", self.parts.tokenizer)
-                logger.info(f"HF-format weights written to {hf}")
-        if self.sink is not None:
-            self.sink.close()
-            if self.cfg.log.plots:
-                from prime_spmd.plots import plot_run
-
-                plot_run(self.out)
 
 
 def run_rl(cfg: RLJobConfig) -> dict[str, float]:
