@@ -14,16 +14,17 @@ from pathlib import Path
 
 import torch
 
-from prime_spmd.config import SFTJobConfig, to_json, write_resolved_config
+from prime_spmd.config import SFTJobConfig, write_resolved_config
 from prime_spmd.data.sft import SFTDataset
 from prime_spmd.distributed.groups import init_distributed
 from prime_spmd.log import logger
-from prime_spmd.metrics import MetricsSink
 from prime_spmd.progress import Progress
 from prime_spmd.rl.loss import TokenLoss
-from prime_spmd.trainer.build import build_trainer, prepare_model_dir, set_threads, strip_prefix
-from prime_spmd.trainer.checkpoint import Checkpointer, full_state_dict, save_hf
+from prime_spmd.trainer.build import build_trainer, prepare_model_dir, set_threads
+from prime_spmd.trainer.checkpoint import Checkpointer
+from prime_spmd.trainer.job import close_run, export_hf, load_checkpoint, open_sink, run_steps
 from prime_spmd.trainer.packing import pack
+from prime_spmd.trainer.sft_eval import eval_reverse_text
 from prime_spmd.trainer.step import router_metrics, train_step
 from prime_spmd.trainer.stop import SkipGuard, StopSignal
 
@@ -62,12 +63,11 @@ def _run_sft(cfg: SFTJobConfig, stop: StopSignal) -> dict[str, float]:
     parts = build_trainer(cfg.model, cfg.trainer, cfg.optim, ctx)
     data = SFTDataset(cfg.data, parts.tokenizer, cfg.trainer.seed, cfg.trainer.seq_len)
     ckpt = Checkpointer(out, cfg.ckpt.keep_last, topo.rank)
-    sink = MetricsSink(out, cfg.log, enabled=topo.rank == 0, run_name=out.name, config=json.loads(to_json(cfg)))
+    sink = open_sink(cfg, out, enabled=topo.rank == 0)
     start = 0
     latest = ckpt.latest() if cfg.ckpt.resume else None
     if latest is not None:
-        state = ckpt.load(latest, parts.policy, parts.optimizer)
-        parts.scheduler.load_state_dict(state["scheduler"])
+        state = load_checkpoint(ckpt, latest, parts)
         start = state["step"]
         data.num_bad_rows = state.get("num_bad_rows", 0)
     elif cfg.ckpt.resume:
@@ -75,15 +75,13 @@ def _run_sft(cfg: SFTJobConfig, stop: StopSignal) -> dict[str, float]:
     sink.truncate_from(start)
     world = topo.num_trainer_ranks
     bar = Progress(total=cfg.trainer.max_steps - start, desc="sft", enabled=topo.rank == 0 and cfg.log.progress)
-    last: dict[str, float] = {}
     guard = SkipGuard(cfg.trainer.max_skipped_steps)
-    stopped_at: Path | None = None
-    done = start
 
-    def state_dict(step: int) -> dict:
-        return {"step": step, "scheduler": parts.scheduler.state_dict(), "num_bad_rows": data.num_bad_rows}
+    def save(step: int) -> Path:
+        state = {"step": step, "scheduler": parts.scheduler.state_dict(), "num_bad_rows": data.num_bad_rows}
+        return ckpt.save(step, parts.policy, parts.optimizer, state)
 
-    for step in range(start, cfg.trainer.max_steps):
+    def step_fn(step: int) -> tuple[dict[str, float], bool]:
         t0 = time.perf_counter()
         samples = data.batch(step, cfg.trainer.batch_size)
         micro_batches = pack(samples, cfg.trainer.micro_batch_tokens, world)[topo.trainer_rank]
@@ -99,7 +97,7 @@ def _run_sft(cfg: SFTJobConfig, stop: StopSignal) -> dict[str, float]:
         )
         dt = time.perf_counter() - t0
         tokens = sum(len(s.input_ids) for s in samples)
-        last = {
+        m = {
             "loss": stats["loss"],
             "entropy": stats["entropy_sum"] / max(stats["tokens"], 1.0),
             "grad_norm": stats["grad_norm"],
@@ -113,42 +111,27 @@ def _run_sft(cfg: SFTJobConfig, stop: StopSignal) -> dict[str, float]:
             **router_metrics(stats),
         }
         if sink.should_log(step, last=step == cfg.trainer.max_steps - 1 or stats["stop"] > 0):
-            sink.log(step, last, console_keys=["loss", "grad_norm", "lr", "train_tokens_per_s"])
-        bar.update(1, loss=stats["loss"])
+            sink.log(step, m, console_keys=["loss", "grad_norm", "lr", "train_tokens_per_s"])
         guard.update(step, stats["nonfinite"] > 0)
-        done = step + 1
-        if stats["stop"] and done < cfg.trainer.max_steps:
-            stopped_at = ckpt.save(done, parts.policy, parts.optimizer, state_dict(done))
-            break
-        if cfg.ckpt.interval_steps and done % cfg.ckpt.interval_steps == 0 and done < cfg.trainer.max_steps:
-            ckpt.save(done, parts.policy, parts.optimizer, state_dict(done))
-    bar.close()
-    if stopped_at is not None:
-        logger.info(
-            f"stopped by {stop.signal_name or 'a signal on another rank'} after {done} steps: "
-            f"checkpoint saved to {stopped_at}; continue with --ckpt.resume"
-        )
-        sink.close()
-        ctx.close()
-        return last
-    if start < cfg.trainer.max_steps:
-        ckpt.save(cfg.trainer.max_steps, parts.policy, parts.optimizer, state_dict(cfg.trainer.max_steps))
-    if cfg.ckpt.save_hf:
-        sd = strip_prefix(full_state_dict(parts.policy))
-        if topo.rank == 0:
-            hf_dir = save_hf(parts.policy.lm, sd, out / "hf", parts.tokenizer)
-            logger.info(f"HF-format weights written to {hf_dir}")
-            if cfg.eval_examples and cfg.data.source == "reverse_text":
-                from prime_spmd.trainer.sft_eval import eval_reverse_text
+        return m, stats["stop"] > 0
 
-                scores = eval_reverse_text(hf_dir, cfg, ctx.device)
-                last.update(scores)
-                sink.log(cfg.trainer.max_steps, scores, console_keys=list(scores))
-                (out / "eval.json").write_text(json.dumps(scores, indent=1))
-    sink.close()
-    if cfg.log.plots and topo.rank == 0:
-        from prime_spmd.plots import plot_run
-
-        plot_run(out)
+    last, stopped_at = run_steps(
+        start,
+        cfg.trainer.max_steps,
+        step_fn,
+        save,
+        interval_steps=cfg.ckpt.interval_steps,
+        stop=stop,
+        bar=bar,
+        bar_metric=("loss", "loss"),
+    )
+    if stopped_at is None:
+        hf_dir = export_hf(cfg.ckpt.save_hf, parts, out, is_writer=topo.rank == 0)
+        if hf_dir is not None and cfg.eval_examples and cfg.data.source == "reverse_text":
+            scores = eval_reverse_text(hf_dir, cfg, ctx.device)
+            last.update(scores)
+            sink.log(cfg.trainer.max_steps, scores, console_keys=list(scores))
+            (out / "eval.json").write_text(json.dumps(scores, indent=1))
+    close_run(sink, out, cfg.log.plots and stopped_at is None, is_writer=topo.rank == 0)
     ctx.close()
     return last
