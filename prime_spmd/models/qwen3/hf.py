@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from prime_spmd.models.qwen3.model import Qwen3Args, Qwen3ForCausalLM
+from prime_spmd.models.qwen3.model import Qwen3Args, Qwen3ForCausalLM, set_moe_impl
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -82,8 +82,6 @@ def build_model(args: Qwen3Args, device: torch.device | str, dtype: torch.dtype)
 def load_qwen3(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
     """Load an HF ``qwen3``/``qwen3_moe`` directory into our model (registry loader). MoE kernel:
     ``triton`` on CUDA, ``reference`` elsewhere (``set_moe_impl`` changes it)."""
-    from prime_spmd.models.qwen3.model import set_moe_impl
-
     cfg = json.loads((Path(path) / "config.json").read_text())
     args = Qwen3Args.from_hf_config(cfg)
     model = build_model(args, device, dtype)
