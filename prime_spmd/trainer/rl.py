@@ -45,11 +45,12 @@ from prime_spmd.rl.generate import generate_share, merge
 from prime_spmd.rl.inference_loop import InferenceLoop
 from prime_spmd.rl.loss import make_rl_loss
 from prime_spmd.rl.schedule import batch_after_step, pregenerated_batches, restored_batches, version_of_batch
+from prime_spmd.rl.types import Batch
 from prime_spmd.trainer.build import build_trainer, prepare_model_dir, set_threads
 from prime_spmd.trainer.checkpoint import Checkpointer, latest_checkpoint
 from prime_spmd.trainer.job import close_run, export_hf, load_checkpoint, open_sink, run_steps
 from prime_spmd.trainer.packing import pack
-from prime_spmd.trainer.rl_data import Batch, rollouts_to_samples
+from prime_spmd.trainer.rl_data import rollouts_to_samples
 from prime_spmd.trainer.step import router_metrics, train_step
 from prime_spmd.trainer.stop import SkipGuard, StopSignal
 

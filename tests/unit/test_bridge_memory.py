@@ -24,7 +24,7 @@ def _member(store: dist.Store, rank: int, out: dict) -> None:
     for step in range(STEPS):
         if rank == 1:  # inference rank: send batch `step` (64 KiB), then wait for the controller's go
             bridge.isend_object({"step": step, "tokens": bytes(64 << 10)}, dst=0)
-            # what _InferenceLoop does after each batch (max_async 0: the previous batch was received)
+            # what InferenceLoop (rl/inference_loop.py) does after each batch (max_async 0: the previous batch was received)
             bridge.wait_sends(keep_newest=SENDS_PER_OBJECT * unreceived_batches_bound(0))
             assert bridge.recv_object(src=0) == ("go", step)
             retained.append((bridge.num_pending_sends(), bridge.pending_send_bytes()))
