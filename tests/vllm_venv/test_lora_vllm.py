@@ -35,7 +35,12 @@ def setup(tmp_path_factory):
     apply_lora(trainer, lora, seed=0)
     tok = load_tokenizer(mcfg)
     prompts = [tok.encode(f"reverse {w}", add_special_tokens=False) for w in WORDS]
-    return dict(engine=engine, trainer=trainer, prompts=prompts)
+    yield dict(engine=engine, trainer=trainer, prompts=prompts)
+    # The in-process vLLM engine initialised this process's default process group; later modules
+    # (test_rl_vllm's in-process SFT) initialise their own.
+    engine.close()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def _mismatch_kl(engine, trainer, prompts, seed=1) -> tuple[float, float]:
