@@ -1,8 +1,10 @@
 """The native engine's KV cache: fixed slots, allocated once, reused for every request.
 
-Shapes: ``S`` slots (max batch size), ``L`` max model length, ``Hkv`` kv heads, ``D`` head dim.
-Layout per layer is [S, Hkv, L, D] so that a decode step's read of slots [0, n) and positions
-[0, Lb) is a strided view whose (slot, head) batch dims collapse into one stride: batched matmuls
+Legend (docs/conventions.md): Bc slots (max batch size), Tc positions per slot (max model length),
+Nkv kv heads, Dh head dim, L layers; B rows of a prefill or decode step, T prompt tokens; local letter of
+this file: R = B*Nkv (slot, kv head) rows.
+Layout per layer is [Bc, Nkv, Tc, Dh] so that a decode step's read of slots [0, n) and positions
+[0, kv_len) is a strided view whose (slot, head) batch dims collapse into one stride: batched matmuls
 read it in place, with no gather or copy.
 """
 
@@ -12,7 +14,7 @@ import torch
 
 
 class SlotKVCache:
-    """Preallocated K and V for ``num_layers`` layers, each [S, Hkv, L, D] in ``dtype``."""
+    """Preallocated K and V ``k/v_LBcNkvTcDh`` [L, Bc, Nkv, Tc, Dh] in ``dtype`` (attributes ``k``, ``v``)."""
 
     def __init__(
         self,
@@ -32,34 +34,36 @@ class SlotKVCache:
 
     def nbytes_per_token(self) -> int:
         """Bytes of K+V one token occupies across all layers."""
-        nl, _, hkv, _, d = self.k.shape
-        return 2 * nl * hkv * d * self.k.element_size()
+        L, _, Nkv, _, Dh = self.k.shape
+        return 2 * L * Nkv * Dh * self.k.element_size()
 
-    def write_prefill(self, layer: int, slots_N: torch.Tensor, k_NHTD: torch.Tensor, v_NHTD: torch.Tensor) -> None:
-        """Store a prefill's K/V [N, Hkv, T, D] at positions [0, T) of ``slots_N``."""
-        t = k_NHTD.shape[2]
-        self.k[layer, slots_N, :, :t] = k_NHTD
-        self.v[layer, slots_N, :, :t] = v_NHTD
+    def write_prefill(
+        self, layer: int, slots_B: torch.Tensor, k_BNkvTDh: torch.Tensor, v_BNkvTDh: torch.Tensor
+    ) -> None:
+        """Store a prefill's K/V [B, Nkv, T, Dh] at positions [0, T) of ``slots_B`` (int [B])."""
+        T = k_BNkvTDh.shape[2]
+        self.k[layer, slots_B, :, :T] = k_BNkvTDh
+        self.v[layer, slots_B, :, :T] = v_BNkvTDh
 
-    def write_decode(self, layer: int, pos_B: torch.Tensor, k_BHD: torch.Tensor, v_BHD: torch.Tensor) -> None:
+    def write_decode(self, layer: int, pos_B: torch.Tensor, k_BNkvDh: torch.Tensor, v_BNkvDh: torch.Tensor) -> None:
         """Store one token per slot 0..B-1 at position ``pos_B[b]`` (graph-capturable index_put_)."""
-        b, h, d = k_BHD.shape
-        rows = torch.arange(b * h, device=pos_B.device)
-        pos = pos_B[:, None].expand(b, h).reshape(-1)  # no host sync, unlike repeat_interleave
-        kl = self.k[layer, :b].reshape(b * h, self.max_len, d)
-        vl = self.v[layer, :b].reshape(b * h, self.max_len, d)
-        kl.index_put_((rows, pos), k_BHD.reshape(b * h, d))
-        vl.index_put_((rows, pos), v_BHD.reshape(b * h, d))
+        B, Nkv, Dh = k_BNkvDh.shape
+        rows_R = torch.arange(B * Nkv, device=pos_B.device)
+        pos_R = pos_B[:, None].expand(B, Nkv).reshape(-1)  # no host sync, unlike repeat_interleave
+        k_RTcDh = self.k[layer, :B].reshape(B * Nkv, self.max_len, Dh)
+        v_RTcDh = self.v[layer, :B].reshape(B * Nkv, self.max_len, Dh)
+        k_RTcDh.index_put_((rows_R, pos_R), k_BNkvDh.reshape(B * Nkv, Dh))
+        v_RTcDh.index_put_((rows_R, pos_R), v_BNkvDh.reshape(B * Nkv, Dh))
 
-    def copy_prefix(self, src_N: torch.Tensor, dst_N: torch.Tensor, num_tokens: int) -> None:
-        """Copy positions [0, num_tokens) of slots ``src_N`` into slots ``dst_N``, all layers (prefix
-        sharing: a GRPO group's prompt is prefilled once). Costs a copy, not a prefill; the memory
+    def copy_prefix(self, src_B: torch.Tensor, dst_B: torch.Tensor, num_tokens: int) -> None:
+        """Copy positions [0, num_tokens) of slots ``src_B`` into slots ``dst_B`` (int [B] each), all layers
+        (prefix sharing: a GRPO group's prompt is prefilled once). Costs a copy, not a prefill; the memory
         is still one slot per sequence (block sharing would need a paged cache)."""
-        self.k[:, dst_N, :, :num_tokens] = self.k[:, src_N, :, :num_tokens]
-        self.v[:, dst_N, :, :num_tokens] = self.v[:, src_N, :, :num_tokens]
+        self.k[:, dst_B, :, :num_tokens] = self.k[:, src_B, :, :num_tokens]
+        self.v[:, dst_B, :, :num_tokens] = self.v[:, src_B, :, :num_tokens]
 
     def read(self, layer: int, num_rows: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of K and V [num_rows, Hkv, kv_len, D] (slots 0..num_rows-1)."""
+        """Views of K and V [num_rows, Nkv, kv_len, Dh] (slots 0..num_rows-1)."""
         return self.k[layer, :num_rows, :, :kv_len], self.v[layer, :num_rows, :, :kv_len]
 
 

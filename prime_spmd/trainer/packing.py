@@ -6,6 +6,10 @@ at most ``micro_batch_tokens`` tokens; position ids restart at 0 for each docume
 the attention keeps documents apart. Targets are shifted inside each document: position t
 predicts token t+1 of the same document, and every per-token field is shifted the same way, so
 ``loss_mask[t]`` says whether the *target* token is trained.
+
+Legend (docs/conventions.md; local letter of this file: P packed tokens, the length of a micro-batch's one
+row, which the trainer calls T once the row is its batch, ``input_ids_BT`` with B = 1): S documents, T tokens
+of a document row (``RowLayout``: the longest document), D hidden.
 """
 
 from __future__ import annotations
@@ -27,15 +31,15 @@ class Sample:
 @dataclass(kw_only=True, slots=True)
 class MicroBatch:
     input_ids: torch.Tensor
-    """[1, L] int64"""
+    """[1, P] int64"""
     position_ids: torch.Tensor
-    """[1, L] int64, restarting at 0 per document"""
+    """[1, P] int64, restarting at 0 per document"""
     targets: torch.Tensor
-    """[L] int64: the next token of the same document (0 where there is none)"""
+    """[P] int64: the next token of the same document (0 where there is none)"""
     loss_mask: torch.Tensor
-    """[L] bool: the target at this position is trained"""
+    """[P] bool: the target at this position is trained"""
     fields: dict[str, torch.Tensor]
-    """[L] float32 each, aligned with targets"""
+    """[P] float32 each, aligned with targets"""
     num_docs: int
 
     @property
@@ -129,49 +133,50 @@ def pack(samples: list[Sample], micro_batch_tokens: int, num_ranks: int) -> list
 
 @dataclass(frozen=True, slots=True)
 class RowLayout:
-    """Where the L tokens of a packed row go in a right-padded [S, T] batch of one document per row.
+    """Where the P tokens of a packed row go in a right-padded [S, T] batch of one document per row.
 
-    Attention over a packed row needs a block-diagonal [L, L] mask, and SDPA then does O(L^2) work
-    (with a mask no fused causal kernel runs): on the CPU demo (4 layers, L = 2029 tokens of ~35-token
+    Attention over a packed row needs a block-diagonal [P, P] mask, and SDPA then does O(P^2) work
+    (with a mask no fused causal kernel runs): on the CPU demo (4 layers, P = 2029 tokens of ~35-token
     documents, 2 threads) masked attention forward + backward took 85-94 ms per layer against 7.5 ms
     for the same documents as causal rows. Right padding is harmless under causal attention: no real
-    token attends to a later pad. Legend: S documents (rows), T = longest document, L packed tokens.
+    token attends to a later pad. S documents (rows), T = longest document, P packed tokens.
     """
 
-    flat_index_L: torch.Tensor
-    """[L] int64: position of each packed token in the flattened [S * T] batch"""
+    flat_index_P: torch.Tensor
+    """[P] int64: position of each packed token in the flattened [S * T] batch"""
     position_ids_ST: torch.Tensor
     """[S, T] int64: each row's positions, continued through its padding (so the row reads as one document)"""
     num_rows: int
     row_len: int
 
-    def to_rows(self, x_1L: torch.Tensor, pad: int = 0) -> torch.Tensor:
-        """[1, L] -> [S, T], pads filled with ``pad``."""
-        out = x_1L.new_full((self.num_rows * self.row_len,), pad)
-        out[self.flat_index_L] = x_1L[0]
-        return out.view(self.num_rows, self.row_len)
+    def to_rows(self, x_1P: torch.Tensor, pad: int = 0) -> torch.Tensor:
+        """[1, P] -> [S, T], pads filled with ``pad``."""
+        out_ST = x_1P.new_full((self.num_rows * self.row_len,), pad)
+        out_ST[self.flat_index_P] = x_1P[0]
+        return out_ST.view(self.num_rows, self.row_len)
 
-    def from_rows(self, x_STH: torch.Tensor) -> torch.Tensor:
-        """[S, T, H] -> [L, H] in packed order (differentiable: the backward scatters into the rows)."""
-        return x_STH.reshape(self.num_rows * self.row_len, -1)[self.flat_index_L]
+    def from_rows(self, x_STD: torch.Tensor) -> torch.Tensor:
+        """[S, T, D] -> [P, D] in packed order (any trailing dim D; differentiable: the backward scatters into
+        the rows)."""
+        return x_STD.reshape(self.num_rows * self.row_len, -1)[self.flat_index_P]
 
 
-def row_layout(position_ids_1L: torch.Tensor, max_pad_factor: float = 2.0) -> RowLayout | None:
+def row_layout(position_ids_1P: torch.Tensor, max_pad_factor: float = 2.0) -> RowLayout | None:
     """The ``RowLayout`` of a packed row, or None when it holds one document or when padding to the
-    longest document would make more than ``max_pad_factor * L`` tokens (the MLPs then do more extra
+    longest document would make more than ``max_pad_factor * P`` tokens (the MLPs then do more extra
     work than the attention saves). Documents start where the position is not the previous plus one
     (``models/common/attention.py``). Syncs with the host once (the document lengths)."""
-    pos_L = position_ids_1L[0]
-    L = pos_L.numel()
-    starts_L = torch.ones_like(pos_L, dtype=torch.bool)
-    starts_L[1:] = pos_L[1:] - pos_L[:-1] != 1
-    start_idx_S = starts_L.nonzero().flatten()
-    lengths = torch.diff(start_idx_S, append=start_idx_S.new_tensor([L])).tolist()
+    pos_P = position_ids_1P[0]
+    P = pos_P.numel()
+    starts_P = torch.ones_like(pos_P, dtype=torch.bool)
+    starts_P[1:] = pos_P[1:] - pos_P[:-1] != 1
+    start_idx_S = starts_P.nonzero().flatten()
+    lengths = torch.diff(start_idx_S, append=start_idx_S.new_tensor([P])).tolist()
     S, T = len(lengths), max(lengths)
-    if S == 1 or S * T > max_pad_factor * L:
+    if S == 1 or S * T > max_pad_factor * P:
         return None
-    doc_L = starts_L.cumsum(0) - 1
-    col_L = torch.arange(L, device=pos_L.device) - start_idx_S[doc_L]
-    first_pos_S = pos_L[start_idx_S]
-    position_ids_ST = first_pos_S[:, None] + torch.arange(T, device=pos_L.device)[None, :]
-    return RowLayout(flat_index_L=doc_L * T + col_L, position_ids_ST=position_ids_ST, num_rows=S, row_len=T)
+    doc_P = starts_P.cumsum(0) - 1
+    col_P = torch.arange(P, device=pos_P.device) - start_idx_S[doc_P]
+    first_pos_S = pos_P[start_idx_S]
+    position_ids_ST = first_pos_S[:, None] + torch.arange(T, device=pos_P.device)[None, :]
+    return RowLayout(flat_index_P=doc_P * T + col_P, position_ids_ST=position_ids_ST, num_rows=S, row_len=T)
