@@ -7,7 +7,7 @@ micro-batches need no extra inputs and attention never crosses documents.
 Backends: flash-attn's varlen kernel when installed (CUDA, bf16/fp16); else SDPA, with ``is_causal``
 for unpacked rows and a block-diagonal causal bool mask when a row holds several documents.
 
-Legend: B batch, T tokens, N query heads, Nkv kv heads, Dh head dim, S documents.
+Legend (docs/conventions.md): B batch, T tokens, N query heads, Nkv kv heads, Dh head dim, S documents.
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ class AttnContext:
 
 def document_starts(position_ids_BT: torch.Tensor) -> torch.Tensor:
     """Bool [B, T]: True where a new document starts (first token of a row, or position not prev + 1)."""
-    starts = torch.ones_like(position_ids_BT, dtype=torch.bool)
-    starts[:, 1:] = position_ids_BT[:, 1:] - position_ids_BT[:, :-1] != 1
-    return starts
+    starts_BT = torch.ones_like(position_ids_BT, dtype=torch.bool)
+    starts_BT[:, 1:] = position_ids_BT[:, 1:] - position_ids_BT[:, :-1] != 1
+    return starts_BT
 
 
 def build_attn_context(position_ids_BT: torch.Tensor, dtype: torch.dtype, use_flash: bool = True) -> AttnContext:
     """Attention metadata for ``position_ids``; syncs with the host once (packed or not, max length)."""
-    starts = document_starts(position_ids_BT)
+    starts_BT = document_starts(position_ids_BT)
     on_flash = (
         use_flash
         and flash_attn_varlen_func is not None
@@ -49,27 +49,29 @@ def build_attn_context(position_ids_BT: torch.Tensor, dtype: torch.dtype, use_fl
         and dtype in (torch.bfloat16, torch.float16)
     )
     if on_flash:
-        idx = torch.nonzero(starts.flatten()).flatten()
-        total = torch.tensor([starts.numel()], device=idx.device)
-        cu = torch.cat([idx, total]).to(torch.int32)
-        return AttnContext(cu_seqlens_S1=cu, max_seqlen=int((cu[1:] - cu[:-1]).max()))
-    if not bool(starts[:, 1:].any()):
+        start_idx_S = torch.nonzero(starts_BT.flatten()).flatten()
+        total = torch.tensor([starts_BT.numel()], device=start_idx_S.device)
+        cu_S1 = torch.cat([start_idx_S, total]).to(torch.int32)
+        return AttnContext(cu_seqlens_S1=cu_S1, max_seqlen=int((cu_S1[1:] - cu_S1[:-1]).max()))
+    if not bool(starts_BT[:, 1:].any()):
         return AttnContext()
-    doc_BT = starts.cumsum(-1)
+    doc_BT = starts_BT.cumsum(-1)
     T = position_ids_BT.shape[1]
     causal_TT = torch.ones(T, T, dtype=torch.bool, device=position_ids_BT.device).tril()
-    mask = (doc_BT[:, :, None] == doc_BT[:, None, :]) & causal_TT
-    return AttnContext(mask_B1TT=mask[:, None])
+    mask_BTT = (doc_BT[:, :, None] == doc_BT[:, None, :]) & causal_TT
+    return AttnContext(mask_B1TT=mask_BTT[:, None])
 
 
-def attention(q_BTND: torch.Tensor, k_BTND: torch.Tensor, v_BTND: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+def attention(
+    q_BTNDh: torch.Tensor, k_BTNkvDh: torch.Tensor, v_BTNkvDh: torch.Tensor, ctx: AttnContext
+) -> torch.Tensor:
     """Causal GQA within documents; q [B, T, N, Dh], k/v [B, T, Nkv, Dh] -> [B, T, N, Dh]; scale 1/sqrt(Dh)."""
-    B, T, N, Dh = q_BTND.shape
+    B, T, N, Dh = q_BTNDh.shape
     if ctx.cu_seqlens_S1 is not None:
         out = flash_attn_varlen_func(
-            q_BTND.reshape(B * T, N, Dh),
-            k_BTND.reshape(B * T, -1, Dh),
-            v_BTND.reshape(B * T, -1, Dh),
+            q_BTNDh.reshape(B * T, N, Dh),
+            k_BTNkvDh.reshape(B * T, -1, Dh),
+            v_BTNkvDh.reshape(B * T, -1, Dh),
             ctx.cu_seqlens_S1,
             ctx.cu_seqlens_S1,
             ctx.max_seqlen,
@@ -77,9 +79,11 @@ def attention(q_BTND: torch.Tensor, k_BTND: torch.Tensor, v_BTND: torch.Tensor, 
             causal=True,
         )
         return out.view(B, T, N, Dh)
-    q, k, v = (t.transpose(1, 2) for t in (q_BTND, k_BTND, v_BTND))
+    q_BNTDh, k_BNkvTDh, v_BNkvTDh = (t.transpose(1, 2) for t in (q_BTNDh, k_BTNkvDh, v_BTNkvDh))
     if ctx.mask_B1TT is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        out_BNTDh = F.scaled_dot_product_attention(q_BNTDh, k_BNkvTDh, v_BNkvTDh, is_causal=True, enable_gqa=True)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask_B1TT, enable_gqa=True)
-    return out.transpose(1, 2)
+        out_BNTDh = F.scaled_dot_product_attention(
+            q_BNTDh, k_BNkvTDh, v_BNkvTDh, attn_mask=ctx.mask_B1TT, enable_gqa=True
+        )
+    return out_BNTDh.transpose(1, 2)

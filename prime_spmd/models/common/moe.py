@@ -4,7 +4,8 @@ Expert weights are stacked ([E, ...] tensors, dim 0 = expert) so that one groupe
 experts and EP can shard dim 0; Hugging Face checkpoints store them per expert, and the mapping
 lives in ``models/qwen3/hf.py``. The experts compute goes through ``kernels.moe.op``.
 
-Legend: T tokens, K experts per token, D hidden, E experts, I expert intermediate.
+Legend (docs/conventions.md): B batch, T tokens, K experts per token, D hidden, E experts, I expert intermediate,
+F = 2I.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Rotary position embedding (the "default" rope type of HF configs: half-split rotation).
 
-Legend: B batch, T tokens, N heads, Dh head dim.
+Legend (docs/conventions.md): B batch, T tokens, N heads (query heads, or Nkv for k), Dh head dim.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, position_ids_BT: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # fp32 angles, as HF computes them, so logits match to the last bit in fp32
-        freqs = position_ids_BT[..., None].float() * self.inv_freq.float()
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        freqs = position_ids_BT[..., None].float() * self.inv_freq.float()  # [B, T, Dh / 2]
+        emb_BTDh = torch.cat((freqs, freqs), dim=-1)
+        return emb_BTDh.cos().to(dtype), emb_BTDh.sin().to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -37,7 +37,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rope(x_BTND: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
+def apply_rope(x_BTNDh: torch.Tensor, cos_BTDh: torch.Tensor, sin_BTDh: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` [B, T, N, Dh] by the tables [B, T, Dh]."""
-    cos, sin = cos_BTD.unsqueeze(2), sin_BTD.unsqueeze(2)
-    return x_BTND * cos + rotate_half(x_BTND) * sin
+    cos_BT1Dh, sin_BT1Dh = cos_BTDh.unsqueeze(2), sin_BTDh.unsqueeze(2)
+    return x_BTNDh * cos_BT1Dh + rotate_half(x_BTNDh) * sin_BT1Dh

@@ -4,7 +4,8 @@ Module names mirror Hugging Face's (``model.layers.3.self_attn.q_proj.weight`` .
 stacked MoE experts need a name mapping (``hf.py``). FSDP2-friendly: ``model.layers`` is a
 ModuleList of blocks, ``blocks()`` returns it.
 
-Legend: B batch, T tokens, D hidden, N query heads, Nkv kv heads, Dh head dim, V vocab.
+Legend (docs/conventions.md): B batch, T tokens, D hidden, N query heads, Nkv kv heads, Dh head dim, V vocab,
+E experts, L layers.
 """
 
 from __future__ import annotations
@@ -110,11 +111,11 @@ class Attention(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttnContext) -> torch.Tensor:
         B, T, _ = x_BTD.shape
-        q = self.q_norm(self.q_proj(x_BTD).view(B, T, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        return self.o_proj(attention(q, k, v, ctx).reshape(B, T, -1))
+        q_BTNDh = self.q_norm(self.q_proj(x_BTD).view(B, T, self.num_heads, self.head_dim))
+        k_BTNkvDh = self.k_norm(self.k_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim))
+        v_BTNkvDh = self.v_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)
+        q_BTNDh, k_BTNkvDh = apply_rope(q_BTNDh, *rope), apply_rope(k_BTNkvDh, *rope)
+        return self.o_proj(attention(q_BTNDh, k_BTNkvDh, v_BTNkvDh, ctx).reshape(B, T, -1))
 
 
 class MLP(nn.Module):
@@ -126,8 +127,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(dim, inter, bias=False)
         self.down_proj = nn.Linear(inter, dim, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x_BTD)) * self.up_proj(x_BTD))
 
 
 class Block(nn.Module):
@@ -185,12 +186,12 @@ class Qwen3ForCausalLM(nn.Module):
         B, T = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
-        x = self.model.embed_tokens(input_ids)
-        ctx = build_attn_context(position_ids, x.dtype)
-        rope = self.model.rotary_emb(position_ids, x.dtype)
+        x_BTD = self.model.embed_tokens(input_ids)
+        ctx = build_attn_context(position_ids, x_BTD.dtype)
+        rope = self.model.rotary_emb(position_ids, x_BTD.dtype)
         for block in self.model.layers:
-            x = block(x, rope, ctx)
-        return self.model.norm(x)
+            x_BTD = block(x_BTD, rope, ctx)
+        return self.model.norm(x_BTD)
 
     def aux_loss(self) -> torch.Tensor | None:
         """Mean load-balance loss of the last forward over MoE layers (None for dense models)."""
@@ -198,16 +199,16 @@ class Qwen3ForCausalLM(nn.Module):
         return torch.stack(losses).mean() if losses else None
 
     def tokens_per_expert(self) -> torch.Tensor | None:
-        """[MoE layers, E] float token-slot counts per expert of the last forward (None for dense models)."""
-        counts = [b.mlp.tokens_per_expert for b in self.model.layers if isinstance(b.mlp, MoEBlock)]
-        return torch.stack(counts) if counts else None
+        """[L, E] float token-slot counts per expert of the last forward, L the MoE layers (None for dense models)."""
+        counts_E = [b.mlp.tokens_per_expert for b in self.model.layers if isinstance(b.mlp, MoEBlock)]
+        return torch.stack(counts_E) if counts_E else None
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, return_hidden: bool = False
     ) -> CausalLMOutput:
-        hidden = self.forward_hidden(input_ids, position_ids)
-        logits = None if return_hidden else F.linear(hidden, self.lm_head_weight())
-        return CausalLMOutput(logits=logits, hidden=hidden, aux_loss=self.aux_loss())
+        hidden_BTD = self.forward_hidden(input_ids, position_ids)
+        logits_BTV = None if return_hidden else F.linear(hidden_BTD, self.lm_head_weight())
+        return CausalLMOutput(logits=logits_BTV, hidden=hidden_BTD, aux_loss=self.aux_loss())
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, seed: int = 0) -> None:
