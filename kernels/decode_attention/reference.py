@@ -1,10 +1,11 @@
 """Decode attention, the spec: one new query token per row against that row's cached K/V.
 
-Row b's query heads attend positions [0, min(lens_B[b], max_len)) of cache slot b; query head h
-reads kv head h // G (GQA, G = H / Hkv). Softmax in fp32 over ``scale * q.k``; output in q's dtype.
+Row b's query heads attend positions [0, min(lens_B[b], max_len)) of cache slot b; query head n
+reads kv head n // G (GQA, G = N / Nkv). Softmax in fp32 over ``scale * q.k``; output in q's dtype.
 
-Legend (this folder): B rows (= slots 0..B-1), H query heads, D head dim, S cache slots (>= B),
-J kv heads (Hkv), L cache length per slot.
+Legend (docs/conventions.md): B rows (= slots 0..B-1), N query heads, Nkv kv heads, G = N / Nkv, Dh head
+dim, Bc cache slots (>= B), Tc cache length per slot; local letter of this file: Tb = ``max_len`` (the
+positions read).
 """
 
 from __future__ import annotations
@@ -13,22 +14,22 @@ import torch
 
 
 def decode_attention_reference(
-    q_BHD: torch.Tensor,
-    k_SJLD: torch.Tensor,
-    v_SJLD: torch.Tensor,
+    q_BNDh: torch.Tensor,
+    k_BcNkvTcDh: torch.Tensor,
+    v_BcNkvTcDh: torch.Tensor,
     lens_B: torch.Tensor,
     max_len: int,
     scale: float,
 ) -> torch.Tensor:
-    """o [B, H, D] in q's dtype. ``k/v_SJLD`` [S, J, L, D] (any strides), ``lens_B`` int [B], each >= 1
-    (a row of length 0 gives NaN); lengths above ``max_len`` (<= L) are clamped to it."""
-    b, h, d = q_BHD.shape
-    j = k_SJLD.shape[1]
-    kc = k_SJLD[:b, :, :max_len].float()  # [B, J, Lb, D]
-    vc = v_SJLD[:b, :, :max_len].float()
-    q = q_BHD.float().view(b, j, h // j, d)  # [B, J, G, D]
-    scores = torch.matmul(q, kc.transpose(-1, -2)) * scale  # [B, J, G, Lb]
-    visible = torch.arange(max_len, device=q_BHD.device)[None, :] < lens_B[:, None].clamp(max=max_len)
-    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
-    o = torch.matmul(torch.softmax(scores, dim=-1), vc)  # [B, J, G, D]
-    return o.reshape(b, h, d).to(q_BHD.dtype)
+    """o [B, N, Dh] in q's dtype. ``k/v_BcNkvTcDh`` [Bc, Nkv, Tc, Dh] (any strides), ``lens_B`` int [B], each
+    >= 1 (a row of length 0 gives NaN); lengths above ``max_len`` (<= Tc) are clamped to it."""
+    B, N, Dh = q_BNDh.shape
+    Nkv = k_BcNkvTcDh.shape[1]
+    k_BNkvTbDh = k_BcNkvTcDh[:B, :, :max_len].float()
+    v_BNkvTbDh = v_BcNkvTcDh[:B, :, :max_len].float()
+    q_BNkvGDh = q_BNDh.float().view(B, Nkv, N // Nkv, Dh)
+    scores_BNkvGTb = torch.matmul(q_BNkvGDh, k_BNkvTbDh.transpose(-1, -2)) * scale
+    visible_BTb = torch.arange(max_len, device=q_BNDh.device)[None, :] < lens_B[:, None].clamp(max=max_len)
+    scores_BNkvGTb = scores_BNkvGTb.masked_fill(~visible_BTb[:, None, None], float("-inf"))
+    o_BNkvGDh = torch.matmul(torch.softmax(scores_BNkvGTb, dim=-1), v_BNkvTbDh)
+    return o_BNkvGDh.reshape(B, N, Dh).to(q_BNDh.dtype)

@@ -94,7 +94,7 @@ def test_bad_inputs_raise(device):
     q, k, v, lens = _case(2, 4, 2, 16, 2, 32, 32, torch.float32, device)
     with pytest.raises(ValueError, match="max_len=33"):
         decode_attention(q, k, v, lens, 33, 1.0, impl="triton")
-    with pytest.raises(ValueError, match="H a multiple of J"):
+    with pytest.raises(ValueError, match="N a multiple of Nkv"):
         decode_attention(q[:, :3], k, v, lens, 32, 1.0, impl="triton")
     with pytest.raises(ValueError, match="lens_B"):
         decode_attention(q, k, v, lens.float(), 32, 1.0, impl="triton")
