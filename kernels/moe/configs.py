@@ -11,6 +11,9 @@ the GEMM's size and to the device's shared memory, so each kernel variant compil
 prints what the autotuner picked (``autotuned()``), which is how ``TABLE`` gets refined.
 
 Interpreter (CPU, TRITON_INTERPRET=1): one config (several fail there), in both modes.
+
+Letters: N, K, MW and the BLOCK_* tile names are GEMM roles (output columns, reduction, weight-grad output rows),
+the local letters kernel.py's docstring declares, with the legend dims each launch gives them.
 """
 
 from __future__ import annotations

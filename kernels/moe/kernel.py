@@ -22,7 +22,14 @@ wrappers instead (configs.py says why).
 Interpreter (CPU, TRITON_INTERPRET=1): tiles upcast to fp32 before ``tl.dot`` (bf16 dots give
 garbage there) and one config (several fail). On GPU, bf16 tiles go to the tensor cores.
 
-Legend: M sorted rows, D hidden, I intermediate, E experts, N/K GEMM output/reduction dims.
+Legend (docs/conventions.md): M = T*K rows sorted by expert, T tokens, D hidden, I intermediate, F = 2I,
+E experts. Local letters of this file: GEMM roles (docs/conventions.md): each kernel is a grouped GEMM
+out[rows, N] = A[rows, K] @ B[e][K, N], so in its scalar arguments (``N``, ``K``, ``MW``), tiles (``BLOCK_M``,
+``BLOCK_N``, ``BLOCK_K``, ``BLOCK_MW``) and the launcher's ``b_ENK``, N is the GEMM's output columns and K its
+reduction dim, never heads or top-k. Per launch: gate_up N = I (gate and up each), K = D; grouped_gemm N = D
+and K = I (down projection) or K = F (dx); dz_swiglu_bwd N = I, K = D; grouped_wgrad writes [E, MW, N] with
+MW = D, N = I (dW2) or MW = F, N = D (dW13), its BLOCK_K stepping over an expert's rows. Also R row tiles of
+the tile table (``num_tiles``), P column blocks of the router-weight partials.
 """
 
 from __future__ import annotations
@@ -41,21 +48,21 @@ ROW_CONFIGS, WGRAD_CONFIGS = configs.ROW_CONFIGS, configs.WGRAD_CONFIGS
 
 
 def tile_schedule(offs_E: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Per row tile: expert, first row, end row (int32 [num_tiles]); idle tiles have start == end."""
+    """Per row tile: expert, first row, end row (int32 [R = num_tiles]); idle tiles have start == end."""
     E = offs_E.numel()
-    offs = offs_E.long()
-    starts = torch.cat([offs.new_zeros(1), offs[:-1]])
-    tiles_E = (offs - starts + BLOCK_M - 1) // BLOCK_M
+    ends_E = offs_E.long()
+    starts_E = torch.cat([ends_E.new_zeros(1), ends_E[:-1]])
+    tiles_E = (ends_E - starts_E + BLOCK_M - 1) // BLOCK_M
     tile_end_E = tiles_E.cumsum(0)
     num_tiles = triton.cdiv(num_rows, BLOCK_M) + E
-    pid = torch.arange(num_tiles, device=offs.device)
-    e = torch.searchsorted(tile_end_E, pid, right=True).clamp(max=E - 1)
-    row0 = starts[e] + (pid - (tile_end_E - tiles_E)[e]) * BLOCK_M
-    row1 = offs[e]
-    idle = row0 >= row1
-    row0 = torch.where(idle, 0, row0)
-    row1 = torch.where(idle, 0, row1)
-    return e.int(), row0.int(), row1.int(), num_tiles
+    pid_R = torch.arange(num_tiles, device=ends_E.device)
+    e_R = torch.searchsorted(tile_end_E, pid_R, right=True).clamp(max=E - 1)
+    row0_R = starts_E[e_R] + (pid_R - (tile_end_E - tiles_E)[e_R]) * BLOCK_M
+    row1_R = ends_E[e_R]
+    idle_R = row0_R >= row1_R
+    row0_R = torch.where(idle_R, 0, row0_R)
+    row1_R = torch.where(idle_R, 0, row1_R)
+    return e_R.int(), row0_R.int(), row1_R.int(), num_tiles
 
 
 @triton.jit
@@ -214,11 +221,12 @@ def _dz_swiglu_bwd_kernel(
 @triton.jit
 def _swiglu_bwd_kernel(
     dz_ptr, gu_ptr, scale_ptr, dgu_ptr, dw_ptr, M, N, stride_zm, stride_gm,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Unfused SwiGLU backward (the split variant of the dz kernel's epilogue), BLOCK_R whole rows per program."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_C)
+    """Unfused SwiGLU backward (the split variant of the dz kernel's epilogue), BLOCK_M whole rows per program
+    (BLOCK_N >= N = I columns)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
     rmask = rows < M
     mask = rmask[:, None] & (cols < N)[None, :]
     dz = tl.load(dz_ptr + rows.to(tl.int64)[:, None] * stride_zm + cols[None, :], mask=mask, other=0.0)
@@ -316,20 +324,20 @@ def autotuned() -> dict[str, dict[str, int]]:
 def gate_up_swiglu(
     x_TD: torch.Tensor, tok_M: torch.Tensor, w13_EFD: torch.Tensor, sched, store_gu: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """h [M, I] = silu(x[tok] Wg^T) * (x[tok] Wu^T); and gate|up pre-activations [M, 2I] (empty unless store_gu)."""
+    """h [M, I] = silu(x[tok] Wg^T) * (x[tok] Wu^T); and gate|up pre-activations [M, F] (empty unless store_gu)."""
     tile_e, r0, r1, num_tiles = sched
     M, (_, F, D) = tok_M.numel(), w13_EFD.shape
     inter = F // 2
-    h = x_TD.new_empty(M, inter)
-    gu = x_TD.new_empty(M if store_gu else 0, F)
+    h_MI = x_TD.new_empty(M, inter)
+    gu_MF = x_TD.new_empty(M if store_gu else 0, F)
     assert x_TD.stride(1) == 1 and w13_EFD.stride(2) == 1
     grid = lambda meta: (num_tiles * triton.cdiv(inter, meta["BLOCK_N"]),)  # noqa: E731
     _launch(
-        "gate_up", _config("gate_up", x_TD, inter, D), grid, x_TD, w13_EFD, h, gu, tok_M, tile_e, r0, r1,
-        num_tiles, inter, D, x_TD.stride(0), w13_EFD.stride(0), w13_EFD.stride(1), w13_EFD.stride(2), h.stride(0), F,
+        "gate_up", _config("gate_up", x_TD, inter, D), grid, x_TD, w13_EFD, h_MI, gu_MF, tok_M, tile_e, r0, r1,
+        num_tiles, inter, D, x_TD.stride(0), w13_EFD.stride(0), w13_EFD.stride(1), w13_EFD.stride(2), h_MI.stride(0), F,
         STORE_GU=store_gu, UPCAST=_upcast(x_TD), BLOCK_M=BLOCK_M, GROUP_M=GROUP_M,
     )  # fmt: skip
-    return h, gu
+    return h_MI, gu_MF
 
 
 def grouped_gemm(
@@ -362,40 +370,50 @@ def grouped_gemm(
 def dz_swiglu_bwd(
     dout_TD: torch.Tensor, tok_M: torch.Tensor, w2_EDI: torch.Tensor, gu_MF: torch.Tensor, scale_M: torch.Tensor, sched
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """d(gate|up) [M, 2I] (x's dtype) and the router-weight grad per sorted row [M] (fp32) from dout [T, D]."""
+    """d(gate|up) [M, F] (x's dtype) and the router-weight grad per sorted row [M] (fp32) from dout [T, D]."""
     tile_e, r0, r1, num_tiles = sched
     if not FUSE_SWIGLU_BWD:
         return _dz_then_swiglu_bwd(dout_TD, tok_M, w2_EDI, gu_MF, scale_M, sched)
     M, F = gu_MF.shape
     inter = F // 2
     assert dout_TD.stride(1) == 1 and gu_MF.stride(1) == 1
-    dgu = torch.empty_like(gu_MF)
+    dgu_MF = torch.empty_like(gu_MF)
     cfg = _config("dz_swiglu_bwd", dout_TD, inter, dout_TD.shape[1])
     min_bn = min(c.kwargs["BLOCK_N"] for c in ([cfg] if cfg is not None else ROW_CONFIGS))
-    dwp = torch.zeros(M, triton.cdiv(inter, min_bn), device=gu_MF.device, dtype=torch.float32)
-    w2 = w2_EDI.transpose(1, 2)  # [E, N=I, K=D] view
+    dwp_MP = torch.zeros(M, triton.cdiv(inter, min_bn), device=gu_MF.device, dtype=torch.float32)
+    w2_EID = w2_EDI.transpose(1, 2)  # [E, N=I, K=D] view
     grid = lambda meta: (num_tiles * triton.cdiv(inter, meta["BLOCK_N"]),)  # noqa: E731
     _launch(
-        "dz_swiglu_bwd", cfg, grid, dout_TD, w2, gu_MF, scale_M, tok_M, dgu, dwp, tile_e, r0, r1,
-        num_tiles, inter, dout_TD.shape[1], dout_TD.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
-        gu_MF.stride(0), dwp.stride(0),
+        "dz_swiglu_bwd", cfg, grid, dout_TD, w2_EID, gu_MF, scale_M, tok_M, dgu_MF, dwp_MP, tile_e, r0, r1,
+        num_tiles, inter, dout_TD.shape[1], dout_TD.stride(0), w2_EID.stride(0), w2_EID.stride(1), w2_EID.stride(2),
+        gu_MF.stride(0), dwp_MP.stride(0),
         UPCAST=_upcast(dout_TD), BLOCK_M=BLOCK_M, GROUP_M=GROUP_M,
     )  # fmt: skip
-    return dgu, dwp.sum(1)
+    return dgu_MF, dwp_MP.sum(1)
 
 
 def _dz_then_swiglu_bwd(dout_TD, tok_M, w2_EDI, gu_MF, scale_M, sched) -> tuple[torch.Tensor, torch.Tensor]:
     """The split variant of ``dz_swiglu_bwd``: the dz GEMM to memory, then an elementwise kernel."""
     M, F = gu_MF.shape
-    dz = grouped_gemm(dout_TD, w2_EDI.transpose(1, 2), sched, M, a_idx=tok_M)
-    dgu = torch.empty_like(gu_MF)
-    dw = torch.empty(M, device=gu_MF.device, dtype=torch.float32)
-    block_c = triton.next_power_of_2(F // 2)
-    block_r = max(1, 8192 // block_c)
-    _swiglu_bwd_kernel[(triton.cdiv(M, block_r),)](
-        dz, gu_MF, scale_M, dgu, dw, M, F // 2, dz.stride(0), gu_MF.stride(0), BLOCK_R=block_r, BLOCK_C=block_c
+    dz_MI = grouped_gemm(dout_TD, w2_EDI.transpose(1, 2), sched, M, a_idx=tok_M)
+    dgu_MF = torch.empty_like(gu_MF)
+    dw_M = torch.empty(M, device=gu_MF.device, dtype=torch.float32)
+    block_n = triton.next_power_of_2(F // 2)
+    block_m = max(1, 8192 // block_n)
+    _swiglu_bwd_kernel[(triton.cdiv(M, block_m),)](
+        dz_MI,
+        gu_MF,
+        scale_M,
+        dgu_MF,
+        dw_M,
+        M,
+        F // 2,
+        dz_MI.stride(0),
+        gu_MF.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
     )
-    return dgu, dw
+    return dgu_MF, dw_M
 
 
 def grouped_wgrad(

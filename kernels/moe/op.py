@@ -12,7 +12,8 @@ Triton backward, with h = silu(g) * u, z = h W2^T, out[t] = sum_k w[t,k] z[t,k]:
     dW2[e]  = sum_r (w dout[tok])^T h   (grouped weight-grad GEMM)
     dW13[e] = sum_r (dg|du)^T x[tok]
 
-Legend: T tokens, K top-k, D hidden, E experts, I intermediate, F = 2I, M = T*K sorted rows.
+Legend (docs/conventions.md): T tokens, K top-k, D hidden, E experts, I intermediate, F = 2I, M = T*K rows
+sorted by expert.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ def experts_grouped_mm(
     T, K = ids_TK.shape
     perm_M, offs_E = sort_by_expert(ids_TK, w13_EFD.shape[0])
     xs_MD = x_TD[perm_M // K]
-    gate, up = torch._grouped_mm(xs_MD, w13_EFD.transpose(-2, -1), offs=offs_E).chunk(2, dim=-1)
-    z_MD = torch._grouped_mm(F.silu(gate) * up, w2_EDI.transpose(-2, -1), offs=offs_E)
+    gate_MI, up_MI = torch._grouped_mm(xs_MD, w13_EFD.transpose(-2, -1), offs=offs_E).chunk(2, dim=-1)
+    z_MD = torch._grouped_mm(F.silu(gate_MI) * up_MI, w2_EDI.transpose(-2, -1), offs=offs_E)
     z_MD = z_MD * weights_TK.flatten()[perm_M, None].to(z_MD.dtype)
     return unpermute_sum(z_MD, perm_M, T, K)
 
@@ -77,7 +78,7 @@ def moe_experts_fwd(
     w2_EDI: torch.Tensor,
     store_for_backward: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out [T, D], gate|up pre-activations [M, 2I] (0 rows unless stored), h [M, I], perm [M], offs [E])."""
+    """(out [T, D], gate|up pre-activations [M, F] (0 rows unless stored), h [M, I], perm [M], offs [E])."""
     from kernels.moe import kernel
 
     T, K = ids_TK.shape
@@ -118,7 +119,7 @@ def moe_experts_bwd(
     perm_M: torch.Tensor,
     offs_E: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx [T, D], dweights [T, K], dw13 [E, 2I, D], dw2 [E, D, I]) for the forward above."""
+    """(dx [T, D], dweights [T, K], dw13 [E, F, D], dw2 [E, D, I]) for the forward above."""
     from kernels.moe import kernel
 
     T, K = weights_TK.shape
@@ -130,13 +131,13 @@ def moe_experts_bwd(
     scale_M = weights_TK.flatten()[perm_M].contiguous()
     # dz_un[r] = dout[tok r] @ W2[e] with the SwiGLU backward and rowsum(h * dz_un) in its epilogue
     dgu_MF, dw_M = kernel.dz_swiglu_bwd(dout_TD, tok_M, w2_EDI, gu_MF, scale_M, sched)
-    dweights = torch.empty(M, dtype=weights_TK.dtype, device=x_TD.device)
-    dweights[perm_M] = dw_M.to(weights_TK.dtype)
-    # dx rows: dgu[r] @ W13[e] with W13 [E, 2I, D] read as [E, N=D, K=2I], scattered to (token, slot)
+    dweights_M = torch.empty(M, dtype=weights_TK.dtype, device=x_TD.device)
+    dweights_M[perm_M] = dw_M.to(weights_TK.dtype)
+    # dx rows: dgu[r] @ W13[e], W13 [E, F, D] read as the GEMM's [E, N, K] = [E, D, F]; scattered to (token, slot)
     dx_TD = kernel.grouped_gemm(dgu_MF, w13_EFD.transpose(1, 2), sched, M, out_idx=perm_M).view(T, K, -1).sum(1)
-    dw2 = kernel.grouped_wgrad(dout_TD, h_MI, offs_E, a_idx=tok_M, scale=scale_M)
-    dw13 = kernel.grouped_wgrad(dgu_MF, x_TD, offs_E, b_idx=tok_M)
-    return dx_TD, dweights.view(T, K), dw13.to(w13_EFD.dtype), dw2.to(w2_EDI.dtype)
+    dw2_EDI = kernel.grouped_wgrad(dout_TD, h_MI, offs_E, a_idx=tok_M, scale=scale_M)
+    dw13_EFD = kernel.grouped_wgrad(dgu_MF, x_TD, offs_E, b_idx=tok_M)
+    return dx_TD, dweights_M.view(T, K), dw13_EFD.to(w13_EFD.dtype), dw2_EDI.to(w2_EDI.dtype)
 
 
 @moe_experts_bwd.register_fake
@@ -154,10 +155,10 @@ def _backward(ctx, dout_TD, _dgu, _dh, _dperm, _doffs):
     x_TD, weights_TK, w13_EFD, w2_EDI, gu_MF, h_MI, perm_M, offs_E = ctx.saved_tensors
     if gu_MF.shape[0] != perm_M.shape[0]:
         raise RuntimeError("moe_experts_fwd ran with store_for_backward=False; its output has no backward")
-    dx, dweights, dw13, dw2 = torch.ops.prime_spmd.moe_experts_bwd(
+    dx_TD, dweights_TK, dw13_EFD, dw2_EDI = torch.ops.prime_spmd.moe_experts_bwd(
         dout_TD, x_TD, weights_TK, w13_EFD, w2_EDI, gu_MF, h_MI, perm_M, offs_E
     )
-    return dx, None, dweights, dw13, dw2, None
+    return dx_TD, None, dweights_TK, dw13_EFD, dw2_EDI, None
 
 
 moe_experts_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -1,6 +1,7 @@
 """The spec: a loop over experts in plain PyTorch, differentiable by autograd, any device and dtype.
 
-Legend: T tokens, K experts per token (top-k), D hidden, E experts, I expert intermediate, F = 2I.
+Legend (docs/conventions.md): T tokens, K experts per token (top-k), D hidden, E experts, I expert intermediate,
+F = 2I, M = T*K routed rows; local letter of this file: Me the rows routed to expert e (a subset of M).
 Weights use the nn.Linear layout (out, in): ``w13_EFD`` holds gate rows [0, I) then up rows [I, 2I)
 (Hugging Face's ``Qwen3MoeExperts.gate_up_proj``), ``w2_EDI`` the down projection.
 
@@ -23,13 +24,13 @@ def experts_reference(
     """The MoE experts output [T, D] in x's dtype (see the module docstring); loops over experts."""
     out_TD = torch.zeros_like(x_TD)
     for e in range(w13_EFD.shape[0]):
-        tok, slot = torch.where(topk_ids_TK == e)
-        if tok.numel() == 0:
+        tok_Me, slot_Me = torch.where(topk_ids_TK == e)
+        if tok_Me.numel() == 0:
             continue
-        gate, up = (x_TD[tok] @ w13_EFD[e].T).chunk(2, dim=-1)
-        y = (F.silu(gate) * up) @ w2_EDI[e].T
-        y = y * topk_weights_TK[tok, slot, None].to(y.dtype)
-        out_TD = out_TD.index_add(0, tok, y.to(out_TD.dtype))
+        gate_MeI, up_MeI = (x_TD[tok_Me] @ w13_EFD[e].T).chunk(2, dim=-1)
+        y_MeD = (F.silu(gate_MeI) * up_MeI) @ w2_EDI[e].T
+        y_MeD = y_MeD * topk_weights_TK[tok_Me, slot_Me, None].to(y_MeD.dtype)
+        out_TD = out_TD.index_add(0, tok_Me, y_MeD.to(out_TD.dtype))
     return out_TD
 
 
@@ -41,7 +42,7 @@ def sort_by_expert(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.T
     ``offs`` convention of ``torch._grouped_mm``). Stable, so rows of one expert keep token order.
     No host sync.
     """
-    flat = topk_ids_TK.flatten()
-    perm_M = torch.sort(flat, stable=True).indices
-    counts_E = torch.bincount(flat, minlength=num_experts)
+    ids_M = topk_ids_TK.flatten()
+    perm_M = torch.sort(ids_M, stable=True).indices
+    counts_E = torch.bincount(ids_M, minlength=num_experts)
     return perm_M, counts_E.cumsum(0).to(torch.int32)
