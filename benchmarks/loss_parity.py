@@ -143,11 +143,12 @@ def sample_rollouts(lm: torch.nn.Module, args: argparse.Namespace, device: torch
     span (environment tokens: mask 0, logprob 0).
     """
     from kernels.lm_logprob.op import lm_head_logprobs
+    from prime_spmd.models.registry import adapter_for
     from prime_spmd.rl.types import Rollout
-    from prime_spmd.trainer.policy import forward_hidden, lm_head_weight
 
     gen = torch.Generator().manual_seed(args.seed)
-    weight_VH = lm_head_weight(lm).float()
+    adapter = adapter_for(lm)
+    weight_VH = adapter.lm_head_weight().float()
     vocab, G, C = weight_VH.shape[0], args.group_size, args.completion_len
     groups = []
     for g in range(args.groups):
@@ -159,13 +160,13 @@ def sample_rollouts(lm: torch.nn.Module, args: argparse.Namespace, device: torch
         try:
             for _ in range(C):
                 pos_GT = torch.arange(ids_GT.shape[1], device=device).expand(G, -1)
-                hidden_GH = forward_hidden(lm, ids_GT, pos_GT)[:, -1].float()
+                hidden_GH = adapter.forward_hidden(ids_GT, pos_GT)[:, -1].float()
                 probs_GV = torch.softmax(hidden_GH @ weight_VH.T / args.temperature, dim=-1).cpu()
                 ids_GT = torch.cat([ids_GT, torch.multinomial(probs_GV, 1, generator=gen).to(device)], dim=1)
         finally:
             torch.backends.cuda.matmul.allow_tf32 = tf32
         pos_GT = torch.arange(ids_GT.shape[1], device=device).expand(G, -1)
-        hidden_GCH = forward_hidden(lm, ids_GT, pos_GT)[:, n_p - 1 : -1]  # position t predicts token t + 1
+        hidden_GCH = adapter.forward_hidden(ids_GT, pos_GT)[:, n_p - 1 : -1]  # position t predicts token t + 1
         logprobs_N, _ = lm_head_logprobs(
             hidden_GCH.reshape(G * C, -1), weight_VH, ids_GT[:, n_p:].reshape(-1), args.temperature,
             impl="reference", return_entropy=False,

@@ -9,7 +9,7 @@ LoRA vs full (issue 20; H200 numbers in docs/benchmarks.md):
 
 Models are random-init from the flavor's HF config (prime_spmd/models/qwen3/__init__.py FLAVORS):
 ``custom`` is our Qwen3ForCausalLM (MoE experts: --moe_impl), ``hf`` is transformers' model with sdpa.
-Both run final hidden states (prime_spmd/models/hidden.py), then the LM-head logprob kernel
+Both run final hidden states (the model family's adapter, prime_spmd/models/adapter.py), then the LM-head logprob kernel
 (kernels/lm_logprob ``lm_head_logprobs``, impl triton on GPU, reference on CPU) and loss = -mean logprob,
 on one device without FSDP. This is not the trainer's own step: PolicyModel (trainer/policy.py) wraps the
 LM as an FSDP root and on CUDA uses the loss-fused kernel (``fused_lm_head_loss``) with the RL/SFT loss.
@@ -58,11 +58,11 @@ from benchmarks import common  # noqa: E402
 from kernels.lm_logprob.op import lm_head_logprobs  # noqa: E402
 from prime_spmd.config.sections import LoraConfig  # noqa: E402
 from prime_spmd.distributed.weights import build_spec  # noqa: E402
-from prime_spmd.models import hidden  # noqa: E402
 from prime_spmd.models.lora import apply_lora  # noqa: E402
 from prime_spmd.models.qwen3 import FLAVORS  # noqa: E402
 from prime_spmd.models.qwen3.hf import build_model  # noqa: E402
 from prime_spmd.models.qwen3.model import Qwen3Args, set_moe_impl  # noqa: E402
+from prime_spmd.models.registry import adapter_for  # noqa: E402
 
 SMALL = dict(
     model_type="qwen3_moe", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -102,9 +102,11 @@ def model_flops_per_token(cfg: dict, seq_tokens: int, doc_len: int) -> float:
 
 
 def step_fn(model, opt, ids, pos, targets, lm_impl):
+    adapter = adapter_for(model)
+
     def step():
-        h = hidden.forward_hidden(model, ids, pos)
-        w = hidden.lm_head_weight(model)
+        h = adapter.forward_hidden(ids, pos)
+        w = adapter.lm_head_weight()
         logp, _ = lm_head_logprobs(h.flatten(0, 1), w, targets, impl=lm_impl, return_entropy=False)
         loss = -logp.mean()
         loss.backward()

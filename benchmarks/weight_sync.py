@@ -141,7 +141,7 @@ def main() -> None:
         from prime_spmd.distributed.fsdp import parallelize
         from prime_spmd.distributed.mesh import build_trainer_mesh
         from prime_spmd.distributed.weights import WeightSender
-        from prime_spmd.trainer.policy import PolicyModel, decoder_layer_lists
+        from prime_spmd.trainer.policy import PolicyModel
 
         lm = _build_lm(fields, device, torch.float32, meta=True)
         if a.lora_rank:
@@ -151,7 +151,7 @@ def main() -> None:
             apply_lora(lm, LoraConfig(rank=a.lora_rank, alpha=2.0 * a.lora_rank))
         policy = PolicyModel(lm, "reference")
         mesh = build_trainer_mesh(topo, device)
-        parallelize(policy, decoder_layer_lists(lm), mesh, param_dtype=wire, activation_checkpointing=False)
+        parallelize(policy, policy.adapter.block_lists(), mesh, param_dtype=wire, activation_checkpointing=False)
         policy.to_empty(device=device)  # each rank allocates only its FSDP shard (fp32 master weights)
         lm.model.rotary_emb.reset_parameters()
         _fill(lm, seed=1234 + topo.trainer_rank)

@@ -28,13 +28,6 @@ from prime_spmd.distributed.ep import apply_ep
 from prime_spmd.distributed.mesh import fsdp_axis
 
 
-def expert_modules(module: nn.Module) -> list[nn.Module]:
-    """Stacked-experts modules (our ``GroupedExperts``) inside ``module``, in module order."""
-    from prime_spmd.models.common.moe import GroupedExperts
-
-    return [m for m in module.modules() if isinstance(m, GroupedExperts)]
-
-
 def parallelize(
     root: nn.Module,
     layer_lists: list[nn.ModuleList],
@@ -42,18 +35,21 @@ def parallelize(
     param_dtype: torch.dtype,
     activation_checkpointing: bool,
     reshard_after_forward: bool = True,
+    experts: list[nn.Module] = (),
 ) -> nn.Module:
     """Apply EP (when the mesh has an ``ep`` axis), activation checkpointing and FSDP2, in that order.
 
-    ``layer_lists``: the ModuleLists holding the transformer blocks (AC replaces their entries).
+    ``layer_lists``: the ModuleLists holding the transformer blocks (AC replaces their entries);
+    ``experts``: the stacked-expert modules inside them (``ModelAdapter.expert_modules``), sharded by EP
+    and wrapped as their own FSDP units when the mesh has an ``ep`` axis, ignored otherwise.
     Collective over the trainer role: every trainer rank calls it with the same model structure
     and the same full weights.
     """
     names = mesh.mesh_dim_names or ()
-    experts = []
-    if "ep" in names:
+    if "ep" not in names:
+        experts = []
+    else:
         assert names == ("dp_shard", "ep"), f"EP expects the trainer mesh axes (dp_shard, ep), got {names}"
-        experts = expert_modules(root)
         if not experts:
             raise ValueError("--topology.ep > 1 needs a model with experts in our code (--model.impl custom)")
         for m in experts:

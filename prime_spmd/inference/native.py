@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import random
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -32,22 +31,7 @@ from prime_spmd.inference.engine import Completion, InferenceEngine, Request
 from prime_spmd.inference.kv_cache import SlotKVCache, bucket_sizes, pick_bucket
 from prime_spmd.inference.runner import DecodeAttention, build_runner
 from prime_spmd.inference.sampling import SamplingTensors, sample_flat
-
-_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-
-
-def _expert_slice(params: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
-    """The view of a stacked expert parameter (gate_up_proj [E, 2I, D], down_proj [E, D, I]) an HF name maps to."""
-    prefix, e, proj = _EXPERT.match(name).groups()  # type: ignore[union-attr]
-    e = int(e)
-    if proj == "down_proj":
-        p = params.get(f"{prefix}.down_proj")
-        return None if p is None or p.ndim != 3 else p[e]
-    p = params.get(f"{prefix}.gate_up_proj")
-    if p is None or p.ndim != 3:
-        return None
-    inter = p.shape[1] // 2
-    return p[e, :inter] if proj == "gate_proj" else p[e, inter:]
+from prime_spmd.models.registry import adapter_for
 
 
 @dataclass(slots=True)
@@ -178,13 +162,12 @@ class NativeEngine(InferenceEngine):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """HF names; per-expert MoE weights (``...mlp.experts.{e}.{gate,up,down}_proj.weight``) are
-        copied into the slices of a model that stacks its experts (``prime_spmd.models.qwen3``)."""
+        """HF names, mapped to the model's parameters by its adapter (``param_for_hf_name``: e.g. per-expert
+        MoE weights into the slices of a model that stacks its experts, ``prime_spmd.models.qwen3``)."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
+        adapter = adapter_for(self.model)
         for name, tensor in weights:
-            p = params.get(name)
-            if p is None and _EXPERT.match(name):
-                p = _expert_slice(params, name)
+            p = adapter.param_for_hf_name(params, name)
             if p is None:
                 close = [k for k in params if k.split(".")[-1] == name.split(".")[-1]][:3]
                 raise ValueError(f"load_weights: unknown parameter {name!r} (similar names: {close})")

@@ -9,8 +9,8 @@ weight update (``NativeEngine.load_weights``) is seen at once, also by captured 
 - ``GenericRunner``: any HF causal LM, no KV cache: every decode step re-runs the whole sequence.
   Slow, but correct; it exists so that unsupported architectures still work.
 
-A custom model can bring its own runner: give the model a method
-``make_inference_runner(num_slots, max_len, device) -> runner`` with ``prefill``/``decode`` below.
+Which runner and decode path a model gets, its shapes and its RoPE tables come from its adapter
+(``models/adapter.py``): ``supports_slot_cache``, ``supports_fused_decode``, ``dims``, ``rope_tables``.
 
 Shapes: ``N`` prefill rows, ``T`` prefill length, ``B`` decode rows (slots 0..B-1), ``Lb`` cache
 length attended, ``H`` query heads, ``Hkv`` kv heads, ``G`` = H / Hkv, ``D`` head dim, ``V`` vocab.
@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from prime_spmd.inference.kv_cache import SlotKVCache
+from prime_spmd.models.registry import adapter_for
 
-LLAMA_STYLE = {"qwen3", "qwen2", "llama", "mistral"}
 DecodeAttention = Literal["auto", "bmm", "triton"]
 
 
@@ -38,27 +38,6 @@ def resolve_decode_attention(attention: str, device: torch.device) -> str:
     if attention == "auto":
         return "triton" if device.type == "cuda" else "bmm"
     return attention
-
-
-def is_llama_style(model: torch.nn.Module) -> bool:
-    """True when ``LlamaStyleRunner`` supports ``model``: HF Llama-style with full attention, or our
-    own Qwen3 / Qwen3-MoE (``prime_spmd.models.qwen3``, which has ``args`` instead of ``config``)."""
-    if _is_custom(model):
-        return True
-    cfg = getattr(model, "config", None)
-    if getattr(cfg, "model_type", None) not in LLAMA_STYLE:
-        return False
-    layer_types = getattr(cfg, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
-        return False
-    if getattr(cfg, "use_sliding_window", False):
-        return False
-    inner = getattr(model, "model", None)
-    return all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb"))
-
-
-def _is_custom(model: torch.nn.Module) -> bool:
-    return hasattr(model, "args") and hasattr(model, "lm_head_weight") and hasattr(model, "model")
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -160,32 +139,10 @@ def fuse_linears(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Te
     return w, b
 
 
-def _plain_dense_layers(model: torch.nn.Module) -> bool:
-    """Every layer is the plain HF shape the fused decode assumes: nn.Linear projections, a SiLU
-    gate/up/down MLP, RMSNorms with ``weight`` + ``variance_epsilon``."""
-    cfg = getattr(model, "config", None)
-    if _is_custom(model) or getattr(cfg, "hidden_act", None) != "silu":
-        return False
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        lins = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        lins += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-        if not all(type(m) is torch.nn.Linear for m in lins):
-            return False
-        norms = [layer.input_layernorm, layer.post_attention_layernorm] + [
-            getattr(attn, n) for n in ("q_norm", "k_norm") if hasattr(attn, n)
-        ]
-        if not all(type(n).__name__.endswith("RMSNorm") and hasattr(n, "variance_epsilon") for n in norms):
-            return False
-        if any(m.bias is not None for m in lins[4:]):
-            return False
-    return True
-
-
 class LlamaStyleRunner:
     """Prefill and decode for HF Llama-style decoders with a ``SlotKVCache``.
 
-    Plain dense HF models (``_plain_dense_layers``) decode through ``make_decode_layer`` with fused
+    Plain dense HF models (``ModelAdapter.supports_fused_decode``) decode through ``make_decode_layer`` with fused
     QKV and gate/up weights, compiled on CUDA (``compile_decode``); others (our custom Qwen3, MoE)
     decode through the model's own submodules. ``attention`` picks the decode attention of both
     paths: "bmm" (two batched matmuls + softmax over the whole length bucket), "triton" (the
@@ -207,14 +164,15 @@ class LlamaStyleRunner:
         if attention == "triton":
             import kernels.decode_attention.op  # noqa: F401  registers torch.ops.prime_spmd.decode_attention
         self.attention = attention
-        self.custom = _is_custom(model)
-        cfg = model.args if self.custom else model.config
+        self.adapter = adapter_for(model)
+        dims = self.adapter.dims()
         self.model, self.inner = model, model.model
-        self.num_layers = cfg.num_hidden_layers
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.vocab_size = cfg.vocab_size
+        self.num_layers = dims.num_layers
+        self.num_heads = dims.num_heads
+        self.num_kv_heads = dims.num_kv_heads
+        self.head_dim = dims.head_dim
+        self.vocab_size = dims.vocab_size
+        self.scale, self.qk_norm = dims.attn_scale, dims.qk_norm
         self.dtype = next(model.parameters()).dtype
         self.device = device
         self.cache = SlotKVCache(
@@ -228,14 +186,13 @@ class LlamaStyleRunner:
         )
         self.rebuild_rope()
         self.layer_args: list[tuple] | None = None
-        if _plain_dense_layers(model):
-            self._setup_fused_decode(model, cfg, compile_decode and device.type == "cuda")
+        if self.adapter.supports_fused_decode():
+            self._setup_fused_decode(model, compile_decode and device.type == "cuda")
 
-    def _setup_fused_decode(self, model: torch.nn.Module, cfg, compile_decode: bool) -> None:
+    def _setup_fused_decode(self, model: torch.nn.Module, compile_decode: bool) -> None:
         layers = model.model.layers
-        a0 = layers[0].self_attn
         eps = layers[0].input_layernorm.variance_epsilon
-        fn = make_decode_layer(self.num_heads, self.num_kv_heads, self.head_dim, eps, self._scale(a0), self.attention)
+        fn = make_decode_layer(self.num_heads, self.num_kv_heads, self.head_dim, eps, self.scale, self.attention)
         # one compiled graph serves all layers (same shapes, weights passed as arguments); B and Lb
         # become dynamic after the first recompile, so every (rows, length) bucket reuses it
         self.decode_layer = torch.compile(fn, fullgraph=True) if compile_decode else fn
@@ -245,8 +202,8 @@ class LlamaStyleRunner:
                 attn, mlp = layer.self_attn, layer.mlp
                 qkv_w, qkv_b = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
                 gate_up_w, _ = fuse_linears([mlp.gate_proj, mlp.up_proj])
-                qn = attn.q_norm.weight if hasattr(attn, "q_norm") else None
-                kn = attn.k_norm.weight if hasattr(attn, "k_norm") else None
+                qn = attn.q_norm.weight if self.qk_norm else None
+                kn = attn.k_norm.weight if self.qk_norm else None
                 ln1, ln2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
                 o = attn.o_proj
                 self.layer_args.append(
@@ -255,14 +212,8 @@ class LlamaStyleRunner:
 
     def rebuild_rope(self) -> None:
         """cos/sin tables [L, D] from the model's own rotary module (any rope_type it supports)."""
-        pos = torch.arange(self.cache.max_len, device=self.device)[None]
-        probe = torch.zeros(1, device=self.device, dtype=self.dtype)
         with torch.no_grad():
-            if self.custom:
-                cos, sin = self.inner.rotary_emb(pos, self.dtype)
-            else:
-                cos, sin = self.inner.rotary_emb(probe, pos)
-        cos_LD, sin_LD = cos[0].contiguous(), sin[0].contiguous()
+            cos_LD, sin_LD = self.adapter.rope_tables(self.cache.max_len, self.device, self.dtype)
         old = getattr(self, "cos_LD", None)
         if old is not None and old.shape == cos_LD.shape and old.device == cos_LD.device and old.dtype == cos_LD.dtype:
             # In place: captured CUDA graphs read these exact buffers. Replacing them after a weight
@@ -276,13 +227,10 @@ class LlamaStyleRunner:
         """fp32 logits. With bf16 weights the GEMM accumulates and writes in fp32 (as the trainer's
         logprob kernels do): rounding logits to bf16 first put the mismatch KL at 2.7e-3 on an H200
         (random Qwen3-0.6B shape, docs/benchmarks.md), above the 1e-3 goal."""
-        w = self.model.lm_head_weight() if self.custom else self.model.lm_head.weight
+        w = self.adapter.lm_head_weight()
         if x.dtype == torch.float32:
             return F.linear(x, w)
         return fp32_out_linear(x, w)
-
-    def _scale(self, attn: torch.nn.Module) -> float:
-        return getattr(attn, "scaling", self.head_dim**-0.5)
 
     def _qkv(self, attn: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Projections (+ Qwen3's per-head q/k RMSNorm) -> q [..., H, D], k and v [..., Hkv, D]."""
@@ -290,7 +238,7 @@ class LlamaStyleRunner:
         q = attn.q_proj(x).view(*lead, self.num_heads, self.head_dim)
         k = attn.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
         v = attn.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
-        if hasattr(attn, "q_norm"):
+        if self.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
         return q, k, v
 
@@ -313,7 +261,7 @@ class LlamaStyleRunner:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             self.cache.write_prefill(li, slots_N, k, v)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self._scale(attn), enable_gqa=True)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
             x = x + attn.o_proj(o.transpose(1, 2).reshape(n, t, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         x_ND = x[torch.arange(n, device=x.device), last_N]
@@ -342,12 +290,12 @@ class LlamaStyleRunner:
             self.cache.write_decode(li, pos_B, k, v)
             if self.attention == "triton":
                 o = torch.ops.prime_spmd.decode_attention(
-                    q.contiguous(), self.cache.k[li], self.cache.v[li], lens_B, kv_len, self._scale(attn), 0
+                    q.contiguous(), self.cache.k[li], self.cache.v[li], lens_B, kv_len, self.scale, 0
                 )
             else:
                 kc, vc = self.cache.read(li, b, kv_len)  # [B, Hkv, Lb, D]
                 q = q.view(b, self.num_kv_heads, g, self.head_dim)
-                scores = torch.matmul(q, kc.transpose(-1, -2)).float() * self._scale(attn) + mask  # [B, Hkv, G, Lb]
+                scores = torch.matmul(q, kc.transpose(-1, -2)).float() * self.scale + mask  # [B, Hkv, G, Lb]
                 p = torch.softmax(scores, dim=-1).to(vc.dtype)
                 o = torch.matmul(p, vc)  # [B, Hkv, G, D]
             x = x + attn.o_proj(o.reshape(b, 1, -1))
@@ -414,8 +362,6 @@ def build_runner(
 ):
     """The fastest runner that supports ``model`` (``attention``: see ``LlamaStyleRunner``; the other
     runners have their own attention and ignore it)."""
-    if hasattr(model, "make_inference_runner"):
-        return model.make_inference_runner(num_slots, max_len, device)
-    if is_llama_style(model):
+    if adapter_for(model).supports_slot_cache():
         return LlamaStyleRunner(model, num_slots, max_len, device, compile_decode, attention)
     return GenericRunner(model, num_slots, max_len, device)

@@ -1,6 +1,8 @@
-"""Which HF config types have our own model code (``--model.impl custom|auto``).
+"""Which HF config types have our own model code (``--model.impl custom|auto``), and each model's adapter.
 
-Custom model families register a loader here: ``REGISTRY[model_type] = loader(path, device, dtype)``.
+Custom model families register a loader here, ``REGISTRY[model_type] = loader(path, device, dtype)``,
+and their adapter, ``ADAPTERS[model class] = adapter class``; every other model is a transformers
+model (``HFAdapter``).
 """
 
 from __future__ import annotations
@@ -12,8 +14,23 @@ from pathlib import Path
 import torch
 
 from prime_spmd.config.sections import ModelConfig
+from prime_spmd.models.adapter import ModelAdapter
+from prime_spmd.models.hf_adapter import HFAdapter
+from prime_spmd.models.qwen3.adapter import Qwen3Adapter
+from prime_spmd.models.qwen3.hf import load_qwen3
+from prime_spmd.models.qwen3.model import Qwen3ForCausalLM
 
-REGISTRY: dict[str, Callable[..., torch.nn.Module]] = {}
+REGISTRY: dict[str, Callable[..., torch.nn.Module]] = dict(qwen3=load_qwen3, qwen3_moe=load_qwen3)
+ADAPTERS: dict[type[torch.nn.Module], type[ModelAdapter]] = {Qwen3ForCausalLM: Qwen3Adapter}
+
+
+def adapter_for(lm: torch.nn.Module) -> ModelAdapter:
+    """The adapter of ``lm``'s family: registered for its class (or a base class: FSDP2 subclasses the
+    module it shards), else ``HFAdapter``."""
+    for cls in type(lm).__mro__:
+        if cls in ADAPTERS:
+            return ADAPTERS[cls](lm)
+    return HFAdapter(lm)
 
 
 def model_type(path: str) -> str | None:
@@ -40,12 +57,3 @@ def use_custom(cfg: ModelConfig) -> bool:
 
 def load_custom(path: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     return REGISTRY[model_type(path)](path, device=device, dtype=dtype)
-
-
-def _load_qwen3(path: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    from prime_spmd.models.qwen3.hf import load_qwen3  # lazy: keeps kernels/ out of plain HF runs
-
-    return load_qwen3(path, device=device, dtype=dtype)
-
-
-REGISTRY.update(qwen3=_load_qwen3, qwen3_moe=_load_qwen3)

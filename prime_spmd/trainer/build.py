@@ -17,8 +17,9 @@ from prime_spmd.log import logger
 from prime_spmd.models.common.attention import flash_attn_varlen_func
 from prime_spmd.models.loading import load_model, load_tokenizer, maybe_build_tiny, resolve_dtype
 from prime_spmd.models.lora import apply_lora
+from prime_spmd.models.registry import adapter_for
 from prime_spmd.trainer.optim import build_optimizer, build_scheduler
-from prime_spmd.trainer.policy import PolicyModel, decoder_layer_lists, resolve_loss_impl, resolve_router_aux_coef
+from prime_spmd.trainer.policy import PolicyModel, resolve_loss_impl, resolve_router_aux_coef
 
 
 @dataclass
@@ -72,8 +73,8 @@ def build_trainer(
     compute_dtype = resolve_dtype(model_cfg.dtype, device)
     torch.manual_seed(trainer_cfg.seed)
     lm = load_model(model_cfg, device, dtype=torch.float32)
-    if getattr(lm, "config", None) is not None:
-        lm.config.use_cache = False
+    adapter = adapter_for(lm)
+    adapter.prepare_for_training()
     if model_cfg.lora.rank:  # before FSDP2: the adapters are sharded with their block (docs/lora.md)
         adapted = apply_lora(lm, model_cfg.lora, seed=trainer_cfg.seed, base_model=model_cfg.path)
         num_trainable = sum(p.numel() for p in lm.parameters() if p.requires_grad)
@@ -82,7 +83,7 @@ def build_trainer(
             f"LoRA r={model_cfg.lora.rank} alpha={model_cfg.lora.alpha} on {len(adapted)} modules: "
             f"{num_trainable:,} trainable of {num_total:,} parameters"
         )
-    router_aux_coef = resolve_router_aux_coef(model_cfg.router_aux_loss_coef, lm)
+    router_aux_coef = resolve_router_aux_coef(model_cfg.router_aux_loss_coef, adapter)
     policy = PolicyModel(
         lm, resolve_loss_impl(trainer_cfg.loss_impl, device), router_aux_coef, not varlen_attention(model_cfg, device)
     )
@@ -90,11 +91,12 @@ def build_trainer(
     # EP (mesh with an ep axis) -> activation checkpointing -> FSDP2 per block -> root
     parallelize(
         policy,
-        decoder_layer_lists(lm),
+        adapter.block_lists(),
         mesh,
         param_dtype=compute_dtype,
         activation_checkpointing=trainer_cfg.activation_checkpointing,
         reshard_after_forward=trainer_cfg.reshard_after_forward,
+        experts=adapter.expert_modules(),
     )
     optimizer = build_optimizer(policy, optim_cfg)
     scheduler = build_scheduler(optimizer, optim_cfg, trainer_cfg.max_steps)

@@ -28,7 +28,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -36,11 +35,11 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from transformers import AutoModelForCausalLM
 
 from prime_spmd.distributed.fsdp import unwrapped_name
 from prime_spmd.log import logger
 from prime_spmd.models.lora import is_adapter, lora_modules, lora_scale, merge_state_dict, save_adapter
+from prime_spmd.models.registry import adapter_for
 
 
 def _has_frozen(model: nn.Module) -> bool:
@@ -207,23 +206,8 @@ def save_hf(lm: nn.Module, state_dict: dict[str, torch.Tensor], out_dir: str | P
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    if hasattr(lm, "hf_config"):  # our own model code: HF names via the family's mapping (experts split)
-        from prime_spmd.models.qwen3.hf import to_hf
-
-        tmp.mkdir(parents=True)
-        if lm.hf_config.get("tie_word_embeddings"):
-            state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
-        tensors = {n: t.detach().cpu().clone().contiguous() for n, t in to_hf(state_dict.items())}
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(lm.hf_config, indent=2))
-    else:
-        with torch.device("meta"):
-            fresh = AutoModelForCausalLM.from_config(lm.config)
-        fresh.load_state_dict(state_dict, strict=False, assign=True)
-        fresh.tie_weights()
-        missing = [n for n, p in fresh.named_parameters() if p.is_meta]
-        assert not missing, f"HF export: parameters missing from the state dict: {missing[:5]}"
-        fresh.save_pretrained(tmp)
+    tmp.mkdir(parents=True)
+    adapter_for(lm).write_hf(state_dict, tmp)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     if out.exists():

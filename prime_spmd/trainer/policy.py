@@ -24,74 +24,26 @@ import torch
 from torch import nn
 
 from prime_spmd.log import logger
-from prime_spmd.models.common.moe import load_balance_loss
+from prime_spmd.models.adapter import ModelAdapter
+from prime_spmd.models.hf_adapter import HF_ROUTER_AUX_TYPES
+from prime_spmd.models.registry import adapter_for
 from prime_spmd.rl.loss import TokenLoss
 from prime_spmd.trainer.packing import row_layout
 
-# transformers MoE types whose router is a softmax top-k over router logits (our load_balance_loss applies)
-HF_ROUTER_AUX_TYPES = ("qwen3_moe",)
 
-
-def decoder_layer_lists(lm: nn.Module) -> list[nn.ModuleList]:
-    """The ModuleLists holding the transformer blocks (HF ``model.layers`` or our ``layers``)."""
-    for path in ("model.layers", "layers", "transformer.h", "gpt_neox.layers"):
-        obj = lm
-        for part in path.split("."):
-            obj = getattr(obj, part, None)
-            if obj is None:
-                break
-        if isinstance(obj, nn.ModuleList):
-            return [obj]
-    raise ValueError(f"cannot find the transformer blocks of {type(lm).__name__} (looked for model.layers, layers)")
-
-
-def lm_head_weight(lm: nn.Module) -> torch.Tensor:
-    if hasattr(lm, "lm_head_weight"):
-        return lm.lm_head_weight()
-    head = lm.get_output_embeddings()
-    if head is None:
-        raise ValueError(f"{type(lm).__name__} has no output embeddings (LM head)")
-    return head.weight
-
-
-def forward_hidden(lm: nn.Module, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor) -> torch.Tensor:
-    """Final hidden states [B, T, D] (after the final norm), without computing logits."""
-    if hasattr(lm, "forward_hidden"):
-        return lm.forward_hidden(input_ids_BT, position_ids_BT)
-    decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
-    out = decoder(input_ids=input_ids_BT, position_ids=position_ids_BT, use_cache=False)
-    return out.last_hidden_state
-
-
-def num_experts(lm: nn.Module) -> int:
-    """Routed experts per MoE layer (0 for a dense model), for our model code and transformers'."""
-    if hasattr(lm, "args"):
-        return int(getattr(lm.args, "num_experts", 0) or 0)
-    cfg = getattr(lm, "config", None)
-    return int(getattr(cfg, "num_experts", 0) or getattr(cfg, "num_local_experts", 0) or 0)
-
-
-def has_router_aux(lm: nn.Module) -> bool:
-    """Whether the trainer can compute the load-balance loss of ``lm`` (our MoE, or an HF_ROUTER_AUX_TYPES model)."""
-    if num_experts(lm) == 0:
-        return False
-    return hasattr(lm, "args") or getattr(lm.config, "model_type", "") in HF_ROUTER_AUX_TYPES
-
-
-def resolve_router_aux_coef(flag: float | None, lm: nn.Module) -> float:
-    """The load-balance loss coefficient for ``lm``: ``flag`` (--model.router_aux_loss_coef), or the
-    HF config's ``router_aux_loss_coef`` when None; 0.0 for dense models (an explicit flag > 0 there
-    is ignored with a warning). Raises ``ValueError`` for a nonzero flag on an MoE we cannot compute it for."""
+def resolve_router_aux_coef(flag: float | None, adapter: ModelAdapter) -> float:
+    """The load-balance loss coefficient: ``flag`` (--model.router_aux_loss_coef), or the model config's
+    ``router_aux_loss_coef`` when None; 0.0 for dense models (an explicit flag > 0 there is ignored with
+    a warning). Raises ``ValueError`` for a nonzero flag on an MoE we cannot compute it for."""
     if flag is not None and not (math.isfinite(flag) and flag >= 0):
         raise ValueError(f"--model.router_aux_loss_coef={flag!r} is invalid: must be a finite number >= 0")
-    if num_experts(lm) == 0:
+    if adapter.dims().num_experts == 0:
         if flag:
             logger.warning(f"--model.router_aux_loss_coef={flag} ignored: the model has no MoE layers")
         return 0.0
-    cfg = lm.args if hasattr(lm, "args") else lm.config
-    coef = float(getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0) if flag is None else float(flag)
-    if coef > 0 and not has_router_aux(lm):
-        kind = getattr(getattr(lm, "config", None), "model_type", type(lm).__name__)
+    coef = adapter.config_router_aux_coef() if flag is None else float(flag)
+    if coef > 0 and not adapter.has_router_aux():
+        kind = adapter.model_type
         if flag is not None:
             raise ValueError(
                 f"--model.router_aux_loss_coef={flag} is not supported for transformers model type {kind!r} "
@@ -109,28 +61,6 @@ class RouterStats:
 
     aux_loss: torch.Tensor
     tokens_per_expert_LE: torch.Tensor
-
-
-def forward_hidden_routed(
-    lm: nn.Module, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(final hidden states [B, T, D], load-balance loss with grad, tokens per expert [layers, E]);
-    the last two are None unless ``has_router_aux(lm)``."""
-    if not has_router_aux(lm):
-        return forward_hidden(lm, input_ids_BT, position_ids_BT), None, None
-    if hasattr(lm, "forward_hidden"):
-        hidden_BTD = lm.forward_hidden(input_ids_BT, position_ids_BT)
-        return hidden_BTD, lm.aux_loss(), lm.tokens_per_expert()
-    decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
-    out = decoder(input_ids=input_ids_BT, position_ids=position_ids_BT, use_cache=False, output_router_logits=True)
-    losses, counts = [], []
-    for logits_TE in out.router_logits:  # one per MoE layer; softmax then top-k, as transformers' router
-        probs_TE = torch.softmax(logits_TE.reshape(-1, logits_TE.shape[-1]), dim=-1, dtype=torch.float)
-        ids_TK = torch.topk(probs_TE, lm.config.num_experts_per_tok, dim=-1).indices
-        aux, counts_E = load_balance_loss(probs_TE, ids_TK)
-        losses.append(aux)
-        counts.append(counts_E)
-    return out.last_hidden_state, torch.stack(losses).mean(), torch.stack(counts)
 
 
 class PolicyModel(nn.Module):
@@ -161,28 +91,26 @@ class PolicyModel(nn.Module):
     ) -> None:
         super().__init__()
         self.lm = lm
+        self.adapter = adapter_for(lm)
         self.loss_impl = loss_impl
-        self.unpack_documents = unpack_documents and num_experts(lm) == 0
-        assert router_aux_coef == 0 or has_router_aux(lm), "resolve_router_aux_coef decides the coefficient"
+        self.unpack_documents = unpack_documents and self.adapter.dims().num_experts == 0
+        assert router_aux_coef == 0 or self.adapter.has_router_aux(), "resolve_router_aux_coef decides it"
         self.router_aux_coef = router_aux_coef
         self.last_router: RouterStats | None = None
-
-    def blocks(self) -> list[nn.Module]:
-        return [b for layers in decoder_layer_lists(self.lm) for b in layers]
 
     def hidden(
         self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(final hidden states [B*T, D] in input order, router aux loss, tokens per expert): see
-        ``forward_hidden_routed``; one packed row ([1, L]) goes through ``RowLayout`` when unpacking."""
+        ``ModelAdapter.forward_hidden_routed``; one packed row ([1, L]) goes through ``RowLayout`` when unpacking."""
         layout = None
         if self.unpack_documents and input_ids_BT.shape[0] == 1:
             layout = row_layout(position_ids_BT)
         if layout is None:
-            hidden_BTD, aux, counts_LE = forward_hidden_routed(self.lm, input_ids_BT, position_ids_BT)
+            hidden_BTD, aux, counts_LE = self.adapter.forward_hidden_routed(input_ids_BT, position_ids_BT)
             return hidden_BTD.reshape(-1, hidden_BTD.shape[-1]), aux, counts_LE
-        hidden_STD, aux, counts_LE = forward_hidden_routed(
-            self.lm, layout.to_rows(input_ids_BT), layout.position_ids_ST
+        hidden_STD, aux, counts_LE = self.adapter.forward_hidden_routed(
+            layout.to_rows(input_ids_BT), layout.position_ids_ST
         )
         return layout.from_rows(hidden_STD), aux, counts_LE
 
@@ -194,7 +122,7 @@ class PolicyModel(nn.Module):
         from kernels.lm_logprob.op import lm_head_logprobs
 
         impl = "triton" if self.loss_impl == "fused" else self.loss_impl
-        return lm_head_logprobs(hidden_TD, lm_head_weight(self.lm), targets_T, temperature=temperature, impl=impl)
+        return lm_head_logprobs(hidden_TD, self.adapter.lm_head_weight(), targets_T, temperature=temperature, impl=impl)
 
     def forward(
         self,
@@ -208,7 +136,7 @@ class PolicyModel(nn.Module):
         from kernels.lm_logprob.op import fused_lm_head_loss, lm_head_logprobs
 
         hidden_TD, aux, counts_LE = self.hidden(input_ids_BT, position_ids_BT)
-        weight_VD = lm_head_weight(self.lm)
+        weight_VD = self.adapter.lm_head_weight()
         if self.loss_impl == "fused":
             impl = "triton" if hidden_TD.is_cuda else "torch"
             loss_sum, lp, ent = fused_lm_head_loss(

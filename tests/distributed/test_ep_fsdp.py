@@ -82,6 +82,7 @@ def _grads_worker(rank: int, world: int, model: str) -> dict[str, float]:
 
     from prime_spmd.distributed.fsdp import clip_grad_norm_, parallelize
     from prime_spmd.models.qwen3.hf import load_qwen3
+    from prime_spmd.models.registry import adapter_for
     from tests.dist_utils import init_default_group
 
     init_default_group(rank, world)
@@ -107,7 +108,10 @@ def _grads_worker(rank: int, world: int, model: str) -> dict[str, float]:
 
     lm = load_qwen3(model)
     root = Root(lm)
-    parallelize(root, [lm.model.layers], mesh, torch.float32, activation_checkpointing=True)
+    adapter = adapter_for(lm)
+    parallelize(
+        root, adapter.block_lists(), mesh, torch.float32, activation_checkpointing=True, experts=adapter.expert_modules()
+    )
     per = ids.shape[0] // world
     loss(root, slice(rank * per, (rank + 1) * per), world).backward()  # x world: as trainer/step.py
     ref_params = dict(ref.named_parameters())

@@ -32,7 +32,7 @@ def _rank(rank: int, world: int, model: str) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     from prime_spmd.distributed.fsdp import parallelize
-    from prime_spmd.trainer.policy import PolicyModel, decoder_layer_lists
+    from prime_spmd.trainer.policy import PolicyModel
     from prime_spmd.trainer.step import train_step
 
     init_default_group(rank, world)
@@ -40,7 +40,7 @@ def _rank(rank: int, world: int, model: str) -> list[dict]:
     lm = AutoModelForCausalLM.from_pretrained(model)
     policy = PolicyModel(lm, "reference")
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
-    parallelize(policy, decoder_layer_lists(lm), mesh, torch.float32, activation_checkpointing=False)
+    parallelize(policy, policy.adapter.block_lists(), mesh, torch.float32, activation_checkpointing=False)
     mbs = pack(rl_samples(LENGTHS), MICRO_BATCH_TOKENS, world)[rank]
     out = []
     for cfg in CFGS:  # the recorder never changes the weights: every step starts from the same ones

@@ -7,9 +7,10 @@ import torch
 from safetensors import safe_open
 
 from prime_spmd.config.sections import ModelConfig
-from prime_spmd.models import hidden, registry
+from prime_spmd.models import registry
 from prime_spmd.models.qwen3.hf import load_qwen3, save_hf
 from prime_spmd.models.qwen3.model import set_moe_impl
+from prime_spmd.models.registry import adapter_for
 from prime_spmd.models.tiny import build_tiny_model
 
 # fp32 CPU: measured max |diff| 0.0 (dense and MoE, packed and unpacked, reference and grouped_mm
@@ -75,11 +76,18 @@ def test_logits_parity(kind, dense_dir, moe_dir):
         # packing really isolates documents: document 2 of row 0 equals it run alone
         alone = ours(ids[:1, 5:11]).logits
         assert (ours(ids, packed).logits[:1, 5:11] - alone).abs().max() < ATOL
-        # the free helpers agree for both impls
-        h_hf, h_ours = hidden.forward_hidden(hf, ids, packed), hidden.forward_hidden(ours, ids, packed)
+        # the two families' adapters agree
+        a_hf, a_ours = adapter_for(hf), adapter_for(ours)
+        assert (a_hf.family, a_ours.family) == ("hf", "qwen3")
+        h_hf, h_ours = a_hf.forward_hidden(ids, packed), a_ours.forward_hidden(ids, packed)
         assert (h_hf - h_ours).abs().max() < ATOL
-        assert torch.equal(hidden.lm_head_weight(hf), hidden.lm_head_weight(ours))
-        assert len(hidden.transformer_blocks(hf)) == len(hidden.transformer_blocks(ours))
+        assert torch.equal(a_hf.lm_head_weight(), a_ours.lm_head_weight())
+        assert len(a_hf.blocks()) == len(a_ours.blocks())
+        assert a_hf.dims() == a_ours.dims()
+        (c_hf, s_hf), (c_ours, s_ours) = (a.rope_tables(16, ids.device, torch.float32) for a in (a_hf, a_ours))
+        assert (c_hf - c_ours).abs().max() < ATOL and (s_hf - s_ours).abs().max() < ATOL
+        # the native engine's slot cache: our code always; transformers' MoE is not Llama-style
+        assert a_ours.supports_slot_cache() and a_hf.supports_slot_cache() == (kind == "dense")
 
 
 def test_moe_backward_matches_hf(moe_dir):
@@ -108,7 +116,7 @@ def test_hf_round_trip_bitwise(kind, dense_dir, moe_dir, tmp_path):
             ta, tb = a.get_tensor(k), b.get_tensor(k)
             assert ta.dtype == tb.dtype and torch.equal(ta.view(torch.uint8), tb.view(torch.uint8)), k
     # and transformers loads what we wrote, with the same weights
-    assert torch.equal(hidden.lm_head_weight(_hf(tmp_path)), hidden.lm_head_weight(_hf(path)))
+    assert torch.equal(adapter_for(_hf(tmp_path)).lm_head_weight(), adapter_for(_hf(path)).lm_head_weight())
 
 
 def test_registry_auto_and_custom(dense_dir, moe_dir):

@@ -17,6 +17,7 @@ from prime_spmd.inference import runner as runner_mod
 from prime_spmd.inference.engine import AsyncEngine, Request, SamplingParams
 from prime_spmd.inference.logprobs import mismatch_stats, teacher_forced_logprobs
 from prime_spmd.inference.native import NativeEngine
+from prime_spmd.models.hf_adapter import HFAdapter
 from prime_spmd.models.tiny import build_tiny_model
 
 TEXTS = ["hello world", "abc", "the quick brown fox jumps", "x", "reverse me please", "qwerty uiop"]
@@ -82,7 +83,7 @@ def test_greedy_matches_hf_generate_with_continuous_batching(model_dir, device, 
 
 
 def test_generic_runner_fallback_matches_hf(model_dir, monkeypatch, device):
-    monkeypatch.setattr(runner_mod, "is_llama_style", lambda m: False)
+    monkeypatch.setattr(HFAdapter, "supports_slot_cache", lambda self: False)
     eng, model, tok = _engine(model_dir, device)
     assert isinstance(eng.runner, runner_mod.GenericRunner)
     reqs = _reqs(tok, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), TEXTS[:3])

@@ -11,6 +11,7 @@ import torch
 
 from prime_spmd.config.sections import ModelConfig
 from prime_spmd.models.qwen3.hf import load_qwen3
+from prime_spmd.models.registry import adapter_for
 from prime_spmd.trainer.packing import Sample, pack
 from prime_spmd.trainer.policy import PolicyModel, resolve_router_aux_coef
 from prime_spmd.trainer.sft import sft_loss
@@ -148,8 +149,8 @@ def test_dense_model_has_no_router_metrics(tmp_path) -> None:
     from prime_spmd.models.tiny import build_tiny_model
 
     lm = load_qwen3(build_tiny_model(tmp_path, preset="qwen3-nano"))
-    assert resolve_router_aux_coef(None, lm) == 0.0
-    assert resolve_router_aux_coef(0.5, lm) == 0.0  # ignored with a warning: no MoE layers
+    assert resolve_router_aux_coef(None, adapter_for(lm)) == 0.0
+    assert resolve_router_aux_coef(0.5, adapter_for(lm)) == 0.0  # ignored with a warning: no MoE layers
     policy = PolicyModel(lm)
     mb = _micro_batches()[0]
     opt = torch.optim.SGD(policy.parameters(), lr=0.0)
@@ -165,14 +166,14 @@ def test_router_aux_coef_flag(tmp_path, moe_dir) -> None:
     for ok in (None, 0.0, 0.01):
         assert ModelConfig(path="m", router_aux_loss_coef=ok).router_aux_loss_coef == ok
     with pytest.raises(ValueError, match=r"router_aux_loss_coef=-1"):
-        resolve_router_aux_coef(-1.0, load_qwen3(moe_dir))
+        resolve_router_aux_coef(-1.0, adapter_for(load_qwen3(moe_dir)))
 
     path = _build_moe(tmp_path / "coef", coef=0.02)
     for impl in ("custom", "hf"):
         lm = _load(path, impl)
-        assert resolve_router_aux_coef(None, lm) == 0.02  # the HF config's value
-        assert resolve_router_aux_coef(0.0, lm) == 0.0
-        assert resolve_router_aux_coef(0.3, lm) == 0.3
+        assert resolve_router_aux_coef(None, adapter_for(lm)) == 0.02  # the HF config's value
+        assert resolve_router_aux_coef(0.0, adapter_for(lm)) == 0.0
+        assert resolve_router_aux_coef(0.3, adapter_for(lm)) == 0.3
 
 
 def test_unsupported_hf_moe_type(tmp_path) -> None:
@@ -183,7 +184,7 @@ def test_unsupported_hf_moe_type(tmp_path) -> None:
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02,
     )  # fmt: skip
     lm = AutoModelForCausalLM.from_config(cfg)
-    assert resolve_router_aux_coef(None, lm) == 0.0  # config default: warned, not added
-    assert resolve_router_aux_coef(0.0, lm) == 0.0
+    assert resolve_router_aux_coef(None, adapter_for(lm)) == 0.0  # config default: warned, not added
+    assert resolve_router_aux_coef(0.0, adapter_for(lm)) == 0.0
     with pytest.raises(ValueError, match=r"router_aux_loss_coef=0.1 is not supported .*'mixtral'"):
-        resolve_router_aux_coef(0.1, lm)
+        resolve_router_aux_coef(0.1, adapter_for(lm))

@@ -9,7 +9,6 @@ Stacking and splitting copy bytes unchanged, so HF -> ours -> HF is bitwise.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -17,9 +16,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from prime_spmd.models.adapter import HF_EXPERT_NAME
 from prime_spmd.models.qwen3.model import Qwen3Args, Qwen3ForCausalLM, set_moe_impl
-
-_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def from_hf(hf_items: Iterable[tuple[str, torch.Tensor]], num_experts: int) -> dict[str, torch.Tensor]:
@@ -27,7 +25,7 @@ def from_hf(hf_items: Iterable[tuple[str, torch.Tensor]], num_experts: int) -> d
     ours: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
     for name, t in hf_items:
-        m = _EXPERT.match(name)
+        m = HF_EXPERT_NAME.match(name)
         if m is None:
             ours[name] = t
             continue
