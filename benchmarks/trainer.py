@@ -57,12 +57,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import common  # noqa: E402
 from kernels.lm_logprob.op import lm_head_logprobs  # noqa: E402
 from prime_spmd.config.sections import LoraConfig  # noqa: E402
-from prime_spmd.distributed.weights import build_spec  # noqa: E402
 from prime_spmd.models.lora import apply_lora  # noqa: E402
 from prime_spmd.models.qwen3 import FLAVORS  # noqa: E402
 from prime_spmd.models.qwen3.hf import build_model  # noqa: E402
 from prime_spmd.models.qwen3.model import Qwen3Args, set_moe_impl  # noqa: E402
 from prime_spmd.models.registry import adapter_for  # noqa: E402
+from prime_spmd.sync.weights import build_spec  # noqa: E402
 
 SMALL = dict(
     model_type="qwen3_moe", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -140,7 +140,7 @@ def main() -> None:
     if topo.is_trainer:
         from prime_spmd.distributed.fsdp import parallelize
         from prime_spmd.distributed.mesh import build_trainer_mesh
-        from prime_spmd.distributed.weights import WeightSender
+        from prime_spmd.sync.weights import WeightSender
         from prime_spmd.trainer.policy import PolicyModel
 
         lm = _build_lm(fields, device, torch.float32, meta=True)
@@ -174,7 +174,7 @@ def main() -> None:
         )
     bridge = ctx.weight_bridge
     if topo.mode == "disjoint":
-        from prime_spmd.distributed.weights import WeightReceiver
+        from prime_spmd.sync.weights import WeightReceiver
 
         if rank == CONTROLLER_RANK:
             bridge.broadcast_object(sender.spec, src=CONTROLLER_RANK, device=device)
@@ -242,7 +242,7 @@ def main() -> None:
     if not a.no_check and not a.lora_rank:
         sums = None
         if topo.is_trainer:
-            from prime_spmd.distributed.weights import hf_named_parameters
+            from prime_spmd.sync.weights import hf_named_parameters
 
             sums = []
             for _, p in hf_named_parameters(sender.lm):

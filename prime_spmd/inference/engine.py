@@ -73,7 +73,7 @@ class InferenceEngine(abc.ABC):
 
     tokenizer: Any
     weights_version: int = 0
-    """Optimizer steps of the weights the engine holds. Set by the weight sync (prime_spmd/distributed/weights.py) after
+    """Optimizer steps of the weights the engine holds. Set by the weight sync (prime_spmd/sync/weights.py) after
     a complete update, to the version the trainer sent; generation reports it with every batch."""
 
     @abc.abstractmethod

@@ -3,7 +3,7 @@
 Written against vLLM 0.32.0 (docs/lora.md, docs/vllm.md). With ``--model.lora.rank > 0`` the engine is
 built with ``LLM(enable_lora=True, max_lora_rank=..., max_loras=1)``: vLLM wraps every linear layer in a
 LoRA layer (on CPU through ``PunicaWrapperCPU``) and keeps the base weights it loaded from
-``--model.path``; a weight sync carries the adapter tensors only (prime_spmd/distributed/weights.py).
+``--model.path``; a weight sync carries the adapter tensors only (prime_spmd/sync/weights.py).
 
 vLLM 0.32 loads an adapter only from a directory: ``LoRARequest.lora_path`` is read by
 ``WorkerLoRAManager._load_adapter`` -> ``LoRAModel.from_local_checkpoint``, which reads the safetensors

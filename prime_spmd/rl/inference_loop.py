@@ -10,13 +10,13 @@ from __future__ import annotations
 from prime_spmd.config import RLJobConfig
 from prime_spmd.distributed.groups import SENDS_PER_OBJECT, DistContext
 from prime_spmd.distributed.topology import CONTROLLER_RANK
-from prime_spmd.distributed.weights import WeightReceiver
 from prime_spmd.envs.base import Environment
 from prime_spmd.inference.engine import InferenceEngine
 from prime_spmd.log import logger
 from prime_spmd.rl import stop_go
 from prime_spmd.rl.generate import generate_share
 from prime_spmd.rl.schedule import batch_after_step, pregenerated_batches, unreceived_batches_bound, version_of_batch
+from prime_spmd.sync.weights import WeightReceiver
 from prime_spmd.trainer.stop import StopSignal
 
 

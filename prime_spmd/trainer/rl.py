@@ -33,7 +33,6 @@ import torch.distributed as dist
 from prime_spmd.config import RLJobConfig, write_resolved_config
 from prime_spmd.distributed.groups import DistContext, init_distributed
 from prime_spmd.distributed.topology import CONTROLLER_RANK
-from prime_spmd.distributed.weights import WeightSender
 from prime_spmd.envs.base import Environment
 from prime_spmd.envs.loader import load_environment
 from prime_spmd.inference.engine import InferenceEngine
@@ -46,6 +45,7 @@ from prime_spmd.rl.inference_loop import InferenceLoop
 from prime_spmd.rl.loss import make_rl_loss
 from prime_spmd.rl.schedule import batch_after_step, pregenerated_batches, restored_batches, version_of_batch
 from prime_spmd.rl.types import Batch
+from prime_spmd.sync.weights import WeightSender
 from prime_spmd.trainer.build import build_trainer, prepare_model_dir, set_threads
 from prime_spmd.trainer.checkpoint import Checkpointer, latest_checkpoint
 from prime_spmd.trainer.job import close_run, export_hf, load_checkpoint, open_sink, run_steps

@@ -91,8 +91,8 @@ def _sync(rank: int, world: int, cfg: RLJobConfig) -> dict[str, torch.Tensor] | 
     """Build trainer/engines, change the trainer's weights with one SFT-style step, sync, return weights."""
     from prime_spmd.distributed.groups import init_distributed
     from prime_spmd.distributed.topology import CONTROLLER_RANK
-    from prime_spmd.distributed.weights import WeightReceiver, WeightSender
     from prime_spmd.inference.factory import build_engine
+    from prime_spmd.sync.weights import WeightReceiver, WeightSender
     from prime_spmd.trainer.build import build_trainer, strip_prefix
     from prime_spmd.trainer.checkpoint import full_state_dict
     from prime_spmd.trainer.packing import Sample, pack

@@ -204,9 +204,9 @@ def test_colocated_sync_sends_only_adapters_and_the_engine_matches(tmp_path: Pat
     """Adapter-only copy into a native engine: the engine's merged weights give the trainer's logits."""
     from transformers import AutoModelForCausalLM
 
-    from prime_spmd.distributed.weights import WeightSender
     from prime_spmd.inference.native import NativeEngine
     from prime_spmd.models.tiny import build_char_tokenizer, build_tiny_model
+    from prime_spmd.sync.weights import WeightSender
 
     path = build_tiny_model(tmp_path / "m", "qwen3-nano", seed=0)
     lm = AutoModelForCausalLM.from_pretrained(path)
@@ -238,9 +238,9 @@ def test_colocated_sync_sends_only_adapters_and_the_engine_matches(tmp_path: Pat
 
 def test_sync_bytes_qwen3_0_6b_shape_r16() -> None:
     """Bytes of one sync for the Qwen3-0.6B shape (bf16 wire), full weights vs LoRA r=16 on all 7 projections."""
-    from prime_spmd.distributed.weights import build_spec
     from prime_spmd.models.qwen3 import FLAVORS
     from prime_spmd.models.qwen3.model import Qwen3Args, Qwen3ForCausalLM
+    from prime_spmd.sync.weights import build_spec
 
     with torch.device("meta"):
         lm = Qwen3ForCausalLM(Qwen3Args.from_hf_config(FLAVORS["qwen3-0.6b"]))

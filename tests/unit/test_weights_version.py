@@ -17,10 +17,10 @@ from torch import nn
 from prime_spmd.config import RLJobConfig
 from prime_spmd.config.sections import SamplingConfig, TopologyConfig
 from prime_spmd.distributed.groups import Bridge
-from prime_spmd.distributed.weights import WeightReceiver, WeightSender
 from prime_spmd.inference.engine import InferenceEngine
 from prime_spmd.rl.generate import generate_share
 from prime_spmd.rl.types import Rollout
+from prime_spmd.sync.weights import WeightReceiver, WeightSender
 from prime_spmd.trainer import rl as rl_loop
 
 
@@ -117,7 +117,7 @@ def test_generation_checks_the_engine_version_against_the_schedule() -> None:
 
 
 def test_sync_time_waits_for_the_device(monkeypatch) -> None:
-    from prime_spmd.distributed import weights
+    from prime_spmd.sync import weights
 
     synced = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))

@@ -66,7 +66,7 @@ def _train_step(trainer, scale: float) -> None:
 
 
 def test_adapter_updates_reach_vllm(setup):
-    from prime_spmd.distributed.weights import WeightReceiver, WeightSender
+    from prime_spmd.sync.weights import WeightReceiver, WeightSender
 
     eng, trainer, prompts = setup["engine"], setup["trainer"], setup["prompts"]
     cpu = torch.device("cpu")
@@ -109,7 +109,7 @@ def test_adapter_updates_reach_vllm(setup):
 
 
 def test_lora_engine_rejects_full_weights_and_a_wrong_scale(setup):
-    from prime_spmd.distributed.weights import WeightSpec, lora_merger
+    from prime_spmd.sync.weights import WeightSpec, lora_merger
 
     eng = setup["engine"]
     with pytest.raises(ValueError, match="takes adapter tensors only, got 'model.norm.weight'"):

@@ -92,7 +92,7 @@ def test_sampled_logprobs_match_the_trainer(setup, temperature, top_k):
 
 
 def test_bucketed_weight_update_reaches_vllm(setup):
-    from prime_spmd.distributed.weights import WeightReceiver, WeightSender
+    from prime_spmd.sync.weights import WeightReceiver, WeightSender
 
     eng, trainer, prompts = setup["vllm"], setup["trainer"], setup["prompts"]
     with torch.no_grad():  # a "trainer step": move every weight
