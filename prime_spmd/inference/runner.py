@@ -12,8 +12,10 @@ weight update (``NativeEngine.load_weights``) is seen at once, also by captured 
 Which runner and decode path a model gets, its shapes and its RoPE tables come from its adapter
 (``models/adapter.py``): ``supports_slot_cache``, ``supports_fused_decode``, ``dims``, ``rope_tables``.
 
-Shapes: ``N`` prefill rows, ``T`` prefill length, ``B`` decode rows (slots 0..B-1), ``Lb`` cache
-length attended, ``H`` query heads, ``Hkv`` kv heads, ``G`` = H / Hkv, ``D`` head dim, ``V`` vocab.
+Legend (docs/conventions.md): B rows of a prefill or decode step (a decode step's rows are slots 0..B-1),
+T prompt length, D hidden, N query heads, Nkv kv heads, G = N / Nkv, Dh head dim, V vocab, Bc cache slots,
+Tc positions per slot; local letter of this file: Tkv the positions a decode step attends (``kv_len``, its
+length bucket, Tkv <= Tc).
 """
 
 from __future__ import annotations
@@ -76,13 +78,13 @@ def make_decode_layer(
 ):
     """One decoder layer of a decode step as a pure function of tensors (``torch.compile`` fuses it).
 
-    Args per call: ``x_BE`` residual [B, E] (E hidden), the layer's weights (aliases of the model's
-    parameters: ``qkv_w`` [(H + 2 Hkv) D, E], ``gate_up_w`` [2I, E]), the layer's cache ``k_SHLD`` /
-    ``v_SHLD`` [S, Hkv, L, D] (written in place at ``pos_B``), ``cos_BD``/``sin_BD`` at ``pos_B``, then
-    what ``attention`` reads: "bmm": ``mask_BL`` additive float32 [B, Lb] (Lb = attended length; the
-    two matmuls read all Lb positions of every row); "triton": ``lens_B`` int [B] (row b attends
-    positions [0, lens_B[b])) and ``kv_len`` = Lb, a static bound sizing the kernel's grid
-    (kernels/decode_attention). Returns the new residual [B, E].
+    Args per call: ``x_BD`` residual [B, D], the layer's weights (aliases of the model's
+    parameters: ``qkv_w`` [(N + 2 Nkv) Dh, D], ``gate_up_w`` [2 * intermediate, D]), the layer's cache
+    ``k_BcNkvTcDh`` / ``v_BcNkvTcDh`` [Bc, Nkv, Tc, Dh] (written in place at ``pos_B``), ``cos_BDh``/``sin_BDh``
+    at ``pos_B``, then what ``attention`` reads: "bmm": ``mask_BTkv`` additive float32 [B, Tkv] (the two
+    matmuls read all Tkv positions of every row); "triton": ``lens_B`` int [B] (row b attends
+    positions [0, lens_B[b])) and ``kv_len`` = Tkv, a static bound sizing the kernel's grid
+    (kernels/decode_attention). Returns the new residual [B, D].
     """
     g = num_heads // num_kv_heads
     nq, nk = num_heads * head_dim, num_kv_heads * head_dim
@@ -90,32 +92,34 @@ def make_decode_layer(
     def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return x * cos + _rotate_half(x) * sin
 
-    def layer(x_BE, ln1_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, o_b, ln2_w, gate_up_w, down_w,
-              k_SHLD, v_SHLD, cos_BD, sin_BD, pos_B, mask_BL, lens_B, kv_len):  # fmt: skip
-        b = x_BE.shape[0]
-        qkv = F.linear(rms_norm(x_BE, ln1_w, eps), qkv_w, qkv_b)
+    def layer(x_BD, ln1_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, o_b, ln2_w, gate_up_w, down_w,
+              k_BcNkvTcDh, v_BcNkvTcDh, cos_BDh, sin_BDh, pos_B, mask_BTkv, lens_B, kv_len):  # fmt: skip
+        b = x_BD.shape[0]
+        qkv = F.linear(rms_norm(x_BD, ln1_w, eps), qkv_w, qkv_b)
         q = qkv[:, :nq].view(b, num_heads, head_dim)
         k = qkv[:, nq : nq + nk].view(b, num_kv_heads, head_dim)
         v = qkv[:, nq + nk :].view(b, num_kv_heads, head_dim)
         if q_norm_w is not None:
             q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
-        q, k = rope(q, cos_BD[:, None], sin_BD[:, None]), rope(k, cos_BD[:, None], sin_BD[:, None])
-        rows_B = torch.arange(b, device=x_BE.device)
-        k_SHLD[rows_B, :, pos_B] = k  # [B, Hkv, D] at (slot b, position pos_B[b])
-        v_SHLD[rows_B, :, pos_B] = v
+        q, k = rope(q, cos_BDh[:, None], sin_BDh[:, None]), rope(k, cos_BDh[:, None], sin_BDh[:, None])
+        rows_B = torch.arange(b, device=x_BD.device)
+        k_BcNkvTcDh[rows_B, :, pos_B] = k  # [B, Nkv, Dh] at (slot b, position pos_B[b])
+        v_BcNkvTcDh[rows_B, :, pos_B] = v
         if attention == "triton":
-            o = torch.ops.prime_spmd.decode_attention(q.contiguous(), k_SHLD, v_SHLD, lens_B, kv_len, scale, 0)
+            o = torch.ops.prime_spmd.decode_attention(
+                q.contiguous(), k_BcNkvTcDh, v_BcNkvTcDh, lens_B, kv_len, scale, 0
+            )
             o = o.reshape(b, nq)
         else:
-            lb = mask_BL.shape[1]
-            kc, vc = k_SHLD[:b, :, :lb], v_SHLD[:b, :, :lb]  # [B, Hkv, Lb, D] views
+            tkv = mask_BTkv.shape[1]
+            kc, vc = k_BcNkvTcDh[:b, :, :tkv], v_BcNkvTcDh[:b, :, :tkv]  # [B, Nkv, Tkv, Dh] views
             scores = torch.matmul(q.view(b, num_kv_heads, g, head_dim), kc.transpose(-1, -2)).float() * scale
-            p = torch.softmax(scores + mask_BL[:, None, None], dim=-1).to(vc.dtype)
-            o = torch.matmul(p, vc).reshape(b, nq)  # [B, Hkv, G, D] -> [B, H D]
-        x_BE = x_BE + F.linear(o, o_w, o_b)
-        gu = F.linear(rms_norm(x_BE, ln2_w, eps), gate_up_w)
+            p = torch.softmax(scores + mask_BTkv[:, None, None], dim=-1).to(vc.dtype)
+            o = torch.matmul(p, vc).reshape(b, nq)  # [B, Nkv, G, Dh] -> [B, N Dh]
+        x_BD = x_BD + F.linear(o, o_w, o_b)
+        gu = F.linear(rms_norm(x_BD, ln2_w, eps), gate_up_w)
         inter = gu.shape[1] // 2
-        return x_BE + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], down_w)
+        return x_BD + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], down_w)
 
     return layer
 
@@ -193,7 +197,7 @@ class LlamaStyleRunner:
         layers = model.model.layers
         eps = layers[0].input_layernorm.variance_epsilon
         fn = make_decode_layer(self.num_heads, self.num_kv_heads, self.head_dim, eps, self.scale, self.attention)
-        # one compiled graph serves all layers (same shapes, weights passed as arguments); B and Lb
+        # one compiled graph serves all layers (same shapes, weights passed as arguments); B and Tkv
         # become dynamic after the first recompile, so every (rows, length) bucket reuses it
         self.decode_layer = torch.compile(fn, fullgraph=True) if compile_decode else fn
         self.layer_args = []
@@ -211,17 +215,22 @@ class LlamaStyleRunner:
                 )
 
     def rebuild_rope(self) -> None:
-        """cos/sin tables [L, D] from the model's own rotary module (any rope_type it supports)."""
+        """cos/sin tables [Tc, Dh] from the model's own rotary module (any rope_type it supports)."""
         with torch.no_grad():
-            cos_LD, sin_LD = self.adapter.rope_tables(self.cache.max_len, self.device, self.dtype)
-        old = getattr(self, "cos_LD", None)
-        if old is not None and old.shape == cos_LD.shape and old.device == cos_LD.device and old.dtype == cos_LD.dtype:
+            cos_TcDh, sin_TcDh = self.adapter.rope_tables(self.cache.max_len, self.device, self.dtype)
+        old = getattr(self, "cos_TcDh", None)
+        if (
+            old is not None
+            and old.shape == cos_TcDh.shape
+            and old.device == cos_TcDh.device
+            and old.dtype == cos_TcDh.dtype
+        ):
             # In place: captured CUDA graphs read these exact buffers. Replacing them after a weight
             # update left the graphs reading freed memory (NaN rollouts on the H200, 2026-12-02).
-            self.cos_LD.copy_(cos_LD)
-            self.sin_LD.copy_(sin_LD)
+            self.cos_TcDh.copy_(cos_TcDh)
+            self.sin_TcDh.copy_(sin_TcDh)
         else:
-            self.cos_LD, self.sin_LD = cos_LD, sin_LD
+            self.cos_TcDh, self.sin_TcDh = cos_TcDh, sin_TcDh
 
     def _lm_head(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 logits. With bf16 weights the GEMM accumulates and writes in fp32 (as the trainer's
@@ -233,7 +242,7 @@ class LlamaStyleRunner:
         return fp32_out_linear(x, w)
 
     def _qkv(self, attn: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Projections (+ Qwen3's per-head q/k RMSNorm) -> q [..., H, D], k and v [..., Hkv, D]."""
+        """Projections (+ Qwen3's per-head q/k RMSNorm) -> q [..., N, Dh], k and v [..., Nkv, Dh]."""
         lead = x.shape[:-1]
         q = attn.q_proj(x).view(*lead, self.num_heads, self.head_dim)
         k = attn.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
@@ -243,29 +252,29 @@ class LlamaStyleRunner:
         return q, k, v
 
     @torch.no_grad()
-    def prefill(self, ids_NT: torch.Tensor, slots_N: torch.Tensor, last_N: torch.Tensor) -> torch.Tensor:
-        """Run right-padded prompts ``ids_NT`` into ``slots_N``; return float logits [N, V] at ``last_N``.
+    def prefill(self, ids_BT: torch.Tensor, slots_B: torch.Tensor, last_B: torch.Tensor) -> torch.Tensor:
+        """Run right-padded prompts ``ids_BT`` into ``slots_B``; return float logits [B, V] at ``last_B``.
 
         Padding sits after each prompt, so causal attention keeps real positions exact; the K/V
         written at padded positions are overwritten by decode before they are ever attended.
         """
-        n, t = ids_NT.shape
-        x = self.inner.embed_tokens(ids_NT)
-        cos = self.cos_LD[:t][None, None]
-        sin = self.sin_LD[:t][None, None]
+        b, t = ids_BT.shape
+        x = self.inner.embed_tokens(ids_BT)
+        cos = self.cos_TcDh[:t][None, None]
+        sin = self.sin_TcDh[:t][None, None]
         for li, layer in enumerate(self.inner.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             q, k, v = self._qkv(attn, h)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [N, H*, T, D]
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, N or Nkv, T, Dh]
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            self.cache.write_prefill(li, slots_N, k, v)
+            self.cache.write_prefill(li, slots_B, k, v)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(n, t, -1))
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        x_ND = x[torch.arange(n, device=x.device), last_N]
-        return self._lm_head(self.inner.norm(x_ND))
+        x_BD = x[torch.arange(b, device=x.device), last_B]
+        return self._lm_head(self.inner.norm(x_BD))
 
     @torch.no_grad()
     def decode(self, ids_B: torch.Tensor, pos_B: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -274,17 +283,17 @@ class LlamaStyleRunner:
             return self._decode_fused(ids_B, pos_B, kv_len)
         b = ids_B.shape[0]
         g = self.num_heads // self.num_kv_heads
-        x = self.inner.embed_tokens(ids_B)[:, None]  # [B, 1, hidden]: MoE blocks want 3-D input
-        cos = self.cos_LD[pos_B][:, None]  # [B, 1, D]
-        sin = self.sin_LD[pos_B][:, None]
-        # attend to positions <= pos; additive mask [B, 1, 1, Lb] in float32
+        x = self.inner.embed_tokens(ids_B)[:, None]  # [B, 1, D]: MoE blocks want 3-D input
+        cos = self.cos_TcDh[pos_B][:, None]  # [B, 1, Dh]
+        sin = self.sin_TcDh[pos_B][:, None]
+        # attend to positions <= pos; additive mask [B, 1, 1, Tkv] in float32
         visible = torch.arange(kv_len, device=ids_B.device)[None, :] <= pos_B[:, None]
         mask = torch.zeros(visible.shape, device=ids_B.device).masked_fill(~visible, float("-inf"))[:, None, None]
         lens_B = (pos_B + 1).clamp(max=kv_len)
         for li, layer in enumerate(self.inner.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)[:, 0]
-            q, k, v = self._qkv(attn, h)  # [B, H, D], [B, Hkv, D]
+            q, k, v = self._qkv(attn, h)  # [B, N, Dh], [B, Nkv, Dh]
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             self.cache.write_decode(li, pos_B, k, v)
@@ -293,27 +302,27 @@ class LlamaStyleRunner:
                     q.contiguous(), self.cache.k[li], self.cache.v[li], lens_B, kv_len, self.scale, 0
                 )
             else:
-                kc, vc = self.cache.read(li, b, kv_len)  # [B, Hkv, Lb, D]
+                kc, vc = self.cache.read(li, b, kv_len)  # [B, Nkv, Tkv, Dh]
                 q = q.view(b, self.num_kv_heads, g, self.head_dim)
-                scores = torch.matmul(q, kc.transpose(-1, -2)).float() * self.scale + mask  # [B, Hkv, G, Lb]
+                scores = torch.matmul(q, kc.transpose(-1, -2)).float() * self.scale + mask  # [B, Nkv, G, Tkv]
                 p = torch.softmax(scores, dim=-1).to(vc.dtype)
-                o = torch.matmul(p, vc)  # [B, Hkv, G, D]
+                o = torch.matmul(p, vc)  # [B, Nkv, G, Dh]
             x = x + attn.o_proj(o.reshape(b, 1, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self._lm_head(self.inner.norm(x[:, 0]))
 
     def _decode_fused(self, ids_B: torch.Tensor, pos_B: torch.Tensor, kv_len: int) -> torch.Tensor:
-        x = self.inner.embed_tokens(ids_B)  # [B, E]
-        cos, sin = self.cos_LD[pos_B], self.sin_LD[pos_B]  # [B, D]
+        x = self.inner.embed_tokens(ids_B)  # [B, D]
+        cos, sin = self.cos_TcDh[pos_B], self.sin_TcDh[pos_B]  # [B, Dh]
         if self.attention == "triton":
             # row b attends positions <= pos_B[b]; rows past the bucket (free slots) are clamped to it
-            mask_BL, lens_B, lb = None, (pos_B + 1).clamp(max=kv_len), kv_len
+            mask_BTkv, lens_B, tkv = None, (pos_B + 1).clamp(max=kv_len), kv_len
         else:
             visible = torch.arange(kv_len, device=ids_B.device)[None, :] <= pos_B[:, None]
-            mask_BL = torch.zeros(visible.shape, device=ids_B.device).masked_fill(~visible, float("-inf"))
-            lens_B, lb = None, 0  # a constant: the bmm path reads Lb from the mask's shape
+            mask_BTkv = torch.zeros(visible.shape, device=ids_B.device).masked_fill(~visible, float("-inf"))
+            lens_B, tkv = None, 0  # a constant: the bmm path reads Tkv from the mask's shape
         for li, args in enumerate(self.layer_args):
-            x = self.decode_layer(x, *args, self.cache.k[li], self.cache.v[li], cos, sin, pos_B, mask_BL, lens_B, lb)
+            x = self.decode_layer(x, *args, self.cache.k[li], self.cache.v[li], cos, sin, pos_B, mask_BTkv, lens_B, tkv)
         return self._lm_head(self.inner.norm(x))
 
 
@@ -340,11 +349,11 @@ class GenericRunner:
         last = torch.tensor([len(s) - 1 for s in seqs], device=self.device)
         return logits[torch.arange(len(seqs), device=self.device), last].float()
 
-    def prefill(self, ids_NT: torch.Tensor, slots_N: torch.Tensor, last_N: torch.Tensor) -> torch.Tensor:
-        rows = ids_NT.tolist()
-        for slot, row, last in zip(slots_N.tolist(), rows, last_N.tolist()):
+    def prefill(self, ids_BT: torch.Tensor, slots_B: torch.Tensor, last_B: torch.Tensor) -> torch.Tensor:
+        rows = ids_BT.tolist()
+        for slot, row, last in zip(slots_B.tolist(), rows, last_B.tolist()):
             self.seqs[slot] = row[: last + 1]
-        return self._last_logits([self.seqs[s] for s in slots_N.tolist()])
+        return self._last_logits([self.seqs[s] for s in slots_B.tolist()])
 
     def decode(self, ids_B: torch.Tensor, pos_B: torch.Tensor, kv_len: int) -> torch.Tensor:
         for slot, (tok, pos) in enumerate(zip(ids_B.tolist(), pos_B.tolist())):

@@ -228,13 +228,13 @@ def test_load_weights_keeps_rope_buffers_in_place(tmp_path, device) -> None:
         max_model_len=32,
         device=device,
     )
-    cos, sin = engine.runner.cos_LD, engine.runner.sin_LD
+    cos, sin = engine.runner.cos_TcDh, engine.runner.sin_TcDh
     ptrs = (cos.data_ptr(), sin.data_ptr())
     before = cos.clone()
     new = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "n", "qwen3-nano", seed=1))
     engine.load_weights(new.named_parameters())
-    assert (engine.runner.cos_LD.data_ptr(), engine.runner.sin_LD.data_ptr()) == ptrs
-    assert torch.equal(engine.runner.cos_LD, before)
+    assert (engine.runner.cos_TcDh.data_ptr(), engine.runner.sin_TcDh.data_ptr()) == ptrs
+    assert torch.equal(engine.runner.cos_TcDh, before)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs + compiled decode need a GPU")
