@@ -3,8 +3,12 @@
 One "step" is one attention call per layer over each layer's own cache, captured in a CUDA graph
 (as the engine replays it), timed over replays. Reports us per layer and the bandwidth over the
 bytes a step must read (each row's own K/V positions, not the bucket), for a sweep of the kernel's
-tile / warps / stages / splits. Shapes default to Qwen3-0.6B (16 q heads, 8 kv heads, D 128,
+tile / warps / stages / splits. Shapes default to Qwen3-0.6B (16 q heads, 8 kv heads, Dh 128,
 28 layers), bf16, rows at length ``--len`` in a cache bucket of ``--bucket`` positions.
+
+Legend (docs/conventions.md): B rows, N query heads, Nkv kv heads, Dh head dim, Bc cache slots, Tc positions
+per slot; local letter of this file (as in prime_spmd/inference/runner.py): Tkv the positions the bmm path
+reads (``--bucket``, Tkv <= Tc). Each layer's cache here has Bc = B slots and Tc = Tkv positions.
 
     python benchmarks/decode_attention.py --batch-sizes 1,64,256 --out decode_attention.json
 """
@@ -24,14 +28,14 @@ from benchmarks import common  # noqa: E402
 from kernels.decode_attention import kernel  # noqa: E402
 
 
-def bmm_attention(q_BHD, k_SJLD, v_SJLD, mask_BL, scale: float):
-    """The engine's bmm path (runner.make_decode_layer), alone."""
-    b, h, d = q_BHD.shape
-    j, lb = k_SJLD.shape[1], mask_BL.shape[1]
-    kc, vc = k_SJLD[:b, :, :lb], v_SJLD[:b, :, :lb]
-    scores = torch.matmul(q_BHD.view(b, j, h // j, d), kc.transpose(-1, -2)).float() * scale
-    p = torch.softmax(scores + mask_BL[:, None, None], dim=-1).to(vc.dtype)
-    return torch.matmul(p, vc).reshape(b, h, d)
+def bmm_attention(q_BNDh, k_BcNkvTcDh, v_BcNkvTcDh, mask_BTkv, scale: float):
+    """The engine's bmm path (runner.make_decode_layer), alone: o [B, N, Dh]."""
+    b, n, dh = q_BNDh.shape
+    nkv, tkv = k_BcNkvTcDh.shape[1], mask_BTkv.shape[1]
+    kc, vc = k_BcNkvTcDh[:b, :, :tkv], v_BcNkvTcDh[:b, :, :tkv]  # [B, Nkv, Tkv, Dh] views
+    scores = torch.matmul(q_BNDh.view(b, nkv, n // nkv, dh), kc.transpose(-1, -2)).float() * scale
+    p = torch.softmax(scores + mask_BTkv[:, None, None], dim=-1).to(vc.dtype)
+    return torch.matmul(p, vc).reshape(b, n, dh)
 
 
 def time_graph(fn, num_layers: int, reps: int) -> float:
@@ -56,30 +60,31 @@ def time_graph(fn, num_layers: int, reps: int) -> float:
 def bench_batch(b: int, args: argparse.Namespace, bmm) -> list[dict]:
     """The bmm path and each kernel config at batch ``b``: us per layer, GB/s, error vs bmm."""
     dev, dt = torch.device(args.device), torch.bfloat16
-    h, j, d, lb = args.heads, args.kv_heads, args.head_dim, args.bucket
-    scale = d**-0.5
+    n, nkv, dh, tkv = args.heads, args.kv_heads, args.head_dim, args.bucket
+    scale = dh**-0.5
     torch.manual_seed(0)
-    ks = [torch.randn(b, j, lb, d, device=dev, dtype=dt) for _ in range(args.layers)]
-    vs = [torch.randn(b, j, lb, d, device=dev, dtype=dt) for _ in range(args.layers)]
-    q = torch.randn(b, h, d, device=dev, dtype=dt)
-    lens = torch.full((b,), args.len, device=dev, dtype=torch.long)
-    visible = torch.arange(lb, device=dev)[None] < lens[:, None]
-    mask = torch.zeros(b, lb, device=dev).masked_fill(~visible, float("-inf"))
-    need_bytes = 2 * b * j * args.len * d * 2  # K and V of each row's own positions
-    ref = bmm(q, ks[0], vs[0], mask, scale)
-    us = time_graph(lambda li: bmm(q, ks[li], vs[li], mask, scale), args.layers, args.reps)
+    # per layer: k/v_BcNkvTcDh [B, Nkv, Tkv, Dh] (Bc = B, Tc = Tkv)
+    ks = [torch.randn(b, nkv, tkv, dh, device=dev, dtype=dt) for _ in range(args.layers)]
+    vs = [torch.randn(b, nkv, tkv, dh, device=dev, dtype=dt) for _ in range(args.layers)]
+    q_BNDh = torch.randn(b, n, dh, device=dev, dtype=dt)
+    lens_B = torch.full((b,), args.len, device=dev, dtype=torch.long)
+    visible = torch.arange(tkv, device=dev)[None] < lens_B[:, None]
+    mask_BTkv = torch.zeros(b, tkv, device=dev).masked_fill(~visible, float("-inf"))
+    need_bytes = 2 * b * nkv * args.len * dh * 2  # K and V of each row's own positions
+    ref = bmm(q_BNDh, ks[0], vs[0], mask_BTkv, scale)
+    us = time_graph(lambda li: bmm(q_BNDh, ks[li], vs[li], mask_BTkv, scale), args.layers, args.reps)
     rows = [dict(batch=b, impl="bmm", us_per_layer=us, GBps=need_bytes / us / 1e3)]
-    bn0 = kernel.block_n(d)
-    auto = kernel.pick_num_splits(b, j, lb, dev, bn0)
+    bn0 = kernel.block_n(dh)
+    auto = kernel.pick_num_splits(b, nkv, tkv, dev, bn0)
     configs = [(bn0, 4, 2, 0)]
     if args.sweep == "full":
         configs += [(t, w, 2, 0) for t, w in itertools.product((32, 64, 128), (4, 8))] + [(bn0, 4, 3, 0)]
         configs += [(bn0, 4, 2, n) for n in sorted({1, 2, 4, 8, 2 * auto} - {auto})]
     for tile, warps, stages, ns in dict.fromkeys(configs):
-        run = functools.partial(_triton_layer, q, ks, vs, lens, lb, scale, ns, warps, stages, tile)
+        run = functools.partial(_triton_layer, q_BNDh, ks, vs, lens_B, tkv, scale, ns, warps, stages, tile)
         err = ((run(0).float() - ref.float()).abs().max() / ref.float().abs().max()).item()
         us = time_graph(run, args.layers, args.reps)
-        splits = ns or kernel.pick_num_splits(b, j, lb, dev, tile)
+        splits = ns or kernel.pick_num_splits(b, nkv, tkv, dev, tile)
         rows.append(
             dict(batch=b, impl="triton", tile=tile, warps=warps, stages=stages, splits=splits,
                  us_per_layer=us, GBps=need_bytes / us / 1e3, rel_err_vs_bmm=err)
@@ -88,9 +93,9 @@ def bench_batch(b: int, args: argparse.Namespace, bmm) -> list[dict]:
     return rows
 
 
-def _triton_layer(q, ks, vs, lens, lb, scale, ns, warps, stages, tile, li):
+def _triton_layer(q_BNDh, ks, vs, lens_B, tkv, scale, ns, warps, stages, tile, li):
     return kernel.decode_attention(
-        q, ks[li], vs[li], lens, lb, scale, ns, num_warps=warps, num_stages=stages, tile=tile
+        q_BNDh, ks[li], vs[li], lens_B, tkv, scale, ns, num_warps=warps, num_stages=stages, tile=tile
     )
 
 
@@ -114,7 +119,7 @@ def main() -> None:
     meta = common.run_metadata(dev, dtype="torch.bfloat16", command=" ".join(sys.argv), args=vars(args))
     print(f"\n{meta['device']}, torch {meta['torch']}, commit {meta['commit']}, {meta['date']}")
     print(
-        f"H {args.heads}, J {args.kv_heads}, D {args.head_dim}, rows at length {args.len} in a {args.bucket} bucket, "
+        f"N {args.heads}, Nkv {args.kv_heads}, Dh {args.head_dim}, rows at length {args.len} in a {args.bucket} bucket, "
         f"{args.layers} layers per graph\n"
     )
     table = []
