@@ -13,12 +13,13 @@ TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR, then ``warm`` in a second process 
   shared prefill) with up to --new-tokens tokens: request i may generate ``new_tokens - i * new_tokens //
   rows`` tokens (at least 1), so the running slots shrink and every batch bucket is touched once (a
   trained model's stops touch them in some order too); then the same requests again (warm); then a new
-  engine of --eval-slots slots and the eval pattern (64 prompts x 4 samples), twice. Per phase: wall
+  engine of --eval-slots slots and the eval pattern (64 prompts x 4 samples), twice. Before each second
+  generate, ``load_weights`` with the model's own weights (what the RL loop's weight sync calls). Per phase: wall
   time, the first prefill and the first decode step of each (rows, length, sampler flags) bucket (on
   CUDA, its CUDA-graph capture: two warm-up runs, which compile, then the capture), and torch._dynamo's
   counters and compile times (``unique_graphs``: graphs compiled; ``recompiles``: the "Recompiling
   function" lines that TORCH_LOGS=recompiles writes to the worker's log, each with its failed guard).
-  Random weights never emit eos, so lengths are as set.
+  The requests ignore eos, so their lengths are as set.
 - ``trainer``: our Qwen3 in bf16 (no FSDP: one device, no collectives), ``PolicyModel`` with the trainer's
   loss impl (``auto``: the loss-fused Triton kernels on CUDA, the reference on CPU) and the DPPO loss,
   forward + backward on one packed row of --train-tokens tokens (documents of prompt + new tokens),
@@ -147,9 +148,13 @@ def requests(num_prompts: int, samples: int, prompt_len: int, new_tokens: int, v
 
 
 def engine_pattern(engine, reqs: list, clock: Clock, name: str, res: dict) -> None:
-    """Generate ``reqs`` twice in ``engine``; record wall times, per-bucket first steps and compile counters."""
+    """Generate ``reqs`` twice in ``engine``, a weight load between (as the RL loop's weight sync does
+    between batches); record wall times, per-bucket first steps and compile counters."""
     log = instrument(engine, clock)
     for call in ("first", "second"):
+        if call == "second":
+            weights = [(n, p.detach().clone()) for n, p in engine.model.named_parameters()]
+            clock.time(f"{name}_load_weights", lambda w=weights: engine.load_weights(w))
         before = dynamo_counters()["unique_graphs"]
         outs = clock.time(f"{name}_generate_{call}", lambda: engine.generate(list(reqs)))
         assert sum(len(o.token_ids) for o in outs) == sum(r.sampling.max_tokens for r in reqs)
@@ -304,7 +309,8 @@ def summary_line(r: dict) -> str:
     else:
         caps = r["rl_first_decode_s"]
         body = (f"init {t['engine_init_rl']:.2f}, first prefill {r['rl_first_prefill_s']:.2f}, RL generate "
-                f"{t['rl_generate_first']:.2f} then {t['rl_generate_second']:.2f} ({len(caps)} buckets, "
+                f"{t['rl_generate_first']:.2f}, load_weights {t['rl_load_weights']:.2f}, again {t['rl_generate_second']:.2f} "
+                f"({len(caps)} buckets, "
                 f"{sum(caps.values()):.2f} s in their first steps), eval generate {t['eval_generate_first']:.2f} "
                 f"then {t['eval_generate_second']:.2f}, graphs {r['dynamo_counters']['unique_graphs']}, "
                 f"recompiles {r['recompiles']}")  # fmt: skip

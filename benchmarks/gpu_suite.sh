@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU runs recorded in docs/benchmarks.md, in parts that fit one device call each.
-#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | decode_attn | loss | moe | trainer | lora | rl
+#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | decode_attn | loss | moe | trainer | lora | env_bridge | engine_warmup | rl_e2e | rl
 # Each step has its own time limit so that one slow step does not lose the others' results.
 set -uo pipefail
 PART=$1; OUT=${2:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -38,10 +38,16 @@ case $PART in
     # graph capture, then 4 settings x 3 sides (direct, bridge = single-turn fast path, bridge-general) x 6 runs.
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     run env_bridge 300 env PYTHONPATH=/tmp/site:$PWD python3 benchmarks/env_bridge.py --device cuda --preset qwen3-0.6b --max-tokens 32,128 --lengths fixed,varied --repeats 5 --out "$OUT/env_bridge_h200.json" ;;
-  rl_e2e)  # SFT a Qwen3-0.6B shape from scratch (real tokenizer), then RL: prime-spmd k=0/1 vs TRL; <= 9 min
-    run rl_e2e 580 python3 benchmarks/rl_e2e.py --device cuda --shape qwen3-0.6b --out "$OUT/rl_e2e" --trl-python python3 \
-      --tokenizer-files .whl/qwen3-tokenizer --sft-steps 300 --sft-batch 128 --sft-limit-s 200 --steps 30 --prompts 16 --group-size 8 --max-tokens 20 \
-      --lr 5e-6 --rl-limit-s 70 --eval-limit-s 35 ;;
+  engine_warmup)  # issue 18: first-use costs of the engine (init, prefill, each decode bucket) and trainer, cold vs warm caches; ~2 min
+    run engine_warmup 150 python3 benchmarks/engine_warmup.py --device cuda --shape qwen3-0.6b --parts engine:custom,trainer,engine:hf \
+      --worker-limit-s 50 --out "$OUT/engine_warmup/engine_warmup.json" ;;
+  rl_e2e)  # SFT a Qwen3-0.6B shape from scratch (real tokenizer), then RL: prime-spmd k=0/1 vs TRL, evals; <= 9 min
+    # --budget-s cuts each phase's limit to what is left, so the script writes results.json and plots before the
+    # outer timeout; one compile cache (/tmp/rl_e2e_compile_cache, empty on a fresh machine) serves every subprocess of both sides
+    run rl_e2e 560 python3 benchmarks/rl_e2e.py --device cuda --shape qwen3-0.6b --out "$OUT/rl_e2e" --trl-python python3 \
+      --tokenizer-files .whl/qwen3-tokenizer --sft-steps 100 --sft-batch 128 --sft-warmup-steps 20 --sft-limit-s 110 \
+      --steps 30 --warmup 3 --prompts 16 --group-size 8 --max-tokens 20 --lr 1e-5 --rl-limit-s 100 --eval-limit-s 60 --budget-s 540 \
+      --compile-cache /tmp/rl_e2e_compile_cache ;;
   rl)
     run rl_colocated 300 python3 -m prime_spmd rl --config configs/reverse_text/rl.toml --output_dir "$OUT/rl" --model.path /tmp/rlmodel --model.init_tiny qwen3-1m --trainer.max_steps 20 --log.no_progress ;;
 esac

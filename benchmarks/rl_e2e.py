@@ -50,19 +50,28 @@ TASKS = {
 
 
 # ---- helpers shared by both sides ------------------------------------------------------------------
+DEADLINE = {"t": float("inf"), "env": {}}  # main() sets the --budget-s deadline and the compile-cache env
+
+
 def run_logged(name: str, cmd: list[str], out: Path, limit_s: float, env: dict | None = None) -> dict:
-    """Run ``cmd`` with a time limit, its output to out/NAME.log; returns rc and wall time (rc 124: timeout)."""
+    """Run ``cmd`` with a time limit (its own, cut to what --budget-s leaves), its output to out/NAME.log;
+    returns rc and wall time (rc 124: timeout; rc None: not started, under 20 s of the budget left)."""
     log = out / f"{name}.log"
-    print(f"[rl_e2e] {name}: {' '.join(cmd)}", flush=True)
+    limit = min(limit_s, DEADLINE["t"] - time.perf_counter() - 5)
+    if limit < 20:
+        print(f"[rl_e2e] {name}: skipped, {limit + 5:.0f} s of --budget-s left", flush=True)
+        return {"rc": None, "wall_s": 0.0, "log": None, "skipped": "budget"}
+    print(f"[rl_e2e] {name} (limit {limit:.0f} s): {' '.join(cmd)}", flush=True)
+    env = {**(env or os.environ), **DEADLINE["env"]}
     t0 = time.perf_counter()
     with log.open("w") as f:
         try:
-            rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=limit_s, env=env).returncode
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=limit, env=env).returncode
         except subprocess.TimeoutExpired:
             rc = 124
     wall = time.perf_counter() - t0
     print(f"[rl_e2e] {name}: rc {rc}, {wall:.1f} s (log {log})", flush=True)
-    return {"rc": rc, "wall_s": wall, "log": str(log)}
+    return {"rc": rc, "wall_s": wall, "limit_s": limit, "log": str(log)}
 
 
 def env_flags(task: dict) -> list[str]:
@@ -176,7 +185,9 @@ def run_trl(rep: int, model: Path, args: argparse.Namespace, out: Path) -> dict:
     d = out / f"trl_r{rep}"
     spec = dict(model=str(model), out=str(d), steps=args.steps, prompts=args.prompts, group_size=args.group_size,
                 max_tokens=args.max_tokens, lr=args.lr, seed=args.seed, task=args.task, device=args.device,
-                max_time_s=args.rl_limit_s - 30, save=rep == args.repeats - 1, root=str(ROOT))  # fmt: skip
+                save=rep == args.repeats - 1, root=str(ROOT),
+                # stop in time to save and exit: 25 s before this side's limit (wall clock, from its launch)
+                stop_at_unix=time.time() + min(args.rl_limit_s, DEADLINE["t"] - time.perf_counter() - 5) - 25)  # fmt: skip
     d.mkdir(parents=True, exist_ok=True)
     (d / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -234,7 +245,6 @@ def trl_worker(spec_path: str) -> None:
 
     trainer._generate = timed_generate
     sink = (out / "steps.jsonl").open("w")
-    t_start = time.perf_counter()
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, a, state, control, **kw):
@@ -246,7 +256,7 @@ def trl_worker(spec_path: str) -> None:
             if cuda:
                 torch.cuda.synchronize()
             timing["step_s"] = time.perf_counter() - timing["t0"]
-            if time.perf_counter() - t_start > s["max_time_s"]:
+            if time.time() > s["stop_at_unix"]:
                 control.should_training_stop = True
 
         def on_log(self, a, state, control, logs=None, **kw):
@@ -270,17 +280,32 @@ def trl_worker(spec_path: str) -> None:
 
 # ---- summary and plots ---------------------------------------------------------------------------------
 def summarize(run: dict, args: argparse.Namespace, n_params: int) -> dict:
-    rows = [r for r in run["steps"] if r.get("step", 0) >= args.warmup]
+    """Rates over the steps from --warmup on (steady state), and over the whole run: every step (the
+    warm-up included) and the subprocess's wall time (process start, model load and exit too).
+
+    Ours, colocated: step j trains batch j, then generates batch j + k + 1 (trainer/rl.py); the first k + 1
+    batches are generated before step 0 and the last k + 1 steps generate nothing, so those steps are left
+    out of the steady state too when the run finished (else the rate would count steps without generation).
+    """
+    tail = run["k"] + 1 if "k" in run and len(run["steps"]) == args.steps else 0
+    rows = [r for r in run["steps"] if args.warmup <= r.get("step", 0) < len(run["steps"]) - tail]
+    n = args.prompts * args.group_size
+    whole = dict(steps_done=len(run["steps"]), wall_s=run["wall_s"])
+    if run["steps"]:
+        all_s = sum(r["step_time_s"] for r in run["steps"])
+        whole.update(first_step_s=run["steps"][0]["step_time_s"], all_steps_s=all_s,
+                     samples_per_s_all_steps=n * len(run["steps"]) / all_s,
+                     samples_per_wall_s=n * len(run["steps"]) / run["wall_s"])  # fmt: skip
     if not rows:
-        return {"side": run["side"], "rep": run["rep"], "rc": run["rc"], "steps_timed": 0}
+        return {"side": run["side"], "rep": run["rep"], "rc": run["rc"], "steps_timed": 0, **whole}
 
     def mean(key: str) -> float | None:
         vals = [r[key] for r in rows if r.get(key) is not None]
         return statistics.fmean(vals) if vals else None
 
     step_s = mean("step_time_s")
-    n = args.prompts * args.group_size
-    s = dict(side=run["side"], rep=run["rep"], rc=run["rc"], wall_s=run["wall_s"], steps_timed=len(rows),
+    s = dict(side=run["side"], rep=run["rep"], rc=run["rc"], **whole, steps_timed=len(rows),
+             steady_steps=[rows[0]["step"], rows[-1]["step"]],
              step_time_s=step_s, samples_per_s=n / step_s, gen_time_s=mean("gen_time_s"),
              train_time_s=mean("train_time_s"), weight_sync_s=mean("weight_sync_s"), wait_s=mean("wait_s"),
              gen_tokens_per_s=mean("generated_tokens") / step_s, peak_memory_gib=mean("peak_memory_gib"),
@@ -324,10 +349,12 @@ def plot(out: Path) -> None:
     fig = Figure(figsize=(6, 4))
     ax = fig.subplots()
     sides = sorted({s["side"] for s in res["summary"] if s.get("steps_timed")})
-    vals = [statistics.fmean(s["samples_per_s"] for s in res["summary"] if s["side"] == x and s.get("steps_timed"))
-            for x in sides]  # fmt: skip
-    ax.bar(range(len(sides)), vals)
-    ax.set_xticks(range(len(sides)), sides, fontsize=8)
+    for j, (key, label) in enumerate((("samples_per_s", "steps after warm-up"), ("samples_per_wall_s", "whole run"))):
+        vals = [statistics.fmean(s[key] for s in res["summary"] if s["side"] == x and s.get("steps_timed"))
+                for x in sides]  # fmt: skip
+        ax.bar([i + 0.4 * j for i in range(len(sides))], vals, width=0.4, label=label)
+    ax.set_xticks([i + 0.2 for i in range(len(sides))], sides, fontsize=8)
+    ax.legend(fontsize=8)
     ax.set(ylabel="samples/s (mean over repeats)", title=f"RL throughput, {res['meta']['device']}")
     fig.tight_layout()
     fig.savefig(out / "throughput.png", dpi=110)
@@ -335,14 +362,19 @@ def plot(out: Path) -> None:
 
 
 def ratios(summary: list[dict]) -> dict:
-    """Mean samples/s per side over repeats, and each prime-spmd side's ratio to TRL's."""
-    by_side: dict[str, list[float]] = {}
-    for s in summary:
-        if s.get("steps_timed"):
-            by_side.setdefault(s["side"], []).append(s["samples_per_s"])
-    means = {k: statistics.fmean(v) for k, v in by_side.items()}
-    trl = means.get("TRL GRPOTrainer")
-    return {"samples_per_s": means, "vs_trl": {k: v / trl for k, v in means.items() if trl and k.startswith("prime")}}
+    """Mean samples/s per side over repeats and each prime-spmd side's ratio to TRL's: steady state
+    (steps from --warmup on), and whole run (samples of every step / the subprocess's wall time)."""
+    res = {}
+    for key, name in (("samples_per_s", "steady"), ("samples_per_wall_s", "whole_run")):
+        by_side: dict[str, list[float]] = {}
+        for s in summary:
+            if s.get(key) and (key != "samples_per_s" or s.get("steps_timed")):
+                by_side.setdefault(s["side"], []).append(s[key])
+        means = {k: statistics.fmean(v) for k, v in by_side.items()}
+        trl = means.get("TRL GRPOTrainer")
+        res[name] = {"samples_per_s": means,
+                     "vs_trl": {k: v / trl for k, v in means.items() if trl and k.startswith("prime")}}  # fmt: skip
+    return res
 
 
 # ---- main -------------------------------------------------------------------------------------------
@@ -357,6 +389,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sft-steps", type=int, default=400)
     p.add_argument("--sft-batch", type=int, default=128)
     p.add_argument("--sft-lr", type=float, default=3e-4)
+    p.add_argument("--sft-warmup-steps", type=int, default=20)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--trl-python", default="", help="interpreter with TRL installed ('' = skip TRL)")
     p.add_argument("--sides", default="trl,ours0,ours1", help="comma list of trl, ours0 (max_async 0), ours1")
@@ -373,6 +406,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sft-limit-s", type=float, default=300)
     p.add_argument("--rl-limit-s", type=float, default=150)
     p.add_argument("--eval-limit-s", type=float, default=90)
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=float("inf"),
+        help="wall-clock budget of the whole script: each phase's limit is cut to what is left",
+    )
+    p.add_argument(
+        "--compile-cache",
+        default="",
+        help="TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR of every subprocess, both sides ('': "
+        "OUT/compile_cache, fresh per run; 'inherit': leave the environment's)",
+    )
     p.add_argument("--peak-tflops", type=float, default=H200_BF16_PEAK_TFLOPS, help="bf16 dense peak for MFU")
     p.add_argument("--ours-flag", dest="ours_flags", action="append", default=[], help="extra `rl` flag (repeat)")
     return p.parse_args()
@@ -387,6 +432,13 @@ def main() -> None:
     args.task = TASKS["digits" if args.shape else "letters"]
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
+    DEADLINE["t"] = time.perf_counter() + args.budget_s
+    if args.compile_cache != "inherit":  # one cache for all phases of both sides: what a second run finds
+        cache = Path(args.compile_cache or out / "compile_cache").resolve()
+        DEADLINE["env"] = {
+            "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+            "TRITON_CACHE_DIR": str(cache / "triton"),
+        }
     sys.path.insert(0, str(ROOT))
     import torch
 
@@ -409,12 +461,35 @@ def main() -> None:
         if args.shape:
             build_real_shape_model(base, args.shape, args.seed, args.tokenizer_files)
             t = args.task
-            sft += ["--model.init_tiny", "none", "--trainer.max_steps", str(args.sft_steps),
-                    "--trainer.batch_size", str(args.sft_batch), "--trainer.seq_len", str(t["seq_len"]),
-                    "--trainer.micro_batch_tokens", "8192", "--optim.lr", str(args.sft_lr), "--optim.warmup_steps",
-                    "30", "--data.alphabet", t["alphabet"], "--data.min_chars", str(t["min_chars"]),
-                    "--data.max_chars", str(t["max_chars"])]  # fmt: skip
+            sft += [
+                "--model.init_tiny",
+                "none",
+                "--trainer.max_steps",
+                str(args.sft_steps),
+                "--trainer.batch_size",
+                str(args.sft_batch),
+                "--trainer.seq_len",
+                str(t["seq_len"]),
+                "--trainer.micro_batch_tokens",
+                "8192",
+                "--optim.lr",
+                str(args.sft_lr),
+                "--optim.warmup_steps",
+                str(args.sft_warmup_steps),
+                "--data.alphabet",
+                t["alphabet"],
+                "--data.min_chars",
+                str(t["min_chars"]),
+                "--data.max_chars",
+                str(t["max_chars"]),
+                "--eval_examples",
+                "0",
+            ]  # fmt: skip  (eval_sft below scores the model, sampled as RL does)
         res["phases"]["sft"] = run_logged("sft", sft, out, args.sft_limit_s)
+        metrics = out / "sft" / "metrics.jsonl"
+        if metrics.is_file():  # the loss curve, to choose --sft-steps (RL needs a task that is not yet solved)
+            rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+            res["phases"]["sft"]["curve"] = [{k: r.get(k) for k in ("step", "loss", "lr", "step_time_s")} for r in rows]
         save()
         if res["phases"]["sft"]["rc"] != 0:
             raise SystemExit(f"SFT failed (see {out / 'sft.log'})")
