@@ -2,16 +2,18 @@
 chunk's logits, between the cuBLAS GEMMs.
 
 - `softmax_stats`: one read of the [C, V] logits; per token the logsumexp and the expected logit
-  E_p[z] (so entropy = lse - E_p[z]) of z = logits / T, with an online max over vocabulary slices.
+  E_p[z] (so entropy = lse - E_p[z]) of z = logits / temperature, with an online max over vocabulary slices.
 - `write_grad_logits`: one more read of the logits and one write of G = d loss / d logits in the GEMM
-  dtype: G = (g_lp (onehot - p) + g_ent p (E_p[z] - z)) / T.
+  dtype: G = (g_lp (onehot - p) + g_ent p (E_p[z] - z)) / temperature.
 Between the two, the caller evaluates the per-token loss on [C] tensors to get g_lp and g_ent: it is user
 Python, so the two passes cannot be one kernel.
 
 CPU: TRITON_INTERPRET=1 runs one fixed small config (autotune with several configs fails under the
 interpreter); the kernels do no tl.dot, so bf16 needs no upcast workaround here.
 
-Shape legend: C tokens in a chunk, V vocabulary size, S vocabulary slices.
+Shape legend (docs/conventions.md): C tokens in a chunk, V vocabulary size; local letter of this file: Vs
+vocabulary slices (the stats kernel's split of V over programs). Kernel scalars C, V and tiles BLOCK_C,
+BLOCK_V use the same letters.
 """
 
 import os
@@ -41,26 +43,26 @@ def _stats_kernel(
     C_BUCKET,
     stride_xc,
     v_per_split,
-    BLOCK_N: tl.constexpr,
+    BLOCK_C: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """Per (row block, vocab slice): running max m, s = sum exp(z - m), a = sum exp(z - m) z."""
-    pid_n = tl.program_id(0)
+    pid_c = tl.program_id(0)
     pid_s = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < C
-    inv_t = 1.0 / tl.load(temp_ptr + offs_n, mask=mask_n, other=1.0)
-    rows = x_ptr + offs_n.to(tl.int64)[:, None] * stride_xc
-    m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
-    s = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    a = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_c = offs_c < C
+    inv_temp = 1.0 / tl.load(temp_ptr + offs_c, mask=mask_c, other=1.0)
+    rows = x_ptr + offs_c.to(tl.int64)[:, None] * stride_xc
+    m = tl.full((BLOCK_C,), float("-inf"), dtype=tl.float32)
+    s = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    a = tl.zeros((BLOCK_C,), dtype=tl.float32)
     v_start = pid_s * v_per_split
     v_end = tl.minimum(v_start + v_per_split, V)
     for v0 in range(v_start, v_end, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
         mask_v = offs_v < v_end
-        x = tl.load(rows + offs_v[None, :], mask=mask_n[:, None] & mask_v[None, :], other=0.0)
-        z = x.to(tl.float32) * inv_t[:, None]
+        x = tl.load(rows + offs_v[None, :], mask=mask_c[:, None] & mask_v[None, :], other=0.0)
+        z = x.to(tl.float32) * inv_temp[:, None]
         z_masked = tl.where(mask_v[None, :], z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z_masked, axis=1))  # finite: every tile has >= 1 valid column
         alpha = tl.exp(m - m_new)
@@ -68,10 +70,10 @@ def _stats_kernel(
         s = s * alpha + tl.sum(p, axis=1)
         a = a * alpha + tl.sum(p * tl.where(mask_v[None, :], z, 0.0), axis=1)
         m = m_new
-    out = pid_s * C + offs_n
-    tl.store(m_ptr + out, m, mask=mask_n)
-    tl.store(s_ptr + out, s, mask=mask_n)
-    tl.store(a_ptr + out, a, mask=mask_n)
+    out = pid_s * C + offs_c
+    tl.store(m_ptr + out, m, mask=mask_c)
+    tl.store(s_ptr + out, s, mask=mask_c)
+    tl.store(a_ptr + out, a, mask=mask_c)
 
 
 @triton.jit
@@ -91,55 +93,55 @@ def _grad_kernel(
     stride_gc,
     HAS_GLP: tl.constexpr,
     HAS_GENT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_C: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """G tile = (g_lp (onehot - p) + g_ent p (E_p[z] - z)) / T, stored in g_ptr's dtype."""
+    """G tile = (g_lp (onehot - p) + g_ent p (E_p[z] - z)) / temperature, stored in g_ptr's dtype."""
     pid_v = tl.program_id(0)  # vocab blocks on axis 0: up to 2**31 programs there, 65535 on axis 1
-    pid_n = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_c = tl.program_id(1)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    mask_n = offs_n < C
-    mask = mask_n[:, None] & (offs_v < V)[None, :]
-    rows = offs_n.to(tl.int64)[:, None]
-    inv_t = 1.0 / tl.load(temp_ptr + offs_n, mask=mask_n, other=1.0)
-    lse = tl.load(lse_ptr + offs_n, mask=mask_n, other=0.0)
+    mask_c = offs_c < C
+    mask = mask_c[:, None] & (offs_v < V)[None, :]
+    rows = offs_c.to(tl.int64)[:, None]
+    inv_temp = 1.0 / tl.load(temp_ptr + offs_c, mask=mask_c, other=1.0)
+    lse = tl.load(lse_ptr + offs_c, mask=mask_c, other=0.0)
     x = tl.load(x_ptr + rows * stride_xc + offs_v[None, :], mask=mask, other=0.0)
-    z = x.to(tl.float32) * inv_t[:, None]
+    z = x.to(tl.float32) * inv_temp[:, None]
     p = tl.exp(z - lse[:, None])
-    g = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    g = tl.zeros((BLOCK_C, BLOCK_V), dtype=tl.float32)
     if HAS_GLP:
-        glp = tl.load(glp_ptr + offs_n, mask=mask_n, other=0.0)
-        tgt = tl.load(tgt_ptr + offs_n, mask=mask_n, other=-1)
+        glp = tl.load(glp_ptr + offs_c, mask=mask_c, other=0.0)
+        tgt = tl.load(tgt_ptr + offs_c, mask=mask_c, other=-1)
         onehot = (offs_v[None, :] == tgt[:, None]).to(tl.float32)
         g += glp[:, None] * (onehot - p)
     if HAS_GENT:
-        gent = tl.load(gent_ptr + offs_n, mask=mask_n, other=0.0)
-        ez = tl.load(ez_ptr + offs_n, mask=mask_n, other=0.0)
+        gent = tl.load(gent_ptr + offs_c, mask=mask_c, other=0.0)
+        ez = tl.load(ez_ptr + offs_c, mask=mask_c, other=0.0)
         g += gent[:, None] * p * (ez[:, None] - z)
-    g = g * inv_t[:, None]  # d z / d logits = 1 / T
+    g = g * inv_temp[:, None]  # d z / d logits = 1 / temperature
     tl.store(g_ptr + rows * stride_gc + offs_v[None, :], g.to(g_ptr.dtype.element_ty), mask=mask)
 
 
 def _configs(shapes: list[tuple[int, int, int]]) -> list[triton.Config]:
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_V": bv}, num_warps=w) for bn, bv, w in shapes]
+    return [triton.Config({"BLOCK_C": bc, "BLOCK_V": bv}, num_warps=w) for bc, bv, w in shapes]
 
 
 # Memory-bound tiles of 4k-16k elements (H200: 132 SMs). The tuner keys on C rounded up to a power of two
-# (C_BUCKET, unused in the kernels), not on C: RL micro-batches vary N every step, and each new key would
+# (C_BUCKET, unused in the kernels), not on C: RL micro-batches vary C every step, and each new key would
 # re-run the tuner (~0.5 s per kernel).
 _KEY = ["C_BUCKET", "V"]
 _stats_tuned = triton.autotune(_configs([(4, 1024, 4), (8, 1024, 8), (16, 512, 8), (2, 2048, 8)]), _KEY)(_stats_kernel)
 _grad_tuned = triton.autotune(_configs([(16, 256, 4), (8, 512, 4), (16, 512, 8), (32, 256, 8)]), _KEY)(_grad_kernel)
 # One fixed config for the CPU interpreter: small tiles, so the test shapes have ragged tails.
-_CPU_META = {"BLOCK_N": 4, "BLOCK_V": 64}
+_CPU_META = {"BLOCK_C": 4, "BLOCK_V": 64}
 
 
 def _num_vocab_splits(num_tokens: int, vocab: int, device: torch.device) -> tuple[int, int]:
     """(splits, vocab columns per split): enough programs to fill the GPU when the chunk is small."""
     if device.type == "cuda" and not INTERPRET:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        # >= 8 programs per SM even with the tallest tile (BLOCK_N = 16), for load balance.
+        # >= 8 programs per SM even with the tallest tile (BLOCK_C = 16), for load balance.
         splits = max(1, min(triton.cdiv(8 * sms, triton.cdiv(num_tokens, 16)), triton.cdiv(vocab, 8192)))
         align = 2048  # the largest BLOCK_V, so that no tile straddles two slices
     else:
@@ -150,23 +152,23 @@ def _num_vocab_splits(num_tokens: int, vocab: int, device: torch.device) -> tupl
 
 
 def softmax_stats(logits_CV: Tensor, temperature_C: Tensor) -> tuple[Tensor, Tensor]:
-    """fp32 [C] logsumexp and E_p[z] of z = logits / T; logits_CV row-major (any float dtype)."""
+    """fp32 [C] logsumexp and E_p[z] of z = logits / temperature; logits_CV row-major (any float dtype)."""
     num_tokens, vocab = logits_CV.shape
     assert logits_CV.stride(1) == 1
     splits, per_split = _num_vocab_splits(num_tokens, vocab, logits_CV.device)
-    parts_SC = empty_buffer((3, splits, num_tokens), logits_CV, torch.float32)
-    m_SC, s_SC, a_SC = parts_SC.unbind(0)
+    parts_VsC = empty_buffer((3, splits, num_tokens), logits_CV, torch.float32)
+    m_VsC, s_VsC, a_VsC = parts_VsC.unbind(0)
     bucket = triton.next_power_of_2(num_tokens)
-    args = (logits_CV, temperature_C, m_SC, s_SC, a_SC, num_tokens, vocab, bucket, logits_CV.stride(0), per_split)
+    args = (logits_CV, temperature_C, m_VsC, s_VsC, a_VsC, num_tokens, vocab, bucket, logits_CV.stride(0), per_split)
     if INTERPRET or logits_CV.device.type != "cuda":
-        _stats_kernel[(triton.cdiv(num_tokens, _CPU_META["BLOCK_N"]), splits)](*args, **_CPU_META)
+        _stats_kernel[(triton.cdiv(num_tokens, _CPU_META["BLOCK_C"]), splits)](*args, **_CPU_META)
     else:
-        _stats_tuned[lambda meta: (triton.cdiv(num_tokens, meta["BLOCK_N"]), splits)](*args)
-    m_C = m_SC.max(dim=0).values
-    scale_SC = torch.exp(m_SC - m_C)
-    s_C = (s_SC * scale_SC).sum(0)
+        _stats_tuned[lambda meta: (triton.cdiv(num_tokens, meta["BLOCK_C"]), splits)](*args)
+    m_C = m_VsC.max(dim=0).values
+    scale_VsC = torch.exp(m_VsC - m_C)
+    s_C = (s_VsC * scale_VsC).sum(0)
     lse_C = m_C + torch.log(s_C)
-    expected_z_C = (a_SC * scale_SC).sum(0) / s_C
+    expected_z_C = (a_VsC * scale_VsC).sum(0) / s_C
     return lse_C, expected_z_C
 
 
@@ -202,9 +204,9 @@ def write_grad_logits(
     )
     flags = {"HAS_GLP": grad_logprob_C is not None, "HAS_GENT": grad_entropy_C is not None}
     if INTERPRET or logits_CV.device.type != "cuda":
-        grid = (triton.cdiv(vocab, _CPU_META["BLOCK_V"]), triton.cdiv(num_tokens, _CPU_META["BLOCK_N"]))
+        grid = (triton.cdiv(vocab, _CPU_META["BLOCK_V"]), triton.cdiv(num_tokens, _CPU_META["BLOCK_C"]))
         _grad_kernel[grid](*args, **flags, **_CPU_META)
     else:
-        _grad_tuned[lambda meta: (triton.cdiv(vocab, meta["BLOCK_V"]), triton.cdiv(num_tokens, meta["BLOCK_N"]))](
+        _grad_tuned[lambda meta: (triton.cdiv(vocab, meta["BLOCK_V"]), triton.cdiv(num_tokens, meta["BLOCK_C"]))](
             *args, **flags
         )

@@ -20,10 +20,10 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def make_lm_head_inputs(num_tokens, hidden_size, vocab, dtype, temperature, gen: torch.Generator, device="cpu"):
-    """(hidden_NH, weight_VH, targets_N, temperature) on ``device``, drawn from the CPU generator ``gen``,
+    """(hidden_TD, weight_VD, targets_T, temperature) on ``device``, drawn from the CPU generator ``gen``,
     which the caller keeps drawing from.
 
-    Targets include both vocabulary edges; temperature "per_token" becomes a [N] tensor in [0.5, 1.5).
+    Targets include both vocabulary edges; temperature "per_token" becomes a [T] tensor in [0.5, 1.5).
     """
     hidden = torch.randn(num_tokens, hidden_size, generator=gen).to(device, dtype).requires_grad_()
     weight = (torch.randn(vocab, hidden_size, generator=gen) * 0.5).to(device, dtype).requires_grad_()
@@ -38,7 +38,7 @@ def pin_one_config(monkeypatch, autotuners, test_id: str, fits=None) -> None:
     """On CUDA, restrict each Triton autotuner to one of its configs, picked by a hash of the test id
     among those for which ``fits(config)`` holds (all when ``fits`` is None).
 
-    Each autotuned kernel compiles every config for every new specialization (dtype, EVEN_K, the
+    Each autotuned kernel compiles every config for every new specialization (dtype, EVEN_D, the
     divisibility of each int argument), and the tiny cases hit many; one config per test keeps the
     compile count to about one per specialization, while the grid as a whole runs different configs.
     The autotuner skips a config that cannot launch (OutOfResources) only when it has several: a pinned
@@ -65,15 +65,15 @@ def max_shared_memory() -> int:
 
 def lm_head_shared_memory(config, element_size: int = 4) -> int:
     """Estimated shared memory of the LM-head kernels (kernels/lm_logprob/kernel.py) for one config:
-    the pipelined K loop keeps num_stages - 1 copies of the [BLOCK_N, BLOCK_K] hidden and
-    [BLOCK_K, BLOCK_V] weight tiles. fp32 (element_size 4) is the largest case.
+    the pipelined loop over D keeps num_stages - 1 copies of the [BLOCK_T, BLOCK_D] hidden and
+    [BLOCK_D, BLOCK_V] weight tiles. fp32 (element_size 4) is the largest case.
 
     On the H200 (227 KiB, run 1 of scripts/test_gpu.sh), the two fp32 tests pinned to 64 x 256 x 64 in
     4 stages (240 KiB by this estimate) failed and every fp32 test pinned to another config (<= 192 KiB)
     passed; tests/kernels/test_lm_logprob.py::test_unfit_configs_are_out_of_resources checks the cause.
     """
     kw = config.kwargs
-    return (config.num_stages - 1) * (kw["BLOCK_N"] + kw["BLOCK_V"]) * kw["BLOCK_K"] * element_size
+    return (config.num_stages - 1) * (kw["BLOCK_T"] + kw["BLOCK_V"]) * kw["BLOCK_D"] * element_size
 
 
 def lm_head_config_fits(config) -> bool:

@@ -145,7 +145,7 @@ def test_opcheck(device):
 def test_unfit_configs_are_out_of_resources(monkeypatch, record_property):
     """The configs that pin_one_config leaves out on this GPU (fp32 tiles over the shared memory limit by
     lm_head_shared_memory's estimate) fail to launch with OutOfResources, on an fp32 case whose K loop
-    is pipelined (H = 64, a multiple of every BLOCK_K): they are left out because they cannot run, not
+    is pipelined (D = 64, a multiple of every BLOCK_D): they are left out because they cannot run, not
     because they compute wrong values. Each config that does launch must match the reference."""
     from triton.runtime.errors import OutOfResources
 
