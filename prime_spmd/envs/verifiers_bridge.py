@@ -150,6 +150,7 @@ class VerifiersEnvironment(Environment):
             vf_env.timeout_seconds = rollout_timeout_s
         self._splits: dict[str, Any] = {}
         self._rows: dict[tuple[str, int], dict[str, Any]] = {}
+        self._plain_rows: dict[tuple[str, int], bool] = {}
         self._renderer: ChatRenderer | None = None
 
     @property
@@ -191,6 +192,7 @@ class VerifiersEnvironment(Environment):
             row = dict(self._split(split)[index])
             row.setdefault("answer", "")
             self._rows[key] = row
+            self._plain_rows[key] = is_plain_tree(row)
         return self._rows[key]
 
     def run_groups(
@@ -203,9 +205,10 @@ class VerifiersEnvironment(Environment):
         seed: int,
     ) -> list[list[Rollout]]:
         """See ``Environment.run_groups``. Runs its own event loop (``asyncio.run``): call it from sync code."""
-        return asyncio.run(
-            self._with_executor(self.arun_groups(engine, split, example_ids, group_size, sampling, seed))
-        )
+        coro = self.arun_groups(engine, split, example_ids, group_size, sampling, seed)
+        # The fast path makes no asyncio.to_thread call of its own; without a default executor set,
+        # asyncio.run's shutdown starts no thread to shut it down (~0.35 ms per call here).
+        return asyncio.run(coro if self.fast_single_turn else self._with_executor(coro))
 
     async def _with_executor(self, coro: Any) -> Any:
         # verifiers runs two asyncio.to_thread calls per rollout turn (parse_response_tokens,
@@ -250,8 +253,10 @@ class VerifiersEnvironment(Environment):
         return groups
 
     def _input(self, split: str, example_id: int, sample_idx: int, seed: int) -> dict[str, Any]:
-        # A shallow copy: verifiers' init_state deep-copies its input before anything mutates it.
-        row = dict(self._row(split, example_id))  # type: ignore[arg-type]
+        # A shallow copy: verifiers' init_state deep-copies its input before anything mutates it
+        # (a RolloutRow by copy_tree, when the row is a plain tree: checked once per cached row).
+        cached = self._row(split, example_id)  # type: ignore[arg-type]
+        row = RolloutRow(cached) if self._plain_rows[(split, example_id)] else dict(cached)
         row["example_id"] = example_id
         # Request seeds derive from (run seed, example, sample, turn): independent of batch composition.
         row[SEED_KEY] = sample_seed(seed, example_id, sample_idx)
@@ -274,6 +279,46 @@ class VerifiersEnvironment(Environment):
         for k, out in enumerate(outputs):
             rollouts.append(output_to_rollout(out, example_id, k, client.renderer))
         return rollouts
+
+
+class RolloutRow(dict):
+    """A RolloutInput whose ``copy.deepcopy`` (verifiers' ``init_state`` makes one per rollout) is
+    ``copy_tree``: a plain dict equal to ``deepcopy`` of the dict, in ~2 us instead of ~6.5 for a chat row
+    here. Only for rows that ``is_plain_tree`` accepts (``_input`` checks each cached row once)."""
+
+    def __deepcopy__(self, memo: dict) -> dict:
+        return copy_tree(self)
+
+
+_ATOMIC = frozenset({str, int, float, bool, type(None)})
+
+
+def copy_tree(x: Any) -> Any:
+    """``copy.deepcopy`` of a plain tree (``is_plain_tree``): new dicts and lists, atomic values shared
+    (``deepcopy`` shares them too); anything else goes to ``copy.deepcopy``."""
+    t = type(x)
+    if t in _ATOMIC:
+        return x
+    if t is list:
+        return [copy_tree(v) for v in x]
+    if t is dict or t is RolloutRow:
+        return {k: copy_tree(v) for k, v in x.items()}
+    return copy.deepcopy(x)
+
+
+def is_plain_tree(x: Any, seen: set[int] | None = None) -> bool:
+    """True when ``x`` holds only atomic values, lists and dicts with atomic keys, and no list or dict
+    twice (``deepcopy`` would keep such sharing, ``copy_tree`` does not)."""
+    seen = set() if seen is None else seen
+    t = type(x)
+    if t in _ATOMIC:
+        return True
+    if t not in (list, dict) or id(x) in seen:
+        return False
+    seen.add(id(x))
+    if t is list:
+        return all(is_plain_tree(v, seen) for v in x)
+    return all(type(k) in _ATOMIC and is_plain_tree(v, seen) for k, v in x.items())
 
 
 class _KeptThreadPool(ThreadPoolExecutor):

@@ -25,6 +25,7 @@ import inspect
 from typing import Any
 
 import verifiers as vf
+from verifiers.envs.multiturn_env import MultiTurnMonitorRubric
 
 from prime_spmd.envs.vf_rewards import call_burst, guard_info
 
@@ -93,7 +94,11 @@ async def _score_rubric(rubric: Any, groups: list[list[Any]]) -> None:
             flat = await asyncio.gather(*(func(**kw) for kw in calls))
             per_group = list(flat)
         else:
-            calls = [_kwargs(info, rubric.score_objects(st)) for g in groups for st in g]
+            direct = _direct_names(rubric, info)
+            if direct is not None:
+                calls = [{k: _DIRECT[k](st) for k in direct} for g in groups for st in g]
+            else:
+                calls = [_kwargs(info, rubric.score_objects(st)) for g in groups for st in g]
             flat = iter(await _individual(func, info, calls))
             per_group = [[next(flat) for _ in g] for g in groups]
         for gi, scores in enumerate(per_group):
@@ -136,9 +141,43 @@ async def _tasks(coroutines: list, timeout_s: float) -> list[tuple[bool, Any]]:
     return out
 
 
+_PURE_METRICS = (MultiTurnMonitorRubric.num_turns,)
+"""verifiers' own async metrics that only read the state (never suspend, cannot hang): awaited in order,
+without a task each (64 tasks and ``asyncio.wait``: ~0.4 ms here); an exception is counted as the guard counts it."""
+
+
+async def _inline_call(func: Any, kwargs: dict) -> tuple[bool, Any]:
+    try:
+        return True, await func(**kwargs)
+    except Exception as e:  # noqa: BLE001 - counted by the guard's outcome, as in the wrapper
+        return False, e
+
+
 def _warn_empty(rubric: Any) -> bool:
     rubric.logger.warning("No states to score")
     return False
+
+
+_DIRECT: dict[str, Any] = {
+    "prompt": lambda st: st["prompt"],
+    "completion": lambda st: st["completion"],
+    "answer": lambda st: st.get("answer", ""),
+    "state": lambda st: st,
+    "info": lambda st: st.get("info", {}),
+}
+"""The objects ``Rubric.score_objects`` sets from the state itself, in its order, and how it reads them."""
+
+
+def _direct_names(rubric: Any, info: Any) -> tuple[str, ...] | None:
+    """The function's arguments, in ``score_objects``' order, when all of them are ``_DIRECT`` objects and
+    ``score_objects`` is verifiers' own with nothing that could replace them (no class object of that name,
+    no score-object provider); None otherwise. Then the call's kwargs are read from the state without
+    building the rest of ``score_objects`` (the row's fields, the task) per call: ~5 us each here."""
+    if info.names is None or type(rubric).score_objects is not vf.Rubric.score_objects:
+        return None
+    if rubric.score_object_providers or not info.names <= _DIRECT.keys() or info.names & rubric.class_objects.keys():
+        return None
+    return tuple(k for k in _DIRECT if k in info.names)
 
 
 def _kwargs(info: Any, merged: dict) -> dict:
@@ -151,7 +190,9 @@ async def _individual(func: Any, info: Any, calls: list[dict]) -> list[float]:
     if info.timeout_s is None:  # inline: the guarded wrapper itself, as verifiers calls it
         return [float(x) for x in await asyncio.gather(*(func(**kw) for kw in calls))]
     targets = [info.split(kw) for kw in calls]
-    if info.is_coroutine:
+    if getattr(info.func, "__func__", None) in _PURE_METRICS:
+        raw = [await _inline_call(info.func, kw) for kw in calls]
+    elif info.is_coroutine:
         raw = await _tasks([info.func(**kw) for kw in calls], info.timeout_s)
     else:
         raw = await call_burst([(info.func, kw) for kw in calls], info.timeout_s)

@@ -568,3 +568,21 @@ def test_engine_thread_gives_the_same_rollouts(qwen3_model, qwen3_tokenizer):
         tool_runs[threaded] = env.run_groups(engine, "train", [0, 1, 2], 2, SamplingParams(max_tokens=64), seed=0)
     assert tool_runs[True] == tool_runs[False]
     assert all(r.metrics["num_turns"] == 2.0 for g in tool_runs[True] for r in g)
+
+
+def test_rollout_row_deepcopy_is_deepcopy_of_plain_trees():
+    """RolloutRow's deepcopy (copy_tree) equals copy.deepcopy and shares no container with the row;
+    rows with shared containers or other types are not plain trees (they keep verifiers' deepcopy)."""
+    import copy
+
+    from prime_spmd.envs.verifiers_bridge import RolloutRow, is_plain_tree
+
+    row = {"prompt": [{"role": "user", "content": "q"}], "answer": "a", "example_id": 3, "info": {"x": [1, 2.5, None]}}
+    assert is_plain_tree(row)
+    out = copy.deepcopy(RolloutRow(row))
+    assert type(out) is dict and out == copy.deepcopy(row)
+    assert out["prompt"] is not row["prompt"] and out["prompt"][0] is not row["prompt"][0]
+    assert out["info"]["x"] is not row["info"]["x"]
+    shared = [1]
+    assert not is_plain_tree({"a": shared, "b": shared})
+    assert not is_plain_tree({"a": (1, 2)}) and not is_plain_tree({1.5j: 1}) and not is_plain_tree({"a": {1, 2}})

@@ -168,3 +168,56 @@ def test_batched_scoring_matches_general_path_with_failures_and_timeouts(qwen3_t
     assert {r.metrics["reward_timeouts"] for r in by_eid[2]} == {0.0}
     assert by_eid[2][0].metrics["env/plain"] == 1.0 and by_eid[2][1].metrics["env/spread"] == pytest.approx(0.1)
     assert by_eid[2][0].reward == pytest.approx(1.0 + 0.25 + 0.0 + 2.0 + 0.75)
+
+
+def test_overrides_and_handlers_take_the_awaiting_path(qwen3_tokenizer):
+    """An add_trajectory_step that awaits, an env cleanup handler taking **kwargs, a rubric cleanup handler,
+    and reward functions whose objects come from score_objects (a row field, a class object shadowing
+    `answer`): the fast path gathers and calls them as verifiers does; rollouts and calls match."""
+    import asyncio
+
+    from prime_spmd.envs.vf_scoring import _direct_names
+    from prime_spmd.envs.vf_single_turn import _inline, _rubric_cleans_up
+
+    calls: dict[bool, list] = {True: [], False: []}
+    mode = {"fast": True}
+
+    class Env(vf.SingleTurnEnv):
+        async def add_trajectory_step(self, state, trajectory_step):
+            await asyncio.sleep(0)
+            await super().add_trajectory_step(state, trajectory_step)
+
+        @vf.cleanup
+        async def note(self, **kwargs):
+            calls[mode["fast"]].append(("env", sorted(kwargs), kwargs["state"]["answer"]))
+
+    class Rub(vf.Rubric):
+        @vf.cleanup
+        async def done(self, state):
+            calls[mode["fast"]].append(("rubric", state["answer"]))
+
+    def from_row(question, answer) -> float:  # `question` is a row field: score_objects builds it
+        return float(len(question)) + (answer == "shadow")
+
+    rubric = Rub(funcs=[from_row, lambda completion, answer: float(answer in (completion[-1].content or ""))])
+    rubric.add_class_object("answer", "shadow")  # replaces the state's answer in score_objects
+    rows = [{"question": q, "answer": a} for q, a in (("q1", "7"), ("q22", "8"))]
+    vf_env = Env(dataset=Dataset.from_list(rows), rubric=rubric)
+    plain = envs_for_tests.load_single_turn_env()
+    assert _inline(plain) and not _rubric_cleans_up(plain.rubric)
+    assert not _inline(vf_env) and _rubric_cleans_up(vf_env.rubric)
+    out = []
+    for fast in (True, False):
+        mode["fast"] = fast
+        env = VerifiersEnvironment(vf_env, single_turn_fast_path=fast, reward_timeout_s=5.0)
+        assert env.fast_single_turn is fast
+        engine = ScriptedEngine(qwen3_tokenizer, lambda p: "7<|im_end|>", max_model_len=300)
+        out.append(env.run_groups(engine, "train", [0, 1], 2, SamplingParams(max_tokens=8), seed=0))
+    from prime_spmd.envs.vf_rewards import guard_info
+
+    assert all(_direct_names(vf_env.rubric.rubrics[0], guard_info(f)) is None for f in vf_env.rubric.rubrics[0].funcs)
+    fast, general = out
+    assert _fields(fast) == _fields(general)
+    assert sorted(calls[True], key=repr) == sorted(calls[False], key=repr) and len(calls[True]) == 8
+    assert ("env", ["env", "resources", "state", "task"], "7") in calls[True]
+    assert {r.reward for g in fast for r in g} == {3.0, 4.0}  # len(question) + 1 ("shadow"), the lambda 0
