@@ -3,7 +3,7 @@
 ``apply_lora(lm, cfg)`` swaps every targeted ``nn.Linear`` for a ``LoraLinear`` in place and freezes
 everything else. A ``LoraLinear`` IS an ``nn.Linear`` (same ``weight``/``bias`` parameters, so the
 base names, the HF export and the weight spec of the frozen model do not change) plus two trainable
-submodules ``lora_A`` [r, in] and ``lora_B`` [out, r]:
+submodules ``lora_A`` [R, Din] and ``lora_B`` [Dout, R]:
 
     y = x W^T + b + (alpha / r) * B(A(dropout(x)))
 
@@ -17,8 +17,8 @@ Supported targets: any ``nn.Linear`` whose module name ends with a target (``q_p
 are not linear modules and are never adapted; transformers models whose experts are ``nn.Linear``
 modules are adapted like any other linear layer.
 
-Legend (docs/conventions.md; local letters of this file: I in features, O out features, R rank): T tokens (any
-leading dims).
+Legend (docs/conventions.md; local letters of this file: Din in features, Dout out features, R rank): T tokens
+(any leading dims).
 """
 
 from __future__ import annotations
@@ -65,9 +65,9 @@ class LoraLinear(nn.Linear):
             self.lora_B.weight.zero_()
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
-    def forward(self, x_TI: torch.Tensor) -> torch.Tensor:
-        y_TO = F.linear(x_TI, self.weight, self.bias)
-        return y_TO + self.scale * self.lora_B(self.lora_A(self.lora_dropout(x_TI)))
+    def forward(self, x_TDin: torch.Tensor) -> torch.Tensor:
+        y_TDout = F.linear(x_TDin, self.weight, self.bias)
+        return y_TDout + self.scale * self.lora_B(self.lora_A(self.lora_dropout(x_TDin)))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.rank}, alpha={self.alpha}"
@@ -132,9 +132,9 @@ def base_name(adapter_name: str) -> str:
     raise AssertionError(adapter_name)
 
 
-def merged_weight(w0_OI: torch.Tensor, a_RI: torch.Tensor, b_OR: torch.Tensor, scale: float) -> torch.Tensor:
-    """W0 + scale * B @ A, computed in fp32, returned in W0's dtype."""
-    return torch.addmm(w0_OI.float(), b_OR.float(), a_RI.float(), alpha=scale).to(w0_OI.dtype)
+def merged_weight(w0_DoutDin: torch.Tensor, a_RDin: torch.Tensor, b_DoutR: torch.Tensor, scale: float) -> torch.Tensor:
+    """W0 + scale * B @ A ([Dout, Din]), computed in fp32, returned in W0's dtype."""
+    return torch.addmm(w0_DoutDin.float(), b_DoutR.float(), a_RDin.float(), alpha=scale).to(w0_DoutDin.dtype)
 
 
 def merge_state_dict(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
