@@ -47,7 +47,7 @@ case $PART in
     run rl_e2e 560 python3 benchmarks/rl_e2e.py --device cuda --shape qwen3-0.6b --out "$OUT/rl_e2e" --trl-python python3 \
       --tokenizer-files .whl/qwen3-tokenizer --sft-steps 100 --sft-batch 128 --sft-warmup-steps 20 --sft-limit-s 110 \
       --steps 30 --warmup 3 --prompts 16 --group-size 8 --max-tokens 20 --lr 1e-5 --rl-limit-s 100 --eval-limit-s 60 --budget-s 540 \
-      --compile-cache /tmp/rl_e2e_compile_cache ;;
+      --compile-cache /tmp/rl_e2e_compile_cache --eval-sft-fp32 ;;
   rl)
     run rl_colocated 300 python3 -m prime_spmd rl --config configs/reverse_text/rl.toml --output_dir "$OUT/rl" --model.path /tmp/rlmodel --model.init_tiny qwen3-1m --trainer.max_steps 20 --log.no_progress ;;
 esac
