@@ -30,7 +30,7 @@ Every phase is synchronized before and after (the times include the kernels). Th
 ``TORCH_LOGS=recompiles``; their logs and JSON go beside --out, which is rewritten after each worker.
 The script asserts nothing about timings.
 
-    python benchmarks/engine_warmup.py --device cuda --out $OUT/engine_warmup.json          # ~1.5 min
+    python benchmarks/engine_warmup.py --device cuda --budget-s 150 --out $OUT/engine_warmup.json
     python benchmarks/engine_warmup.py --device cpu --shape tiny --out /tmp/warmup.json      # CPU check
 """
 
@@ -65,6 +65,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--eval-slots", type=int, default=64, help="configs/reverse_text/eval.toml max_batch_size")
     p.add_argument("--train-tokens", type=int, default=1024)
     p.add_argument("--worker-limit-s", type=float, default=150, help="time limit of each worker process")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=float("inf"),
+        help="wall-clock budget of all workers: each worker's limit is cut to what is left, none under 15 s",
+    )
     p.add_argument("--cache-dir", type=Path, help="keep the compile caches here (default: a fresh temp dir)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -272,22 +278,22 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # ---- orchestrator --------------------------------------------------------------------------------------
-def run_part(part: str, cache: Path, state: str, args: argparse.Namespace) -> dict:
-    """One worker process on ``cache`` (per part, so that each part's cold pass is cold)."""
+def run_part(part: str, cache: Path, state: str, args: argparse.Namespace, limit: float) -> dict:
+    """One worker process on ``cache`` (per part, so that each part's cold pass is cold), ``limit`` s at most."""
     out = args.out.parent / f"{args.out.stem}_{part.replace(':', '_')}_{state}"
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton"),
            "TORCH_LOGS": "recompiles", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
     if args.device == "cpu":
         env.setdefault("TRITON_INTERPRET", "1")
     fwd = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-           if v is not None and k not in ("out", "worker", "worker_out", "cache_dir", "parts")]  # fmt: skip
+           if v is not None and k not in ("out", "worker", "worker_out", "cache_dir", "parts", "budget_s")]  # fmt: skip
     cmd = [sys.executable, str(Path(__file__).resolve()), *fwd, f"--out={args.out}", f"--worker={part}",
            f"--worker-out={out}.json"]  # fmt: skip
     t = time.perf_counter()
     with open(f"{out}.log", "w") as log:
         try:
             rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                timeout=args.worker_limit_s).returncode  # fmt: skip
+                                timeout=limit).returncode  # fmt: skip
         except subprocess.TimeoutExpired:
             rc = 124
     wall = time.perf_counter() - t
@@ -326,6 +332,7 @@ def main() -> None:
     if bad:
         raise SystemExit(f"--parts: unknown {bad}; choose from {list(PARTS)}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    deadline = time.perf_counter() + args.budget_s
     root = args.cache_dir or Path(tempfile.mkdtemp(prefix="engine_warmup_cache_"))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
     meta = dict(date=time.strftime("%Y-%m-%d"), commit=commit.stdout.strip() or None, command=" ".join(sys.argv),
@@ -334,7 +341,11 @@ def main() -> None:
     for part in parts:
         cache = root / part.replace(":", "_")
         for state in ("cold", "warm"):
-            results.append(run_part(part, cache, state, args))
+            limit = min(args.worker_limit_s, deadline - time.perf_counter())
+            if limit < 15:
+                print(f"[engine_warmup] {part} {state}: skipped, {limit:.0f} s of --budget-s left", flush=True)
+                continue
+            results.append(run_part(part, cache, state, args, limit))
             args.out.write_text(json.dumps(dict(meta=meta, results=results), indent=1) + "\n")  # kept if cut short
     print(f"[engine_warmup] wrote {args.out}")
 
