@@ -43,12 +43,15 @@ def output_to_rollout(out: dict[str, Any], example_id: int, sample_idx: int, ren
     (the environment rewrote its history) ends the sample there: later turns are dropped and
     counted in ``turns_dropped``, so no token the engine did not see in that context is trained.
     """
-    stats = dict(out.get(STATS_KEY) or {})
-    steps = [s for s in (out.get("trajectory") or []) if s.get("tokens") is not None]
+    # ``dict.get``: verifiers' ``State.get`` forwards only its input fields (prompt, answer, info,
+    # example_id) to ``state["input"]``; for every other key it is the dict's own, without two Python calls.
+    get = dict.get
+    stats = dict(get(out, STATS_KEY) or {})
+    steps = [s for s in (get(out, "trajectory") or []) if s.get("tokens") is not None]
     if not steps:
         prompt_ids = renderer.render_ids([to_template_message(m) for m in vf_messages(out["prompt"])], None, {})
         counter = {"timeout_reached": "env_timeouts", "prompt_too_long": "overlong_prompts"}.get(
-            out.get("stop_condition") or "", "env_errors"
+            get(out, "stop_condition") or "", "env_errors"
         )
         return failed_rollout(example_id, sample_idx, prompt_ids, counter)
     st = stitch_turns([s["tokens"] for s in steps])
@@ -60,18 +63,18 @@ def output_to_rollout(out: dict[str, Any], example_id: int, sample_idx: int, ren
         st.used,
     )
     metrics = {c: float(stats.get(c, 0)) for c in COUNTERS}
-    if out.get("error") is not None:
+    if get(out, "error") is not None:
         metrics["env_errors"] += 1.0
-    if out.get("stop_condition") == "timeout_reached":
+    if get(out, "stop_condition") == "timeout_reached":
         metrics["env_timeouts"] += 1.0
-    reward = out.get("reward")
+    reward = get(out, "reward")
     if reward is None or not isinstance(reward, (int, float)) or not math.isfinite(reward):
         metrics["reward_errors"] += 1.0
         reward = 0.0
-    if out.get("stop_condition") == "prompt_too_long":
+    if get(out, "stop_condition") == "prompt_too_long":
         metrics["overlong_prompts"] += 1.0
     failed = any(metrics[c] > 0 for c in ("reward_errors", "reward_timeouts", "env_errors", "env_timeouts"))
-    for key, value in (out.get("metrics") or {}).items():
+    for key, value in (get(out, "metrics") or {}).items():
         if isinstance(value, (int, float)) and math.isfinite(value):
             metrics[f"env/{key}"] = float(value)
     metrics["num_turns"] = float(len(steps))
@@ -89,6 +92,6 @@ def output_to_rollout(out: dict[str, Any], example_id: int, sample_idx: int, ren
         info={
             "answer": out.get("answer", ""),
             "finish_reason": "length" if steps[-1].get("is_truncated") else "stop",
-            "stop_condition": out.get("stop_condition"),
+            "stop_condition": get(out, "stop_condition"),
         },
     )

@@ -111,14 +111,14 @@ async def run_single_turn(
     engine generates (nothing else runs then: every rollout of the call waits on that batch).
     """
     groups = [_Group(eid, inp) for eid, inp in inputs]
-    inline = _inline(vf_env)
+    inline, fresh = _inline(vf_env), _fresh_states(vf_env)
     for g in groups:
         args = copy.deepcopy(sampling_args)  # one copy per group, as run_group gets one
         await _guarded(g, _setup_group(vf_env, client, g, args))
     pending: list[tuple[_Group, Any, tuple]] = []
     for g in groups:
         if not g.failed:
-            reqs = await _guarded(g, _each(inline, (_request(vf_env, client, st) for st in g.states)))
+            reqs = await _guarded(g, _each(inline, (_request(vf_env, client, st, fresh) for st in g.states)))
             pending += [(g, st, r) for st, r in zip(g.states, reqs or []) if r is not None]
     requests = [
         Request(prompt_ids=r[1], sampling=r[2], request_id=f"single-{i}") for i, (_, _, r) in enumerate(pending)
@@ -187,6 +187,15 @@ def _inline(vf_env: Any) -> bool:
     return all(getattr(h, "__func__", None) is vf.MultiTurnEnv.render_state for h in vf_env._cleanup_handlers)
 
 
+def _fresh_states(vf_env: Any) -> bool:
+    """True when the states reach the turn as verifiers' own ``init_state`` and ``setup_state`` leave them:
+    no error, no ``prompt_too_long``, no trajectory step, no usage, no ``final_env_response``. Then none of
+    MultiTurnEnv's stop conditions (the only ones ``single_turn_blocker`` lets through) can hold before the
+    turn: ``max_turns_reached`` needs a step, ``max_total_completion_tokens_reached`` output tokens."""
+    cls = type(vf_env)
+    return cls.init_state is vf.Environment.init_state and cls.setup_state is vf.MultiTurnEnv.setup_state
+
+
 def _cleanup_calls(vf_env: Any) -> list[tuple[Any, frozenset[str] | None]] | None:
     """``Environment.cleanup``'s handlers with the parameter names ``maybe_call_with_named_args`` reads from
     ``inspect.signature`` on every call (None: all, for ``**kwargs``), read once per call of the fast path;
@@ -238,11 +247,12 @@ async def _setup_group(vf_env: Any, client: EngineClient, group: _Group, samplin
         group.states.append(state)
 
 
-async def _request(vf_env: Any, client: EngineClient, state: Any) -> tuple | None:
+async def _request(vf_env: Any, client: EngineClient, state: Any, fresh: bool) -> tuple | None:
     """The turn's (prompt messages, prompt ids, sampling params, turn index), as ``get_model_response`` and
     ``EngineClient`` build it; None when no model call is made (a stop condition holds before the turn,
-    or a ``vf.Error``, recorded as the turn loop records it)."""
-    if await _first_stop(vf_env, state) is not None:
+    or a ``vf.Error``, recorded as the turn loop records it). ``fresh``: ``_fresh_states`` (no stop
+    condition can hold yet, so the turn loop's first ``is_completed`` is not evaluated)."""
+    if not fresh and await _first_stop(vf_env, state) is not None:
         return None
     try:
         messages = maybe_normalize_messages(await vf_env.get_prompt_messages(state), field_name="prompt_messages")

@@ -79,6 +79,10 @@ def test_fast_path_rewards_states_and_failures_match(qwen3_tokenizer):
     rows.append({"question": "long " * 300, "answer": "x"})  # past max_model_len: overlong_prompts
     vf_env = Env(dataset=Dataset.from_list(rows), rubric=vf.Rubric(funcs=[exact, lambda completion: 0.25]))
     vf_env.max_seq_len = 16  # truncates the stored completion ids (verifiers' parse_response_tokens rule)
+    from prime_spmd.envs.vf_single_turn import _fresh_states
+
+    # setup_state is overridden: the turn loop's first stop check runs (the vf.Error row stops there).
+    assert not _fresh_states(vf_env) and _fresh_states(envs_for_tests.load_single_turn_env())
     out = []
     for fast in (True, False):
         mode["fast"] = fast
