@@ -5,6 +5,7 @@ Issue 18's run 1 (docs/benchmarks.md) lost its first RL step to 23.7 s of warm-u
 7.4 s). This probe times each first-use cost separately, each part in its own fresh process (as
 ``prime_spmd rl`` and ``prime_spmd eval`` run in benchmarks/rl_e2e.py), twice: ``cold`` with empty
 TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR, then ``warm`` in a second process on the same two dirs.
+TRITON_CACHE_AUTOTUNING=1 also keeps the Triton autotuner's choices there (Triton versions that read it).
 
 - ``engine:custom`` (our Qwen3 through ``load_model``, what ``rl`` and ``eval`` run) and ``engine:hf``
   (transformers' Qwen3, benchmarks/engine.py's model; ``fused_decode`` in the JSON says whether the
@@ -282,7 +283,7 @@ def run_part(part: str, cache: Path, state: str, args: argparse.Namespace, limit
     """One worker process on ``cache`` (per part, so that each part's cold pass is cold), ``limit`` s at most."""
     out = args.out.parent / f"{args.out.stem}_{part.replace(':', '_')}_{state}"
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton"),
-           "TORCH_LOGS": "recompiles", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+           "TORCH_LOGS": "recompiles", "TRITON_CACHE_AUTOTUNING": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
     if args.device == "cpu":
         env.setdefault("TRITON_INTERPRET", "1")
     fwd = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()

@@ -420,7 +420,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--compile-cache",
         default="",
-        help="TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR of every subprocess, both sides ('': "
+        help="TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR of every subprocess, both sides (with TRITON_CACHE_AUTOTUNING=1; '': "
         "OUT/compile_cache, fresh per run; 'inherit': leave the environment's)",
     )
     p.add_argument("--peak-tflops", type=float, default=H200_BF16_PEAK_TFLOPS, help="bf16 dense peak for MFU")
@@ -443,6 +443,7 @@ def main() -> None:
         DEADLINE["env"] = {
             "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
             "TRITON_CACHE_DIR": str(cache / "triton"),
+            "TRITON_CACHE_AUTOTUNING": "1",  # the autotuner's choices too (Triton versions that read it)
         }
     sys.path.insert(0, str(ROOT))
     import torch
