@@ -55,31 +55,37 @@ async def score_groups(rubric: Any, groups: list[list[Any]]) -> None:
         await _score_rubric(rubric, groups)
 
 
+# A state's reward, metrics, advantage and trajectory are its own keys: verifiers' ``State`` methods forward
+# only input fields, so the dict's own methods read and write the same values without two Python calls
+# each (~900 of them per 64 rollouts here).
+_get, _set, _item = dict.get, dict.__setitem__, dict.__getitem__
+
+
 async def _score_rubric_group(rubric: Any, groups: list[list[Any]]) -> None:
     """``RubricGroup.score_group``'s combination, every group at once."""
     states = [st for g in groups for st in g]
     n = len(states)
     aggregated_rewards = [0.0] * n
     aggregated_metrics: dict[str, list[float]] = {}
-    original_rewards = [st.get("reward", 0.0) for st in states]
-    original_metrics = [st.get("metrics", {}).copy() if st.get("metrics") else {} for st in states]
+    original_rewards = [_get(st, "reward", 0.0) for st in states]
+    original_metrics = [_get(st, "metrics", {}).copy() if _get(st, "metrics") else {} for st in states]
     for child in rubric.rubrics:
         await score_groups(child, groups)
         for i, st in enumerate(states):
-            aggregated_rewards[i] += st.get("reward", 0.0)
-            for key, value in (st.get("metrics", {}).copy() if st.get("metrics") else {}).items():
+            aggregated_rewards[i] += _get(st, "reward", 0.0)
+            for key, value in (_get(st, "metrics", {}).copy() if _get(st, "metrics") else {}).items():
                 if key not in aggregated_metrics:
                     aggregated_metrics[key] = [0.0] * n
                 aggregated_metrics[key][i] += value
-            st["reward"] = original_rewards[i]
-            st["metrics"] = original_metrics[i].copy()
+            _set(st, "reward", original_rewards[i])
+            _set(st, "metrics", original_metrics[i].copy())
     for i, st in enumerate(states):
-        st["reward"] = aggregated_rewards[i]
+        _set(st, "reward", aggregated_rewards[i])
         if aggregated_metrics:
             if "metrics" not in st:
-                st["metrics"] = {}
+                _set(st, "metrics", {})
             for key, values in aggregated_metrics.items():
-                st["metrics"][key] = values[i]
+                _item(st, "metrics")[key] = values[i]
 
 
 async def _score_rubric(rubric: Any, groups: list[list[Any]]) -> None:
@@ -109,14 +115,14 @@ async def _score_rubric(rubric: Any, groups: list[list[Any]]) -> None:
     for g, agg, met in zip(groups, rewards, metrics):
         avg = sum(agg) / len(g)
         for i, st in enumerate(g):
-            st["reward"] = agg[i]
-            st["advantage"] = agg[i] - avg
-            for t in st["trajectory"]:
+            _set(st, "reward", agg[i])
+            _set(st, "advantage", agg[i] - avg)
+            for t in _item(st, "trajectory"):
                 if t["advantage"] is None:
-                    t["advantage"] = st["advantage"]
+                    t["advantage"] = agg[i] - avg
                 if t["reward"] is None:
-                    t["reward"] = st["reward"]
-            st["metrics"] = {name: values[i] for name, values in met.items()}
+                    t["reward"] = agg[i]
+            _set(st, "metrics", {name: values[i] for name, values in met.items()})
 
 
 async def _tasks(coroutines: list, timeout_s: float) -> list[tuple[bool, Any]]:
