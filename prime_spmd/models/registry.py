@@ -10,15 +10,18 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from prime_spmd.config.sections import ModelConfig
 from prime_spmd.models.adapter import ModelAdapter
 from prime_spmd.models.hf_adapter import HFAdapter
 from prime_spmd.models.qwen3.adapter import Qwen3Adapter
 from prime_spmd.models.qwen3.hf import load_qwen3
 from prime_spmd.models.qwen3.model import Qwen3ForCausalLM
+
+if TYPE_CHECKING:  # annotation only: the engine imports this module, and config/ needs tyro
+    from prime_spmd.config.sections import ModelConfig
 
 REGISTRY: dict[str, Callable[..., torch.nn.Module]] = dict(qwen3=load_qwen3, qwen3_moe=load_qwen3)
 ADAPTERS: dict[type[torch.nn.Module], type[ModelAdapter]] = {Qwen3ForCausalLM: Qwen3Adapter}
