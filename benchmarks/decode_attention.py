@@ -74,7 +74,7 @@ def bench_batch(b: int, args: argparse.Namespace, bmm) -> list[dict]:
     ref = bmm(q_BNDh, ks[0], vs[0], mask_BTkv, scale)
     us = time_graph(lambda li: bmm(q_BNDh, ks[li], vs[li], mask_BTkv, scale), args.layers, args.reps)
     rows = [dict(batch=b, impl="bmm", us_per_layer=us, GBps=need_bytes / us / 1e3)]
-    bn0 = kernel.block_n(dh)
+    bn0 = kernel.default_block_tc(dh)
     auto = kernel.pick_num_splits(b, nkv, tkv, dev, bn0)
     configs = [(bn0, 4, 2, 0)]
     if args.sweep == "full":

@@ -139,7 +139,7 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def block_n(head_dim: int) -> int:
+def default_block_tc(head_dim: int) -> int:
     """Positions per K/V tile: 16 under the interpreter (so tests have ragged tiles), else 64 (128 for Dh <= 64)."""
     if INTERPRET:
         return 16
@@ -169,7 +169,7 @@ def decode_attention(
     tile: int = 0,
 ) -> torch.Tensor:
     """o [B, N, Dh] like q (see reference.py); ``num_splits`` 0 picks by shape (``pick_num_splits``),
-    ``tile`` 0 by ``block_n`` (benchmarks/decode_attention.py sweeps tile, warps and stages).
+    ``tile`` 0 by ``default_block_tc`` (benchmarks/decode_attention.py sweeps tile, warps and stages).
     q, k, v: the same float dtype, last dim contiguous; lens_B int32/int64 on the same device."""
     B, N, Dh = q_BNDh.shape
     Nkv = k_BcNkvTcDh.shape[1]
@@ -179,7 +179,7 @@ def decode_attention(
             f"decode_attention: the head dim must be contiguous (strides q {q_BNDh.stride()}, "
             f"k {k_BcNkvTcDh.stride()}, v {v_BcNkvTcDh.stride()})"
         )
-    block_tc = tile or block_n(Dh)
+    block_tc = tile or default_block_tc(Dh)
     if num_splits <= 0:
         num_splits = pick_num_splits(B, Nkv, max_len, q_BNDh.device, block_tc)
     split_len = triton.cdiv(triton.cdiv(max_len, num_splits), block_tc) * block_tc  # a multiple of the tile
