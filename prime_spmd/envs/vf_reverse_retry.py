@@ -14,7 +14,7 @@ from typing import Any
 
 import verifiers as vf
 
-from prime_spmd.envs.vf_reverse_text import build_dataset, exact_match, lcs_reward
+from prime_spmd.envs.vf_reverse_text import dataset_builders, exact_match, lcs_reward
 
 FEEDBACK = "Wrong. Try again."
 
@@ -49,20 +49,17 @@ def load_environment(
     retry_penalty: float = 0.1,
 ) -> vf.Environment:
     """The environment; ``max_turns`` attempts, ``retry_penalty`` off the reward per extra attempt."""
-    if not 1 <= min_chars <= max_chars:
-        raise ValueError(f"--env.args: need 1 <= min_chars <= max_chars, got {min_chars}, {max_chars}")
+    datasets = dataset_builders(seed, num_train_examples, num_eval_examples, min_chars, max_chars, alphabet)
     if max_turns < 1 or not 0 <= retry_penalty < 1:
         raise ValueError(
             f"--env.args: need max_turns >= 1 and 0 <= retry_penalty < 1, got {max_turns}, {retry_penalty}"
         )
-    args = (min_chars, max_chars, alphabet)
 
     def reward(completion: Any, answer: str, state: Any) -> float:
         return lcs_reward(completion, answer) - retry_penalty * (len(state["trajectory"]) - 1)
 
     return ReverseRetryEnv(
-        dataset=lambda: build_dataset(seed, "train", num_train_examples, *args),
-        eval_dataset=lambda: build_dataset(seed, "eval", num_eval_examples, *args),
+        **datasets,
         rubric=vf.Rubric(funcs=[reward, exact_match, attempts], weights=[1.0, 0.0, 0.0]),
         max_turns=max_turns,
     )

@@ -16,6 +16,7 @@ the same completions (tests/unit/test_verifiers_bridge.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import verifiers as vf
@@ -35,6 +36,23 @@ def build_dataset(seed: int, split: str, num_examples: int, min_chars: int, max_
         text, answer = reverse_text_example(example_rng(seed, split, i), min_chars, max_chars, alphabet)
         rows.append({"prompt": [{"role": "user", "content": text}], "answer": answer, "example_id": i})
     return Dataset.from_list(rows)
+
+
+def dataset_builders(
+    seed: int, num_train_examples: int, num_eval_examples: int, min_chars: int, max_chars: int, alphabet: str
+) -> dict[str, Callable[[], Dataset]]:
+    """A verifiers env's ``dataset`` and ``eval_dataset`` arguments: builders (callables) of the two splits.
+
+    They run on first use, so loading the env for eval skips the 100k train rows. Raises ``ValueError``
+    (naming ``--env.args``) unless 1 <= min_chars <= max_chars.
+    """
+    if not 1 <= min_chars <= max_chars:
+        raise ValueError(f"--env.args: need 1 <= min_chars <= max_chars, got {min_chars}, {max_chars}")
+    args = (min_chars, max_chars, alphabet)
+    return {
+        "dataset": lambda: build_dataset(seed, "train", num_train_examples, *args),
+        "eval_dataset": lambda: build_dataset(seed, "eval", num_eval_examples, *args),
+    }
 
 
 def lcs_reward(completion: Any, answer: str) -> float:
@@ -58,12 +76,7 @@ def load_environment(
     num_eval_examples: int = 64,
 ) -> vf.Environment:
     """The environment; arguments as the built-in's ``--env.args`` (plus ``seed``, ``num_eval_examples``)."""
-    if not 1 <= min_chars <= max_chars:
-        raise ValueError(f"--env.args: need 1 <= min_chars <= max_chars, got {min_chars}, {max_chars}")
-    args = (min_chars, max_chars, alphabet)
-    # Dataset builders (callables) run on first use, so loading the env for eval skips the 100k train rows.
     return vf.SingleTurnEnv(
-        dataset=lambda: build_dataset(seed, "train", num_train_examples, *args),
-        eval_dataset=lambda: build_dataset(seed, "eval", num_eval_examples, *args),
+        **dataset_builders(seed, num_train_examples, num_eval_examples, min_chars, max_chars, alphabet),
         rubric=vf.Rubric(funcs=[lcs_reward, exact_match], weights=[1.0, 0.0]),
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import verifiers as vf
 
-from prime_spmd.envs.vf_reverse_text import build_dataset, exact_match, lcs_reward
+from prime_spmd.envs.vf_reverse_text import dataset_builders, exact_match, lcs_reward
 
 
 def reverse(text: str) -> str:
@@ -33,14 +33,11 @@ def load_environment(
     max_turns: int = 3,
 ) -> vf.Environment:
     """The environment; ``max_turns`` model turns at most (tool calls included)."""
-    if not 1 <= min_chars <= max_chars:
-        raise ValueError(f"--env.args: need 1 <= min_chars <= max_chars, got {min_chars}, {max_chars}")
+    datasets = dataset_builders(seed, num_train_examples, num_eval_examples, min_chars, max_chars, alphabet)
     if max_turns < 1:
         raise ValueError(f"--env.args: need max_turns >= 1, got {max_turns}")
-    args = (min_chars, max_chars, alphabet)
     return vf.ToolEnv(
-        dataset=lambda: build_dataset(seed, "train", num_train_examples, *args),
-        eval_dataset=lambda: build_dataset(seed, "eval", num_eval_examples, *args),
+        **datasets,
         tools=[reverse],
         rubric=vf.Rubric(funcs=[lcs_reward, exact_match], weights=[1.0, 0.0]),
         max_turns=max_turns,
