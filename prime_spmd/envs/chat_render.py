@@ -109,3 +109,34 @@ class ChatRenderer:
         if idx < 0 or not after.startswith(close):
             return None
         return self.encode(remainder + after[len(close) :])
+
+    def stitch_ids(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None,
+        kwargs: dict,
+        previous: list[dict],
+        prompt_ids: list[int],
+        completion_ids: list[int],
+        check_rerender: bool,
+    ) -> tuple[list[int], str | None]:
+        """The next turn's prompt ids and the bridge counter to bump (None: stitched cleanly).
+
+        ``previous`` are the last turn's prompt + reply messages, ``prompt_ids`` / ``completion_ids`` its
+        token ids. When ``messages`` extend ``previous``, the ids are those + ``bridge_ids`` of the new
+        tail (never re-rendered: see vf_client.py's module doc); else, or when ``bridge_ids`` is None,
+        ``messages`` rendered afresh. Counters: ``prefix_breaks`` (no extension), ``bridge_failures``
+        (no bridge), ``rerender_mismatches`` (with ``check_rerender``: stitched ids != a fresh render).
+        """
+        n = len(previous)
+        if len(messages) > n and messages[:n] == previous:
+            bridge = self.bridge_ids(completion_ids, messages[n:], tools, kwargs)
+            if bridge is not None:
+                ids = prompt_ids + completion_ids + bridge
+                if check_rerender and ids != self.render_ids(messages, tools, kwargs):
+                    return ids, "rerender_mismatches"
+                return ids, None
+            stat = "bridge_failures"
+        else:
+            stat = "prefix_breaks"
+        return self.render_ids(messages, tools, kwargs), stat

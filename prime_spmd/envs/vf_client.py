@@ -210,19 +210,14 @@ class EngineClient(vf.Client):
         if step is None:
             return self.renderer.render_ids(prompt, tools, kwargs)
         previous = [to_template_message(m) for m in list(step["prompt"]) + list(step["completion"])]
-        n = len(previous)
         tokens = step["tokens"]
-        if len(prompt) > n and prompt[:n] == previous:
-            bridge = self.renderer.bridge_ids(list(tokens["completion_ids"]), prompt[n:], tools, kwargs)
-            if bridge is not None:
-                ids = list(tokens["prompt_ids"]) + list(tokens["completion_ids"]) + bridge
-                if self.check_rerender and ids != self.renderer.render_ids(prompt, tools, kwargs):
-                    bump_stat(state, "rerender_mismatches")
-                return ids
-            bump_stat(state, "bridge_failures")
-        else:
-            bump_stat(state, "prefix_breaks")
-        return self.renderer.render_ids(prompt, tools, kwargs)
+        prompt_ids, completion_ids = list(tokens["prompt_ids"]), list(tokens["completion_ids"])
+        ids, stat = self.renderer.stitch_ids(
+            prompt, tools, kwargs, previous, prompt_ids, completion_ids, self.check_rerender
+        )
+        if stat is not None:
+            bump_stat(state, stat)
+        return ids
 
     def sampling_for(self, args: SamplingArgs | None, state: Any, turn: int, prompt_len: int) -> SamplingParams:
         """The request's ``SamplingParams``: ``base`` overridden by ``args``; seed derived per sample and turn."""

@@ -194,19 +194,18 @@ class V1EngineClient(vf.Client):
         if not history:
             return self.renderer.render_ids(messages, tools, kwargs)
         prev = history[-1]
-        previous = prev["messages"] + [prev["reply"]]
-        n = len(previous)
-        if len(messages) > n and messages[:n] == previous:
-            bridge = self.renderer.bridge_ids(prev["completion_ids"], messages[n:], tools, kwargs)
-            if bridge is not None:
-                ids = prev["prompt_ids"] + prev["completion_ids"] + bridge
-                if self.check_rerender and ids != self.renderer.render_ids(messages, tools, kwargs):
-                    _bump(stats, "rerender_mismatches")
-                return ids
-            _bump(stats, "bridge_failures")
-        else:
-            _bump(stats, "prefix_breaks")
-        return self.renderer.render_ids(messages, tools, kwargs)
+        ids, stat = self.renderer.stitch_ids(
+            messages,
+            tools,
+            kwargs,
+            prev["messages"] + [prev["reply"]],
+            prev["prompt_ids"],
+            prev["completion_ids"],
+            self.check_rerender,
+        )
+        if stat is not None:
+            _bump(stats, stat)
+        return ids
 
     def sampling_for(self, body: dict, key: str, turn: int, prompt_len: int) -> SamplingParams:
         """``base`` with the request's ``max_tokens`` (if lower), clipped to the context; seed per sample and turn."""
