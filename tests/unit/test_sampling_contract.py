@@ -15,7 +15,7 @@ from prime_spmd.config.sections import SamplingConfig
 from prime_spmd.envs.verifiers_bridge import VerifiersEnvironment
 from prime_spmd.inference.engine import SamplingParams
 from tests.envs_for_tests import _dataset
-from tests.unit.test_verifiers_bridge import ScriptedEngine
+from tests.fakes import ScriptedEngine
 
 
 @pytest.mark.parametrize(

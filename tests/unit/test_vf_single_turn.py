@@ -17,7 +17,7 @@ from prime_spmd.envs.verifiers_bridge import VerifiersEnvironment  # noqa: E402
 from prime_spmd.envs.vf_single_turn import single_turn_blocker  # noqa: E402
 from prime_spmd.inference.engine import SamplingParams  # noqa: E402
 from tests import envs_for_tests  # noqa: E402
-from tests.unit.test_verifiers_bridge import ScriptedEngine, native_engine  # noqa: E402
+from tests.fakes import ScriptedEngine, native_engine  # noqa: E402
 
 
 def _fields(groups) -> list[tuple]:

@@ -33,40 +33,12 @@ from prime_spmd.inference.engine import (  # noqa: E402
     SamplingParams,
     render_chat_ids,
 )
+from tests.fakes import native_engine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SINGLE = "tests/envs_v1/ps_v1_single.py"
 GUESS = "tests/envs_v1/ps_v1_guess.py"
 TOOLS = "tests/envs_v1/ps_v1_tools.py"
-
-
-class RecordingEngine(InferenceEngine):
-    """Delegates to a real engine; records completions and the most requests ever in flight at once."""
-
-    def __init__(self, inner: InferenceEngine) -> None:
-        self.inner, self.tokenizer, self.max_model_len = inner, inner.tokenizer, inner.max_model_len
-        self.log: list[Completion] = []
-        self.in_flight = self.max_batch_seen = 0
-
-    def add_request(self, request: Request) -> None:
-        self.in_flight += 1
-        self.inner.add_request(request)
-
-    def step(self) -> list[Completion]:
-        self.max_batch_seen = max(self.max_batch_seen, self.in_flight)
-        done = self.inner.step()
-        self.in_flight -= len(done)
-        self.log += done
-        return done
-
-    def has_unfinished(self) -> bool:
-        return self.inner.has_unfinished()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.inner.load_weights(weights)
-
-    def reset_cache(self) -> None:
-        self.inner.reset_cache()
 
 
 class ScriptedEngine(InferenceEngine):
@@ -112,14 +84,6 @@ class ScriptedEngine(InferenceEngine):
 
     def reset_cache(self) -> None:
         pass
-
-
-def native_engine(model, tokenizer) -> RecordingEngine:
-    from prime_spmd.inference.native import NativeEngine
-
-    return RecordingEngine(
-        NativeEngine(model, tokenizer, max_batch_size=8, max_model_len=512, device="cpu", cuda_graphs=False)
-    )
 
 
 def _env(name: str, **args) -> V1Environment:
