@@ -244,24 +244,9 @@ class FailingEngine(FakeStepEngine):
         return 100, -1.0
 
 
-def test_async_engine_failure_reaches_every_waiter(qwen3_tokenizer):
-    """``engine.step()`` raising: every pending ``generate`` raises it (none hangs), later ones refuse."""
-    import asyncio
-
-    from prime_spmd.inference.engine import AsyncEngine
-
-    async def main() -> tuple[list, AsyncEngine]:
-        front = AsyncEngine(FailingEngine(qwen3_tokenizer))
-        calls = [front.generate([1, 2, 3], SamplingParams(max_tokens=10, seed=i)) for i in range(4)]
-        results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), timeout=10)
-        with pytest.raises(RuntimeError, match="failed earlier"):
-            await front.generate([1], SamplingParams(max_tokens=2))
-        return results, front
-
-    results, front = asyncio.run(main())
-    assert all(isinstance(r, RuntimeError) and str(r) == "engine step failed" for r in results)
-    assert front.failure is results[0]
-    # Through the bridge (verifiers records model errors per rollout): the call fails loudly, no hang.
+def test_engine_failure_fails_run_groups_loudly(qwen3_tokenizer):
+    """Through the bridge (verifiers records model errors per rollout), ``engine.step()`` raising fails the
+    call loudly, with no hang."""
     env = _env("load_single_turn_env", num_examples=2)
     with pytest.raises(RuntimeError, match="inference engine failed"):
         env.run_groups(FailingEngine(qwen3_tokenizer), "train", [0, 1], 2, SamplingParams(max_tokens=8), seed=0)
@@ -404,14 +389,16 @@ def test_async_fronts_drain_cancelled_requests_and_fail_bad_ones(qwen3_tokenizer
     assert (threading.get_ident() not in engine.threads) == threaded
 
 
-def test_threaded_front_failure_reaches_every_waiter(qwen3_tokenizer):
-    """``engine.step()`` raising on the worker thread: every pending ``generate`` raises it, later ones refuse."""
+@pytest.mark.parametrize("threaded", [False, True])
+def test_async_fronts_fail_every_waiter(qwen3_tokenizer, threaded):
+    """``engine.step()`` raising (on the worker thread when threaded): every pending ``generate`` raises it
+    (none hangs), later ones refuse."""
     import asyncio
 
-    from prime_spmd.inference.engine import ThreadedAsyncEngine
+    from prime_spmd.inference.engine import AsyncEngine, ThreadedAsyncEngine
 
-    async def main() -> tuple[list, ThreadedAsyncEngine]:
-        front = ThreadedAsyncEngine(FailingEngine(qwen3_tokenizer))
+    async def main() -> tuple[list, AsyncEngine]:
+        front = (ThreadedAsyncEngine if threaded else AsyncEngine)(FailingEngine(qwen3_tokenizer))
         calls = [front.generate([1, 2, 3], SamplingParams(max_tokens=10, seed=i)) for i in range(4)]
         results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), timeout=10)
         with pytest.raises(RuntimeError, match="failed earlier"):
