@@ -160,6 +160,8 @@ class TrainerConfig:
     """torch CPU threads per process (0: torch's default)."""
     max_skipped_steps: int = 5
     """Stop the run after this many optimizer steps in a row were skipped for a non-finite loss or gradient (0: never)."""
+    share_prompts: bool = True
+    """Forward a prompt shared by documents of a micro-batch (a GRPO group) once, via an attention mask; dense custom Qwen3 only."""
 
     def __post_init__(self) -> None:
         _check(self.max_steps >= 1, "trainer.max_steps", self.max_steps, "must be >= 1")

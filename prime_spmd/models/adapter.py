@@ -113,11 +113,20 @@ class ModelAdapter:
         """The load-balance loss coefficient the model's own config asks for (0.0 when none)."""
         return 0.0
 
+    def supports_prefix_sharing(self) -> bool:
+        """Whether ``forward_hidden_routed`` takes an explicit attention mask (``attn_mask_BTT``), so that the
+        trainer can forward a shared prompt once for a group of documents (``trainer/packing.py: ShareLayout``).
+        False where routing would see a different token multiset than unshared (MoE: load-balance loss)."""
+        return False
+
     def forward_hidden_routed(
-        self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor
+        self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, attn_mask_BTT: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(final hidden states [B, T, D], load-balance loss (scalar, with grad; mean over MoE layers),
-        tokens per expert [MoE layers, E]); the last two are None unless ``has_router_aux()``."""
+        tokens per expert [MoE layers, E]); the last two are None unless ``has_router_aux()``.
+        ``attn_mask_BTT``: explicit bool mask [B, T, T] (True = attend), only where ``supports_prefix_sharing()``."""
+        if attn_mask_BTT is not None:
+            raise ValueError(f"{self.model_type}: no explicit attention mask (supports_prefix_sharing() is False)")
         return self.forward_hidden(input_ids_BT, position_ids_BT), None, None
 
     # ---- native engine ----------------------------------------------------------------------------

@@ -83,8 +83,12 @@ class HFAdapter(ModelAdapter):
         return float(getattr(self.lm.config, "router_aux_loss_coef", 0.0) or 0.0)
 
     def forward_hidden_routed(
-        self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor
+        self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, attn_mask_BTT: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        # no prefix sharing (supports_prefix_sharing() is False): transformers' mask handling differs per
+        # model and attention implementation, so the trainer keeps the packed path for these models
+        if attn_mask_BTT is not None:
+            raise ValueError(f"{self.model_type}: no explicit attention mask (supports_prefix_sharing() is False)")
         if not self.has_router_aux():
             return self.forward_hidden(input_ids_BT, position_ids_BT), None, None
         out = self._decoder()(

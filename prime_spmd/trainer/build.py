@@ -85,7 +85,11 @@ def build_trainer(
         )
     router_aux_coef = resolve_router_aux_coef(model_cfg.router_aux_loss_coef, adapter)
     policy = PolicyModel(
-        lm, resolve_loss_impl(trainer_cfg.loss_impl, device), router_aux_coef, not varlen_attention(model_cfg, device)
+        lm,
+        resolve_loss_impl(trainer_cfg.loss_impl, device),
+        router_aux_coef,
+        unpack_documents=not varlen_attention(model_cfg, device),
+        share_prompts=trainer_cfg.share_prompts,
     )
     mesh = build_trainer_mesh(ctx.topo, device)
     # EP (mesh with an ep axis) -> activation checkpointing -> FSDP2 per block -> root

@@ -28,7 +28,7 @@ from prime_spmd.models.adapter import ModelAdapter
 from prime_spmd.models.hf_adapter import HF_ROUTER_AUX_TYPES
 from prime_spmd.models.registry import adapter_for
 from prime_spmd.rl.loss import TokenLoss
-from prime_spmd.trainer.packing import row_layout
+from prime_spmd.trainer.packing import row_layout, share_layout
 
 
 def resolve_router_aux_coef(flag: float | None, adapter: ModelAdapter) -> float:
@@ -80,6 +80,11 @@ class PolicyModel(nn.Module):
     (``packing.RowLayout``: causal attention without the O(L^2) block mask), then gather the hidden
     states back into packed order; the same per-token result up to rounding. Off for MoE models (pads
     would be routed and counted in the load-balance loss) and where attention is varlen already.
+
+    ``share_prompts`` (where ``adapter.supports_prefix_sharing()``: our dense Qwen3): documents of a packed
+    row that share their untrained prefix (a GRPO group's prompt) forward it once, with an explicit
+    attention mask (``packing.ShareLayout``); the same per-token result up to rounding. Only ``forward``
+    shares (it has the loss mask); a row without a share group goes the unpacked or packed way above.
     """
 
     def __init__(
@@ -88,6 +93,7 @@ class PolicyModel(nn.Module):
         loss_impl: Literal["reference", "chunked", "triton", "fused"] = "reference",
         router_aux_coef: float = 0.0,
         unpack_documents: bool = True,
+        share_prompts: bool = True,
     ) -> None:
         super().__init__()
         self.lm = lm
@@ -96,13 +102,27 @@ class PolicyModel(nn.Module):
         self.unpack_documents = unpack_documents and self.adapter.dims().num_experts == 0
         assert router_aux_coef == 0 or self.adapter.has_router_aux(), "resolve_router_aux_coef decides it"
         self.router_aux_coef = router_aux_coef
+        self.share_prompts = share_prompts and self.adapter.supports_prefix_sharing()
         self.last_router: RouterStats | None = None
+        self.last_shared_tokens = 0
+        """Packed tokens the last forward did not run through the model (prompt copies; 0 unshared)."""
 
     def hidden(
-        self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor
+        self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, loss_mask_T: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(final hidden states [B*T, D] in input order, router aux loss, tokens per expert): see
-        ``ModelAdapter.forward_hidden_routed``; one packed row ([1, L]) goes through ``RowLayout`` when unpacking."""
+        ``ModelAdapter.forward_hidden_routed``; one packed row ([1, L]) goes through ``ShareLayout`` when
+        sharing prompts (needs ``loss_mask_T``, [L]: the target at t is trained) and a group shares one,
+        else through ``RowLayout`` when unpacking."""
+        self.last_shared_tokens = 0
+        if self.share_prompts and loss_mask_T is not None and input_ids_BT.shape[0] == 1:
+            shared = share_layout(input_ids_BT, position_ids_BT, loss_mask_T)
+            if shared is not None:
+                self.last_shared_tokens = shared.num_shared_tokens
+                hidden_RWD, aux, counts_LE = self.adapter.forward_hidden_routed(
+                    shared.input_ids_RW, shared.position_ids_RW, shared.attn_mask_RWW
+                )
+                return shared.from_rows(hidden_RWD), aux, counts_LE
         layout = None
         if self.unpack_documents and input_ids_BT.shape[0] == 1:
             layout = row_layout(position_ids_BT)
@@ -135,7 +155,7 @@ class PolicyModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         from kernels.lm_logprob.op import fused_lm_head_loss, lm_head_logprobs
 
-        hidden_TD, aux, counts_LE = self.hidden(input_ids_BT, position_ids_BT)
+        hidden_TD, aux, counts_LE = self.hidden(input_ids_BT, position_ids_BT, fields.get("loss_mask"))
         weight_VD = self.adapter.lm_head_weight()
         if self.loss_impl == "fused":
             impl = "triton" if hidden_TD.is_cuda else "torch"

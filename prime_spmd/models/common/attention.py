@@ -5,7 +5,9 @@ plus one starts a new document (the rule HF's ``find_packed_sequence_indices`` u
 micro-batches need no extra inputs and attention never crosses documents.
 
 Backends: flash-attn's varlen kernel when installed (CUDA, bf16/fp16); else SDPA, with ``is_causal``
-for unpacked rows and a block-diagonal causal bool mask when a row holds several documents.
+for unpacked rows and a block-diagonal causal bool mask when a row holds several documents. A caller may
+instead pass its own bool mask (the trainer's prompt sharing, ``trainer/packing.py: ShareLayout``); SDPA
+then runs with that mask and position_ids only place RoPE.
 
 Legend (docs/conventions.md): B batch, T tokens, N query heads, Nkv kv heads, Dh head dim, S documents.
 """
@@ -39,8 +41,22 @@ def document_starts(position_ids_BT: torch.Tensor) -> torch.Tensor:
     return starts_BT
 
 
-def build_attn_context(position_ids_BT: torch.Tensor, dtype: torch.dtype, use_flash: bool = True) -> AttnContext:
-    """Attention metadata for ``position_ids``; syncs with the host once (packed or not, max length)."""
+def build_attn_context(
+    position_ids_BT: torch.Tensor,
+    dtype: torch.dtype,
+    use_flash: bool = True,
+    attn_mask_BTT: torch.Tensor | None = None,
+) -> AttnContext:
+    """Attention metadata for ``position_ids``; syncs with the host once (packed or not, max length).
+    ``attn_mask_BTT``: an explicit bool mask [B, T, T] (True = query t attends key t'), used as given
+    (no causal rule added; each query must attend at least one key, else SDPA returns NaN)."""
+    if attn_mask_BTT is not None:
+        B, T = position_ids_BT.shape
+        if attn_mask_BTT.shape != (B, T, T) or attn_mask_BTT.dtype != torch.bool:
+            raise ValueError(
+                f"attn_mask must be bool [{B}, {T}, {T}], got {attn_mask_BTT.dtype} {list(attn_mask_BTT.shape)}"
+            )
+        return AttnContext(mask_B1TT=attn_mask_BTT[:, None])
     starts_BT = document_starts(position_ids_BT)
     on_flash = (
         use_flash

@@ -58,10 +58,17 @@ class Qwen3Adapter(ModelAdapter):
     def config_router_aux_coef(self) -> float:
         return float(self.lm.args.router_aux_loss_coef or 0.0)
 
+    def supports_prefix_sharing(self) -> bool:
+        # dense only: an MoE would route the shared prompt once instead of once per document, which changes
+        # the load-balance loss and the expert counts (and padding would be routed too)
+        return self.lm.args.num_experts == 0
+
     def forward_hidden_routed(
-        self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor
+        self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, attn_mask_BTT: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        hidden_BTD = self.lm.forward_hidden(input_ids_BT, position_ids_BT)
+        if attn_mask_BTT is not None and not self.supports_prefix_sharing():
+            raise ValueError(f"{self.model_type}: no explicit attention mask (supports_prefix_sharing() is False)")
+        hidden_BTD = self.lm.forward_hidden(input_ids_BT, position_ids_BT, attn_mask_BTT)
         if not self.has_router_aux():
             return hidden_BTD, None, None
         return hidden_BTD, self.lm.aux_loss(), self.lm.tokens_per_expert()

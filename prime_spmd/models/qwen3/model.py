@@ -181,13 +181,20 @@ class Qwen3ForCausalLM(nn.Module):
         """[V, D]: the embedding when tied, else ``lm_head.weight``."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Final-norm hidden states [B, T, D] (the input of the LM head)."""
+    def forward_hidden(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attn_mask_BTT: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final-norm hidden states [B, T, D] (the input of the LM head). ``attn_mask_BTT``: optional explicit
+        bool attention mask [B, T, T] (True = attend) replacing the causal-within-documents rule
+        (``common/attention.py: build_attn_context``)."""
         B, T = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         x_BTD = self.model.embed_tokens(input_ids)
-        ctx = build_attn_context(position_ids, x_BTD.dtype)
+        ctx = build_attn_context(position_ids, x_BTD.dtype, attn_mask_BTT=attn_mask_BTT)
         rope = self.model.rotary_emb(position_ids, x_BTD.dtype)
         for block in self.model.layers:
             x_BTD = block(x_BTD, rope, ctx)
