@@ -5,7 +5,6 @@ export; the exports load in transformers. Also checks the DCP checkpoint path wi
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -21,6 +20,7 @@ from prime_spmd.config.sections import (
     TrainerConfig,
 )
 from tests.dist_utils import run_ranks
+from tests.jobs import read_metrics, sft_rank
 
 # fp32 on CPU/gloo, 4 steps, vs the 1-rank run (summation order only). Measured on 2026-12-02, for both
 # world 2 (ep=2) and world 4 (ep=2 x dp_shard=2): max |dloss| 2.5e-7, max |dgrad_norm| 1.2e-7, HF export
@@ -69,12 +69,6 @@ def _cfg(out: Path, model: Path, ep: int) -> SFTJobConfig:
     )
 
 
-def _sft(rank: int, world: int, cfg: SFTJobConfig) -> None:
-    from prime_spmd.trainer.sft import run_sft
-
-    run_sft(cfg)
-
-
 def _grads_worker(rank: int, world: int, model: str) -> dict[str, float]:
     """Per-parameter grads of ``parallelize`` (EP -> AC -> FSDP2) vs one process on the whole batch."""
     import torch.nn.functional as F
@@ -110,7 +104,12 @@ def _grads_worker(rank: int, world: int, model: str) -> dict[str, float]:
     root = Root(lm)
     adapter = adapter_for(lm)
     parallelize(
-        root, adapter.block_lists(), mesh, torch.float32, activation_checkpointing=True, experts=adapter.expert_modules()
+        root,
+        adapter.block_lists(),
+        mesh,
+        torch.float32,
+        activation_checkpointing=True,
+        experts=adapter.expert_modules(),
     )
     per = ids.shape[0] // world
     loss(root, slice(rank * per, (rank + 1) * per), world).backward()  # x world: as trainer/step.py
@@ -136,10 +135,6 @@ def test_ep_fsdp_grads_match_one_process(tmp_path: Path) -> None:
         assert diffs[worst] < 1e-5, (world, worst, diffs[worst])
 
 
-def _metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_ep_fsdp_matches_one_rank(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -149,10 +144,10 @@ def test_ep_fsdp_matches_one_rank(tmp_path: Path) -> None:
     model = _build_moe(tmp_path / "base")
     runs = {1: tmp_path / "one", 2: tmp_path / "ep2", 4: tmp_path / "ep2_dp2"}
     run_sft(_cfg(runs[1], model, ep=1))  # in-process world of one, no EP
-    run_ranks(_sft, 2, _cfg(runs[2], model, ep=2))
-    run_ranks(_sft, 4, _cfg(runs[4], model, ep=2))
+    run_ranks(sft_rank, 2, _cfg(runs[2], model, ep=2))
+    run_ranks(sft_rank, 4, _cfg(runs[4], model, ep=2))
 
-    m1 = _metrics(runs[1])
+    m1 = read_metrics(runs[1])
     assert [r["step"] for r in m1] == list(range(4)) and m1[-1]["loss"] < m1[0]["loss"]
     assert all(r["loss/router_aux"] > 1.0 and r["moe/max_expert_load"] > 1.0 for r in m1)
     w1 = dict(read_safetensors(runs[1] / "hf"))
@@ -162,7 +157,7 @@ def test_ep_fsdp_matches_one_rank(tmp_path: Path) -> None:
     with torch.no_grad():
         logits1 = AutoModelForCausalLM.from_pretrained(runs[1] / "hf").eval()(ids).logits
     for world in (2, 4):
-        mw = _metrics(runs[world])
+        mw = read_metrics(runs[world])
         assert [r["step"] for r in mw] == list(range(4))
         for a, b in zip(m1, mw):
             print(

@@ -2,38 +2,18 @@
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import torch
 
 from prime_spmd.config.job import SFTJobConfig
-from prime_spmd.config.sections import CkptConfig, DataConfig, LogConfig, ModelConfig, OptimConfig, TrainerConfig
+from prime_spmd.config.sections import ModelConfig
 from tests.dist_utils import run_ranks
+from tests.jobs import copy_for_resume, read_metrics, sft_rank, tiny_sft_cfg
 
 
-def _cfg(out: Path, model: Path, max_steps: int = 6, resume: bool = False) -> SFTJobConfig:
-    return SFTJobConfig(
-        output_dir=str(out),
-        model=ModelConfig(path=str(model), init_tiny="qwen3-nano", impl="hf"),
-        trainer=TrainerConfig(max_steps=max_steps, batch_size=12, micro_batch_tokens=128, seq_len=64, seed=3),
-        optim=OptimConfig(lr=3e-3, warmup_steps=2, schedule="cosine"),
-        data=DataConfig(min_chars=3, max_chars=8),
-        ckpt=CkptConfig(interval_steps=3, resume=resume, keep_last=2),
-        log=LogConfig(progress=False, plots=False),
-        eval_examples=0,
-    )
-
-
-def _sft(rank: int, world: int, cfg: SFTJobConfig) -> None:
-    from prime_spmd.trainer.sft import run_sft
-
-    run_sft(cfg)
-
-
-def _metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+def _cfg(out: Path, model: Path, resume: bool = False) -> SFTJobConfig:
+    return tiny_sft_cfg(out, ModelConfig(path=str(model), init_tiny="qwen3-nano", impl="hf"), lr=3e-3, resume=resume)
 
 
 def test_fsdp_two_ranks_resume_and_hf_export(tmp_path: Path) -> None:
@@ -43,13 +23,13 @@ def test_fsdp_two_ranks_resume_and_hf_export(tmp_path: Path) -> None:
     model = build_tiny_model(tmp_path / "base", "qwen3-nano", seed=0)
     one = tmp_path / "one"
     run_sft(_cfg(one, model))  # in-process world of one
-    m1 = _metrics(one)
+    m1 = read_metrics(one)
     assert [r["step"] for r in m1] == list(range(6))
     assert m1[-1]["loss"] < m1[0]["loss"]
 
     two = tmp_path / "two"
-    run_ranks(_sft, 2, _cfg(two, model))
-    m2 = _metrics(two)
+    run_ranks(sft_rank, 2, _cfg(two, model))
+    m2 = read_metrics(two)
     # Same global batch, different split over ranks and summation order: measured max |diff| 1.8e-7 (loss), 2.4e-7 (grad norm) on 2026-12-02
     # (fp32 reductions in another order); 1e-5 leaves margin and still catches a wrong normalization.
     for a, b in zip(m1, m2):
@@ -58,11 +38,9 @@ def test_fsdp_two_ranks_resume_and_hf_export(tmp_path: Path) -> None:
 
     # Resume: start from the step-3 checkpoint of run `one` in a fresh run dir; steps 3..5 must be bitwise equal.
     res = tmp_path / "resumed"
-    (res / "checkpoints").mkdir(parents=True)
-    shutil.copytree(one / "checkpoints" / "step_000003", res / "checkpoints" / "step_000003")
-    (res / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in m1[:3]))
+    copy_for_resume(one, res, 3)
     run_sft(_cfg(res, model, resume=True))
-    mr = _metrics(res)
+    mr = read_metrics(res)
     assert [r["step"] for r in mr] == list(range(6))
     for a, b in zip(m1[3:], mr[3:]):
         assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"], (a, b)

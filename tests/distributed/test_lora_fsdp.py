@@ -3,52 +3,20 @@ and RL with adapter-only weight sync into a disjoint native engine (on-policy mi
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import torch
 
 from prime_spmd.config.job import RLJobConfig, SFTJobConfig
-from prime_spmd.config.rl_sections import RolloutConfig
-from prime_spmd.config.sections import (
-    CkptConfig,
-    DataConfig,
-    InferenceConfig,
-    LogConfig,
-    LoraConfig,
-    ModelConfig,
-    OptimConfig,
-    SamplingConfig,
-    TopologyConfig,
-    TrainerConfig,
-)
+from prime_spmd.config.sections import LoraConfig, ModelConfig
 from tests.dist_utils import run_ranks
+from tests.jobs import copy_for_resume, read_metrics, rl_rank, sft_rank, tiny_rl_cfg, tiny_sft_cfg
 
 LORA = LoraConfig(rank=4, alpha=8.0)
 
 
-def _sft_cfg(out: Path, model: Path, max_steps: int = 6, resume: bool = False) -> SFTJobConfig:
-    return SFTJobConfig(
-        output_dir=str(out),
-        model=ModelConfig(path=str(model), impl="hf", lora=LORA),
-        trainer=TrainerConfig(max_steps=max_steps, batch_size=12, micro_batch_tokens=128, seq_len=64, seed=3),
-        optim=OptimConfig(lr=1e-2, warmup_steps=2, schedule="cosine"),
-        data=DataConfig(min_chars=3, max_chars=8),
-        ckpt=CkptConfig(interval_steps=3, resume=resume, keep_last=2),
-        log=LogConfig(progress=False, plots=False),
-        eval_examples=0,
-    )
-
-
-def _sft(rank: int, world: int, cfg: SFTJobConfig) -> None:
-    from prime_spmd.trainer.sft import run_sft
-
-    run_sft(cfg)
-
-
-def _metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+def _sft_cfg(out: Path, model: Path, resume: bool = False) -> SFTJobConfig:
+    return tiny_sft_cfg(out, ModelConfig(path=str(model), impl="hf", lora=LORA), lr=1e-2, resume=resume)
 
 
 def _frozen_and_grads(rank: int, world: int, cfg: SFTJobConfig) -> dict:
@@ -95,11 +63,11 @@ def test_lora_fsdp_two_ranks_resume_frozen_base(tmp_path: Path) -> None:
     model = build_tiny_model(tmp_path / "base", "qwen3-nano", seed=0)
     one = tmp_path / "one"
     run_sft(_sft_cfg(one, model))
-    m1 = _metrics(one)
+    m1 = read_metrics(one)
     assert [r["step"] for r in m1] == list(range(6)) and m1[-1]["loss"] < m1[0]["loss"]
     two = tmp_path / "two"
-    run_ranks(_sft, 2, _sft_cfg(two, model))
-    m2 = _metrics(two)
+    run_ranks(sft_rank, 2, _sft_cfg(two, model))
+    m2 = read_metrics(two)
     # measured max |diff| 1.1e-7 (loss), 6e-8 (grad norm) on 2026-12-03: fp32 sums in another order
     for a, b in zip(m1, m2):
         assert abs(a["loss"] - b["loss"]) < 1e-5 * max(1.0, abs(a["loss"])), (a["step"], a["loss"], b["loss"])
@@ -121,11 +89,9 @@ def test_lora_fsdp_two_ranks_resume_frozen_base(tmp_path: Path) -> None:
 
     # resume from step 3 in a fresh dir: steps 3..5 bitwise equal
     res = tmp_path / "resumed"
-    (res / "checkpoints").mkdir(parents=True)
-    shutil.copytree(one / "checkpoints" / "step_000003", res / "checkpoints" / "step_000003")
-    (res / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in m1[:3]))
+    copy_for_resume(one, res, 3)
     run_sft(_sft_cfg(res, model, resume=True))
-    mr = _metrics(res)
+    mr = read_metrics(res)
     for a, b in zip(m1[3:], mr[3:]):
         assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"], (a, b)
 
@@ -150,24 +116,8 @@ def test_lora_fsdp_two_ranks_resume_frozen_base(tmp_path: Path) -> None:
 
 
 def _rl_cfg(out: Path, model: Path, lora: LoraConfig | None, num_inference: int, resume: bool = False) -> RLJobConfig:
-    return RLJobConfig(
-        output_dir=str(out),
-        model=ModelConfig(path=str(model), impl="custom", lora=lora or LoraConfig()),
-        topology=TopologyConfig(num_inference_ranks=num_inference, timeout_s=120),
-        trainer=TrainerConfig(max_steps=4, batch_size=16, micro_batch_tokens=256, seq_len=48, seed=1),
-        optim=OptimConfig(lr=1e-2),
-        rollout=RolloutConfig(prompts_per_step=4, group_size=4, max_async=0),
-        sampling=SamplingConfig(max_tokens=12),
-        inference=InferenceConfig(max_batch_size=16, weight_bucket_mb=1),
-        ckpt=CkptConfig(interval_steps=2, resume=resume),
-        log=LogConfig(progress=False, plots=False),
-    )
-
-
-def _rl(rank: int, world: int, cfg: RLJobConfig) -> None:
-    from prime_spmd.trainer.rl import run_rl
-
-    run_rl(cfg)
+    model_cfg = ModelConfig(path=str(model), impl="custom", lora=lora or LoraConfig())
+    return tiny_rl_cfg(out, model_cfg, steps=4, lr=1e-2, max_async=0, num_inference=num_inference, resume=resume)
 
 
 def test_lora_rl_disjoint_adapter_sync_is_on_policy(tmp_path: Path) -> None:
@@ -178,8 +128,8 @@ def test_lora_rl_disjoint_adapter_sync_is_on_policy(tmp_path: Path) -> None:
 
     model = build_tiny_model(tmp_path / "base", "qwen3-nano", seed=0, initializer_range=0.3)
     out = tmp_path / "lora"
-    run_ranks(_rl, 2, _rl_cfg(out, model, LORA, num_inference=1))
-    m = _metrics(out)
+    run_ranks(rl_rank, 2, _rl_cfg(out, model, LORA, num_inference=1))
+    m = read_metrics(out)
     assert [r["step"] for r in m] == list(range(4))
     # fp32, merged W0 + s*B@A in the engine vs x@W0 + s*(x@A)@B in the trainer: measured 1.2e-12..3.0e-12
     # (2026-12-03); a 10% wrong merge scale gives > 1e-9
@@ -187,11 +137,9 @@ def test_lora_rl_disjoint_adapter_sync_is_on_policy(tmp_path: Path) -> None:
     assert all(r["grad_norm"] > 0 for r in m)
     assert (out / "adapter" / "adapter_model.safetensors").is_file() and (out / "hf" / "config.json").is_file()
     res = tmp_path / "resumed"
-    (res / "checkpoints").mkdir(parents=True)
-    shutil.copytree(out / "checkpoints" / "step_000002", res / "checkpoints" / "step_000002")
-    (res / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in m[:2]))
-    run_ranks(_rl, 2, _rl_cfg(res, model, LORA, num_inference=1, resume=True))
-    got = _metrics(res)
+    copy_for_resume(out, res, 2)
+    run_ranks(rl_rank, 2, _rl_cfg(res, model, LORA, num_inference=1, resume=True))
+    got = read_metrics(res)
     assert [r["step"] for r in got] == list(range(4))
     for a, b in zip(m[2:], got[2:]):
         for key in ("reward_mean", "loss", "grad_norm", "mismatch_kl", "entropy"):

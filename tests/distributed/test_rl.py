@@ -3,52 +3,23 @@ and exact resume (controller rollout buffer, data position, RNG) in disjoint mod
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import torch
 
 from prime_spmd.config.job import RLJobConfig
-from prime_spmd.config.rl_sections import RolloutConfig
-from prime_spmd.config.sections import (
-    CkptConfig,
-    InferenceConfig,
-    LogConfig,
-    ModelConfig,
-    OptimConfig,
-    SamplingConfig,
-    TopologyConfig,
-    TrainerConfig,
-)
+from prime_spmd.config.sections import ModelConfig
 from tests.dist_utils import run_ranks
+from tests.jobs import copy_for_resume, read_metrics, rl_rank, tiny_rl_cfg
 
 TIMING_KEYS = {"gen_time_s", "train_time_s", "weight_sync_s", "wait_s", "step_time_s", "gen_tokens_per_s"}
 
 
 def _cfg(out: Path, model: Path, *, k: int, steps: int, num_inference: int, resume: bool = False) -> RLJobConfig:
-    return RLJobConfig(
-        output_dir=str(out),
-        model=ModelConfig(path=str(model)),
-        topology=TopologyConfig(num_inference_ranks=num_inference, timeout_s=120),
-        trainer=TrainerConfig(max_steps=steps, batch_size=16, micro_batch_tokens=256, seq_len=48, seed=1),
-        optim=OptimConfig(lr=1e-3),
-        rollout=RolloutConfig(prompts_per_step=4, group_size=4, max_async=k),
-        sampling=SamplingConfig(max_tokens=12),
-        inference=InferenceConfig(max_batch_size=16, weight_bucket_mb=1),
-        ckpt=CkptConfig(interval_steps=2, resume=resume, keep_last=3),
-        log=LogConfig(progress=False, plots=False),
+    model_cfg = ModelConfig(path=str(model))
+    return tiny_rl_cfg(
+        out, model_cfg, steps=steps, lr=1e-3, max_async=k, num_inference=num_inference, resume=resume, keep_last=3
     )
-
-
-def _rl(rank: int, world: int, cfg: RLJobConfig) -> None:
-    from prime_spmd.trainer.rl import run_rl
-
-    run_rl(cfg)
-
-
-def _metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def _tiny(tmp: Path) -> Path:
@@ -61,8 +32,8 @@ def test_schedule_lags_for_k_0_1_2_and_exact_resume(tmp_path: Path) -> None:
     model = _tiny(tmp_path)
     for k in (0, 1, 2):
         out = tmp_path / f"k{k}"
-        run_ranks(_rl, 3, _cfg(out, model, k=k, steps=5, num_inference=1))  # 2 trainer ranks + 1 inference rank
-        m = _metrics(out)
+        run_ranks(rl_rank, 3, _cfg(out, model, k=k, steps=5, num_inference=1))  # 2 trainer ranks + 1 inference rank
+        m = read_metrics(out)
         assert [r["step"] for r in m] == list(range(5))
         assert [r["policy_lag_mean"] for r in m] == [float(min(j, k)) for j in range(5)], k
         assert all(r["policy_lag_max"] == r["policy_lag_mean"] for r in m)
@@ -73,13 +44,11 @@ def test_schedule_lags_for_k_0_1_2_and_exact_resume(tmp_path: Path) -> None:
         assert all(r["mismatch_kl"] > 0 for r in m if r["policy_lag_mean"] > 0)  # stale weights do show
         assert (out / "hf" / "config.json").is_file()
     # Resume the k=2 run from its step-2 checkpoint in a fresh directory: steps 2..4 must repeat exactly.
-    ref = _metrics(tmp_path / "k2")
+    ref = read_metrics(tmp_path / "k2")
     res = tmp_path / "resumed"
-    (res / "checkpoints").mkdir(parents=True)
-    shutil.copytree(tmp_path / "k2" / "checkpoints" / "step_000002", res / "checkpoints" / "step_000002")
-    (res / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ref[:2]))
-    run_ranks(_rl, 3, _cfg(res, model, k=2, steps=5, num_inference=1, resume=True))
-    got = _metrics(res)
+    copy_for_resume(tmp_path / "k2", res, 2)
+    run_ranks(rl_rank, 3, _cfg(res, model, k=2, steps=5, num_inference=1, resume=True))
+    got = read_metrics(res)
     assert [r["step"] for r in got] == list(range(5))
     for a, b in zip(ref[2:], got[2:]):
         assert {k: v for k, v in a.items() if k not in TIMING_KEYS} == {
