@@ -16,7 +16,8 @@ import pytest
 from prime_spmd.config import EvalJobConfig, RLJobConfig, load_toml
 from prime_spmd.envs.verifiers_bridge import VerifiersEnvironment
 from prime_spmd.inference.engine import SamplingParams
-from tests.unit.test_verifiers_bridge import ScriptedEngine
+from tests.fakes import ScriptedEngine
+from tests.jobs import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,7 +31,7 @@ def _run_recipe(name: str, tmp_path: Path) -> tuple[list[dict], dict]:
     rl.trainer.max_steps, rl.rollout.prompts_per_step, rl.rollout.group_size = 2, 4, 2
     rl.ckpt.interval_steps, rl.log.progress, rl.log.plots = 0, False, False
     run_rl(rl)
-    rows = [json.loads(line) for line in (tmp_path / "rl/metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path / "rl")
     ev = load_toml(EvalJobConfig, ROOT / f"configs/{name}/eval.toml")
     ev.output_dir, ev.model.path, ev.log.progress = str(tmp_path / "eval"), str(tmp_path / "rl/hf"), False
     ev.env.num_eval_examples, ev.samples_per_example = 4, 2

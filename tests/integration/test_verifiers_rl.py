@@ -19,22 +19,10 @@ import pytest
 
 pytest.importorskip("verifiers")
 
-from prime_spmd.config.job import RLJobConfig  # noqa: E402
-from prime_spmd.config.rl_sections import RolloutConfig  # noqa: E402
-from prime_spmd.config.sections import (  # noqa: E402
-    CkptConfig,
-    EnvConfig,
-    InferenceConfig,
-    LogConfig,
-    ModelConfig,
-    OptimConfig,
-    SamplingConfig,
-    TopologyConfig,
-    TrainerConfig,
-)
+from prime_spmd.config.sections import EnvConfig  # noqa: E402
 from tests.dist_utils import run_ranks  # noqa: E402
+from tests.jobs import ROOT, read_metrics, rl_rank, vf_eval_cfg, vf_rl_disjoint_cfg, vf_rl_flags  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 ENV = "tests.envs_for_tests:load_single_turn_env"
 
 
@@ -43,10 +31,6 @@ def tiny_model(tmp_path_factory) -> Path:
     from prime_spmd.models.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("vf_rl") / "base", "qwen3-nano", seed=0, initializer_range=0.3)
-
-
-def _metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def _check_rubric_metrics(m: list[dict], steps: int, k: int) -> None:
@@ -65,67 +49,28 @@ def _check_rubric_metrics(m: list[dict], steps: int, k: int) -> None:
 def test_rl_and_eval_cli_colocated(tiny_model: Path, tmp_path: Path) -> None:
     """``python -m prime_spmd rl --env.name tests.envs_for_tests:...`` (a world of one), then ``eval``."""
     out = tmp_path / "rl"
-    common = ["--model.path", str(tiny_model), "--env.name", ENV, "--env.args", "num_examples", "8"]
-    cmd = [
-        sys.executable, "-m", "prime_spmd", "rl", *common, "--output_dir", str(out),
-        "--trainer.max_steps", "3", "--trainer.seq_len", "96", "--trainer.micro_batch_tokens", "384",
-        "--trainer.seed", "1", "--trainer.num_threads", "1",
-        "--rollout.prompts_per_step", "2", "--rollout.group_size", "4", "--rollout.max_async", "1",
-        "--sampling.max_tokens", "8", "--inference.max_batch_size", "8", "--optim.lr", "1e-3",
-        "--log.no_progress", "--log.no_plots", "--ckpt.interval_steps", "0",
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    flags = vf_rl_flags(tiny_model, out, ENV, seq_len=96, micro_batch_tokens=384)
+    proc = subprocess.run(
+        [sys.executable, "-m", "prime_spmd", "rl", *flags], cwd=ROOT, capture_output=True, text=True, timeout=240
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    m = _metrics(out)
+    m = read_metrics(out)
     _check_rubric_metrics(m, 3, k=1)
     assert m[1]["mismatch_kl"] > 0  # batch 1 was generated with w_0 and trained at step 1 on w_1
     assert (out / "hf" / "config.json").is_file()
 
     # eval of the trained weights with the same env (in-process: the CLI path is tested in tests/unit).
-    from prime_spmd.config.job import EvalJobConfig
     from prime_spmd.eval import run_eval
 
     ev = tmp_path / "eval"
-    summary = run_eval(
-        EvalJobConfig(
-            output_dir=str(ev),
-            model=ModelConfig(path=str(out / "hf")),
-            env=EnvConfig(name=ENV, num_eval_examples=3),
-            sampling=SamplingConfig(max_tokens=6),
-            inference=InferenceConfig(max_batch_size=8),
-            log=LogConfig(progress=False, plots=False),
-            samples_per_example=2,
-        )
-    )
+    summary = run_eval(vf_eval_cfg(out / "hf", ev, EnvConfig(name=ENV, num_eval_examples=3)))
     rows = [json.loads(line) for line in (ev / "samples.jsonl").read_text().splitlines()]
     assert len(rows) == 6 and all("What is" in r["prompt"] for r in rows)
     assert summary["num_examples"] == 3
 
 
-def _cfg(out: Path, model: Path) -> RLJobConfig:
-    return RLJobConfig(
-        output_dir=str(out),
-        model=ModelConfig(path=str(model)),
-        topology=TopologyConfig(num_inference_ranks=1, timeout_s=120),
-        trainer=TrainerConfig(max_steps=3, micro_batch_tokens=384, seq_len=96, seed=1, num_threads=1),
-        optim=OptimConfig(lr=1e-3),
-        rollout=RolloutConfig(prompts_per_step=2, group_size=4, max_async=1),
-        sampling=SamplingConfig(max_tokens=8),
-        inference=InferenceConfig(max_batch_size=8, weight_bucket_mb=1),
-        env=EnvConfig(name=ENV, args={"num_examples": "8"}),
-        ckpt=CkptConfig(interval_steps=0, save_hf=False),
-        log=LogConfig(progress=False, plots=False),
-    )
-
-
-def _rl(rank: int, world: int, cfg: RLJobConfig) -> None:
-    from prime_spmd.trainer.rl import run_rl
-
-    run_rl(cfg)
-
-
 def test_rl_disjoint_one_trainer_one_engine(tiny_model: Path, tmp_path: Path) -> None:
     """The same env with the inference engine on its own rank (weights and rollouts over the bridges)."""
     out = tmp_path / "disjoint"
-    run_ranks(_rl, 2, _cfg(out, tiny_model))
-    _check_rubric_metrics(_metrics(out), 3, k=1)
+    run_ranks(rl_rank, 2, vf_rl_disjoint_cfg(tiny_model, out, ENV, seq_len=96, micro_batch_tokens=384))
+    _check_rubric_metrics(read_metrics(out), 3, k=1)
