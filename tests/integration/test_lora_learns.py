@@ -10,16 +10,15 @@ Thresholds come from measured runs (comments) with margin.
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
 import pytest
 
-from prime_spmd.config import EvalJobConfig, RLJobConfig, SFTJobConfig, load_toml
+from prime_spmd.config import RLJobConfig, SFTJobConfig
 from prime_spmd.config.sections import LoraConfig
+from tests.jobs import eval_reverse_text, read_metrics, reverse_text_cfg, reward_trend
 
-ROOT = Path(__file__).resolve().parents[2]
 LORA = LoraConfig(rank=16, alpha=32.0)
 BASE_STEPS = 40
 LORA_SFT_STEPS = 80
@@ -28,19 +27,9 @@ LORA_RL_LR = 1e-3
 
 
 def _sft_cfg(out: Path, model: Path, steps: int) -> SFTJobConfig:
-    cfg = load_toml(SFTJobConfig, ROOT / "configs/reverse_text/sft.toml")
-    cfg.output_dir, cfg.model.path = str(out), str(model)
-    cfg.ckpt.interval_steps, cfg.log.progress, cfg.log.plots = 0, False, False
+    cfg = reverse_text_cfg(SFTJobConfig, out, model)
     cfg.trainer.max_steps = steps
     return cfg
-
-
-def _eval(model: Path, out: Path) -> dict[str, float]:
-    from prime_spmd.eval import run_eval
-
-    cfg = load_toml(EvalJobConfig, ROOT / "configs/reverse_text/eval.toml")
-    cfg.model.path, cfg.output_dir, cfg.log.progress = str(model), str(out), False
-    return run_eval(cfg)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +48,7 @@ def lora_sft(tmp_path_factory) -> tuple[Path, dict, dict]:
 
 def test_lora_sft_learns_reverse_text(lora_sft) -> None:
     tmp, base, final = lora_sft
-    rows = [json.loads(line) for line in (tmp / "lora_sft/metrics.jsonl").read_text().splitlines()[:-1]]
+    rows = read_metrics(tmp / "lora_sft")[:-1]
     print(f"base {base}; lora sft loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}; {final}")
     assert (tmp / "lora_sft/adapter/adapter_model.safetensors").is_file()
     # Measured 2026-12-03 (2 loaded CPU cores): base exact match 0.00, char score 0.22; LoRA SFT loss
@@ -73,21 +62,12 @@ def test_lora_rl_raises_reward(lora_sft) -> None:
     from prime_spmd.trainer.rl import run_rl
 
     tmp, _, _ = lora_sft
-    before = _eval(tmp / "lora_sft/hf", tmp / "eval_before")
-    rl = load_toml(RLJobConfig, ROOT / "configs/reverse_text/rl.toml")
-    rl.output_dir, rl.model.path = str(tmp / "rl"), str(tmp / "lora_sft/hf")
-    rl.ckpt.interval_steps, rl.log.progress, rl.log.plots = 0, False, False
+    before = eval_reverse_text(tmp / "lora_sft/hf", tmp / "eval_before")
+    rl = reverse_text_cfg(RLJobConfig, tmp / "rl", tmp / "lora_sft/hf")
     rl.model.lora, rl.optim.lr = LORA, LORA_RL_LR
     run_rl(rl)
-    after = _eval(tmp / "rl/hf", tmp / "eval_after")
-    rows = [json.loads(line) for line in (tmp / "rl/metrics.jsonl").read_text().splitlines()]
-    first = statistics.fmean(r["reward_mean"] for r in rows[:10])
-    last = statistics.fmean(r["reward_mean"] for r in rows[-10:])
-    kl = [r["mismatch_kl"] for r in rows]
-    print(
-        f"train reward first10 {first:.4f} last10 {last:.4f}; eval reward {before['reward_mean']:.4f} -> "
-        f"{after['reward_mean']:.4f}; kl median {statistics.median(kl):.2e} max {max(kl):.2e}"
-    )
+    after = eval_reverse_text(tmp / "rl/hf", tmp / "eval_after")
+    first, last, kl = reward_trend(read_metrics(tmp / "rl"), before, after)
     # Measured 2026-12-03 (60 steps, lr 1e-3, max_async 1): training reward 0.330 -> 0.354 (+0.023), eval
     # reward 0.322 -> 0.353 (+0.031); mismatch KL step 0 1.3e-13, median 5.1e-4 (lag 1: one step of policy change).
     assert last - first >= 0.01, (first, last)
