@@ -58,6 +58,13 @@ def copy_for_resume(run: Path, dst: Path, step: int) -> None:
     (dst / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in read_metrics(run)[:step]))
 
 
+def assert_metrics_close(ref: list[dict], got: list[dict], *, loss_rtol: float, grad_norm_rtol: float) -> None:
+    """Step by step (``zip``): ``got``'s loss and grad norm within ``rtol * max(1, |ref's|)`` of ``ref``'s."""
+    for a, b in zip(ref, got):
+        assert abs(a["loss"] - b["loss"]) < loss_rtol * max(1.0, abs(a["loss"])), (a["step"], a["loss"], b["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) < grad_norm_rtol * max(1.0, a["grad_norm"])
+
+
 def tiny_sft_cfg(out: Path, model: ModelConfig, *, lr: float, max_steps: int = 6, resume: bool = False) -> SFTJobConfig:
     """Reverse-text SFT of the 2-ranks == 1-rank tests: 12 samples a step (64 tokens, 128-token micro
     batches), ``lr`` with 2 warmup steps then cosine, a checkpoint every 3 steps (2 kept), no final eval."""
