@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+# The shared helpers' asserts report their operands as a test's own do.
+pytest.register_assert_rewrite("tests.fakes", "tests.jobs")
 # On CPU the Triton kernels run under the interpreter; it must be set before triton is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,4 +1,5 @@
-"""Small fakes shared by several test files (no verifiers import: both venvs use them)."""
+"""Small fakes, and checks against a direct engine, shared by several test files (no verifiers import:
+both venvs use them)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import collections
 import threading
 from collections.abc import Callable, Iterable
 
+import pytest
 import torch
 
 from prime_spmd.inference.engine import Completion, InferenceEngine, Request
@@ -142,3 +144,20 @@ class ScriptedEngine(FakeStepEngine):
             self._planned[key] = self.tokenizer.encode(self.script(text), add_special_tokens=False)
         planned = self._planned[key]
         return planned[len(generated)], -0.1 * (len(generated) + 1)
+
+
+def direct_completion(model, tokenizer, prompt: list[dict], sampling) -> Completion:
+    """What a fresh native engine samples for the chat ``prompt`` alone: the token-exactness reference."""
+    engine = native_engine(model, tokenizer)
+    return engine.generate([Request(prompt_ids=engine.render_chat(prompt), sampling=sampling)])[0]
+
+
+def assert_rollout_is(rollout, example_id: int, sample_idx: int, completion: Completion) -> None:
+    """``rollout`` validates, is sample ``sample_idx`` of ``example_id`` and carries exactly ``completion``'s
+    prompt ids, completion ids (every one trained) and logprobs."""
+    rollout.validate()
+    assert (rollout.example_id, rollout.sample_idx) == (example_id, sample_idx)
+    assert rollout.prompt_ids == completion.prompt_ids
+    assert rollout.completion_ids == completion.token_ids
+    assert rollout.completion_mask == [1] * len(completion.token_ids)
+    assert rollout.inference_logprobs == pytest.approx(completion.logprobs)

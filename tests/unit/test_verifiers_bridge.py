@@ -21,7 +21,13 @@ from prime_spmd.config.sections import EnvConfig  # noqa: E402
 from prime_spmd.envs.verifiers_bridge import load_verifiers_environment  # noqa: E402
 from prime_spmd.inference.engine import Completion, Request, SamplingParams  # noqa: E402
 from tests import envs_for_tests  # noqa: E402
-from tests.fakes import FakeStepEngine, ScriptedEngine, native_engine  # noqa: E402
+from tests.fakes import (  # noqa: E402
+    FakeStepEngine,
+    ScriptedEngine,
+    assert_rollout_is,
+    direct_completion,
+    native_engine,
+)
 
 
 def _env(name: str, **args) -> object:
@@ -45,16 +51,9 @@ def test_single_turn_matches_direct_engine(qwen3_model, qwen3_tokenizer):
     assert engine.max_batch_seen == 6  # all six rollouts were in the batch at once
     for eid, group in enumerate(groups):
         ex = env.example("train", eid)
-        direct = native_engine(qwen3_model, qwen3_tokenizer).generate(
-            [Request(prompt_ids=engine.render_chat(ex["prompt"]), sampling=sp)]
-        )[0]
+        direct = direct_completion(qwen3_model, qwen3_tokenizer, ex["prompt"], sp)
         for k, r in enumerate(group):
-            r.validate()
-            assert (r.example_id, r.sample_idx) == (eid, k)
-            assert r.prompt_ids == direct.prompt_ids
-            assert r.completion_ids == direct.token_ids
-            assert r.completion_mask == [1] * len(direct.token_ids)
-            assert r.inference_logprobs == pytest.approx(direct.logprobs)
+            assert_rollout_is(r, eid, k, direct)
             assert r.metrics["failed"] == 0.0 and r.metrics["reward_errors"] == 0.0
     assert env.num_examples("eval") == 3
 
