@@ -161,3 +161,25 @@ def assert_rollout_is(rollout, example_id: int, sample_idx: int, completion: Com
     assert rollout.completion_ids == completion.token_ids
     assert rollout.completion_mask == [1] * len(completion.token_ids)
     assert rollout.inference_logprobs == pytest.approx(completion.logprobs)
+
+
+def walk_turns(
+    log: list[Completion], prompt_ids: list[int], num_turns: int
+) -> tuple[list[int], list[int], list[float]]:
+    """(token stream, mask, logprobs) that a ``num_turns``-turn rollout starting at ``prompt_ids`` must train
+    on, walked through the engine's completions ``log``: each turn's prompt is the shortest logged one
+    extending the previous prompt + completion; sampled tokens get mask 1 and their logprobs, the env
+    tokens between turns mask 0 and logprob 0."""
+    by_prompt = {tuple(c.prompt_ids): c for c in log}
+    seq, mask, lps = list(prompt_ids), [], []
+    for turn in range(num_turns):
+        c = by_prompt[tuple(seq)]
+        seq += c.token_ids
+        mask += [1] * len(c.token_ids)
+        lps += c.logprobs
+        if turn < num_turns - 1:  # the next turn's prompt (later turns' prompts extend it too)
+            nxt = min((p for p in by_prompt if len(p) > len(seq) and list(p[: len(seq)]) == seq), key=len)
+            mask += [0] * (len(nxt) - len(seq))
+            lps += [0.0] * (len(nxt) - len(seq))
+            seq = list(nxt)
+    return seq, mask, lps

@@ -27,6 +27,7 @@ from tests.fakes import (  # noqa: E402
     assert_rollout_is,
     direct_completion,
     native_engine,
+    walk_turns,
 )
 
 
@@ -63,25 +64,12 @@ def test_multi_turn_token_stream_and_mask(qwen3_model, qwen3_tokenizer):
     env = _env("load_multi_turn_env", num_examples=2, max_turns=3)
     engine = native_engine(qwen3_model, qwen3_tokenizer)
     groups = env.run_groups(engine, "train", [0, 1], 2, SamplingParams(temperature=0.0, max_tokens=5), seed=1)
-    by_prompt = {tuple(c.prompt_ids): c for c in engine.log}
     assert len(engine.log) == 4 * 3  # 4 rollouts x 3 turns (a random model never guesses right)
     for r in [r for g in groups for r in g]:
         r.validate()
         assert r.metrics["num_turns"] == 3.0 and r.metrics["prefix_breaks"] == 0.0
         # Walk the engine's requests of this rollout: each prompt extends the previous prompt + completion.
-        seq, expected_mask, expected_lp = list(r.prompt_ids), [], []
-        for _ in range(3):
-            c = by_prompt[tuple(seq)]
-            seq += c.token_ids
-            expected_mask += [1] * len(c.token_ids)
-            expected_lp += c.logprobs
-            nxt = [p for p in by_prompt if len(p) > len(seq) and list(p[: len(seq)]) == seq]
-            if not nxt:
-                break
-            p = min(nxt, key=len)  # the next turn's prompt (later turns extend it too)
-            expected_mask += [0] * (len(p) - len(seq))
-            expected_lp += [0.0] * (len(p) - len(seq))
-            seq = list(p)
+        seq, expected_mask, expected_lp = walk_turns(engine.log, r.prompt_ids, 3)
         assert r.prompt_ids + r.completion_ids == seq
         assert r.completion_mask == expected_mask
         assert r.inference_logprobs == pytest.approx(expected_lp)
