@@ -8,6 +8,7 @@ never re-tokenizes. The built-in environments and the verifiers bridge implement
 from __future__ import annotations
 
 import abc
+import weakref
 from typing import Any, Literal
 
 from prime_spmd.inference.engine import InferenceEngine, SamplingParams
@@ -17,21 +18,28 @@ END_MARKERS = ("<|im_end|>", "<|endoftext|>")
 """Special tokens that end a turn wherever the tokenizer has them (besides its eos)."""
 
 
+_END_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def end_token_ids(tokenizer: Any) -> set[int]:
-    """The ids that end a turn: the tokenizer's eos and whichever ``END_MARKERS`` it has."""
-    vocab = tokenizer.get_vocab()
-    ends = {vocab[m] for m in END_MARKERS if m in vocab}
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ends.add(tokenizer.eos_token_id)
-    return ends
+    """The ids that end a turn: the tokenizer's eos and whichever ``END_MARKERS`` it has. Computed once per
+    tokenizer object: ``get_vocab`` builds the whole vocab dict on every call (0.14 s for the real Qwen3
+    tokenizer's 151k entries, 2-core CPU; per rollout that was ~9 s of a 64-rollout RL step)."""
+    ends = _END_IDS.get(tokenizer)
+    if ends is None:
+        vocab = tokenizer.get_vocab()
+        ends = frozenset({vocab[m] for m in END_MARKERS if m in vocab})
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            ends = ends | {tokenizer.eos_token_id}
+        _END_IDS[tokenizer] = ends
+    return set(ends)
 
 
 def completion_text(tokenizer: Any, token_ids: list[int], ends: set[int] | None = None) -> str:
     """Decoded completion cut at the first eos / end-of-turn token (special tokens dropped).
 
     The text environments score: the built-ins and the verifiers bridge (message content) alike.
-    ``ends``: ``end_token_ids(tokenizer)``, computed once by a caller that decodes many completions
-    (``get_vocab`` builds the vocab dict on every call: 640 calls took 34-41 ms under cProfile).
+    ``ends``: ``end_token_ids(tokenizer)`` (cached per tokenizer; a caller may pass it to skip the lookup).
     """
     if ends is None:
         ends = end_token_ids(tokenizer)
