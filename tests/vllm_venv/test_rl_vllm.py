@@ -10,7 +10,6 @@ A short LoRA run on the same SFT model (``--model.lora.rank 8``, colocated) chec
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import subprocess
@@ -19,18 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from prime_spmd.config import EvalJobConfig, SFTJobConfig, load_toml
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _eval(model: Path, out: Path, engine: str = "native") -> dict[str, float]:
-    from prime_spmd.eval import run_eval
-
-    cfg = load_toml(EvalJobConfig, ROOT / "configs/reverse_text/eval.toml")
-    cfg.model.path, cfg.output_dir, cfg.log.progress = str(model), str(out), False
-    cfg.inference.engine = engine
-    return run_eval(cfg)
+from prime_spmd.config import SFTJobConfig
+from tests.jobs import ROOT, eval_reverse_text, read_metrics, reverse_text_cfg, reward_trend
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +27,8 @@ def sft_model(tmp_path_factory) -> tuple[Path, dict[str, float]]:
     from prime_spmd.trainer.sft import run_sft
 
     tmp = tmp_path_factory.mktemp("rt")
-    sft = load_toml(SFTJobConfig, ROOT / "configs/reverse_text/sft.toml")
-    sft.output_dir, sft.model.path = str(tmp / "sft"), str(tmp / "base")
-    sft.ckpt.interval_steps, sft.log.progress, sft.log.plots = 0, False, False
-    run_sft(sft)
-    return tmp / "sft/hf", _eval(tmp / "sft/hf", tmp / "eval_sft")
+    run_sft(reverse_text_cfg(SFTJobConfig, tmp / "sft", tmp / "base"))
+    return tmp / "sft/hf", eval_reverse_text(tmp / "sft/hf", tmp / "eval_sft")
 
 
 def _rl(model: Path, out: Path, nproc: int, *extra: str) -> list[dict]:
@@ -59,18 +45,12 @@ def _rl(model: Path, out: Path, nproc: int, *extra: str) -> list[dict]:
     tail = "\n".join((res.stdout + res.stderr).splitlines()[-40:])
     assert res.returncode == 0, tail
     assert "Traceback" not in res.stderr, tail  # e.g. vLLM's teardown after the process groups are gone
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(out)
 
 
 def _check_learns(rows: list[dict], before: dict, after: dict, tag: str) -> None:
     assert [r["step"] for r in rows] == list(range(60)), tag
-    first = statistics.fmean(r["reward_mean"] for r in rows[:10])
-    last = statistics.fmean(r["reward_mean"] for r in rows[-10:])
-    kl = [r["mismatch_kl"] for r in rows]
-    print(
-        f"{tag}: train reward first10 {first:.4f} last10 {last:.4f}; eval reward {before['reward_mean']:.4f} -> "
-        f"{after['reward_mean']:.4f}; kl median {statistics.median(kl):.2e} max {max(kl):.2e}"
-    )
+    first, last, kl = reward_trend(rows, before, after, tag)
     # Thresholds of tests/integration/test_reverse_text_learns.py (native engine, same recipe).
     assert last - first >= 0.005, (tag, first, last)
     assert after["reward_mean"] - before["reward_mean"] >= 0.015, (tag, before, after)
@@ -84,11 +64,11 @@ def _check_learns(rows: list[dict], before: dict, after: dict, tag: str) -> None
 def test_rl_with_vllm_raises_the_eval_reward(sft_model, tmp_path, mode, nproc, extra):
     model, before = sft_model
     rows = _rl(model, tmp_path / "rl", nproc, *extra)
-    after = _eval(tmp_path / "rl/hf", tmp_path / "eval_rl")
+    after = eval_reverse_text(tmp_path / "rl/hf", tmp_path / "eval_rl")
     _check_learns(rows, before, after, mode)
     if mode == "colocated":
         # The eval subcommand on the vLLM engine (no process group: the uni executor), same model and recipe.
-        via_vllm = _eval(tmp_path / "rl/hf", tmp_path / "eval_vllm", engine="vllm")
+        via_vllm = eval_reverse_text(tmp_path / "rl/hf", tmp_path / "eval_vllm", engine="vllm")
         print(f"eval of the RL model: native {after['reward_mean']:.4f}, vllm {via_vllm['reward_mean']:.4f}")
         # Same distribution, different sampling noise (64 prompts x 4 samples).
         assert abs(via_vllm["reward_mean"] - after["reward_mean"]) < 0.03, (after, via_vllm)
