@@ -26,7 +26,13 @@ from prime_spmd.envs.base import completion_text  # noqa: E402
 from prime_spmd.envs.loader import load_environment  # noqa: E402
 from prime_spmd.envs.vf_v1 import V1Environment  # noqa: E402
 from prime_spmd.inference.engine import SamplingParams, render_chat_ids  # noqa: E402
-from tests.fakes import ScriptedEngine, assert_rollout_is, direct_completion, native_engine  # noqa: E402
+from tests.fakes import (  # noqa: E402
+    ScriptedEngine,
+    assert_rollout_is,
+    direct_completion,
+    native_engine,
+    walk_turns,
+)
 from tests.jobs import read_metrics, rl_rank, vf_eval_cfg, vf_rl_disjoint_cfg, vf_rl_flags  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,23 +76,12 @@ def test_multi_turn_token_stream_and_mask(qwen3_model, qwen3_tokenizer):
     env = _env(GUESS, num_examples=2)
     engine = native_engine(qwen3_model, qwen3_tokenizer)
     groups = env.run_groups(engine, "train", [0, 1], 2, SamplingParams(temperature=0.0, max_tokens=5), seed=1)
-    by_prompt = {tuple(c.prompt_ids): c for c in engine.log}
     assert len(engine.log) == 4 * 3  # 4 rollouts x 3 turns (a random model never guesses right)
     for r in [r for g in groups for r in g]:
         r.validate()
         assert r.metrics["num_turns"] == 3.0 and r.metrics["prefix_breaks"] == 0.0 and r.metrics["env/turns"] == 3.0
         assert r.reward == 0.0 and r.metrics["failed"] == 0.0 and r.info["graph_match"]
-        seq, mask, lps = list(r.prompt_ids), [], []
-        for turn in range(3):
-            c = by_prompt[tuple(seq)]
-            seq += c.token_ids
-            mask += [1] * len(c.token_ids)
-            lps += c.logprobs
-            if turn < 2:
-                nxt = min((p for p in by_prompt if len(p) > len(seq) and list(p[: len(seq)]) == seq), key=len)
-                mask += [0] * (len(nxt) - len(seq))
-                lps += [0.0] * (len(nxt) - len(seq))
-                seq = list(nxt)
+        seq, mask, lps = walk_turns(engine.log, r.prompt_ids, 3)
         assert r.prompt_ids + r.completion_ids == seq
         assert r.completion_mask == mask
         assert r.inference_logprobs == pytest.approx(lps)
