@@ -253,11 +253,20 @@ def _common_prefix(seqs: list[list[int]]) -> int:
     return next((i for i in range(n) if any(s[i] != seqs[0][i] for s in seqs[1:])), n)
 
 
+MAX_SHARE_MASK_ELEMENTS = 2**26
+"""Largest [R, W, W] attention mask ``share_layout`` builds (64 Mi entries: one 8k-token row); SDPA turns a
+bool mask into an additive bias of the compute dtype, so beyond this the dense mask costs more memory than
+sharing saves and the row goes the unshared way."""
+
+
 def share_layout(
-    input_ids_1P: torch.Tensor, position_ids_1P: torch.Tensor, loss_mask_P: torch.Tensor
+    input_ids_1P: torch.Tensor,
+    position_ids_1P: torch.Tensor,
+    loss_mask_P: torch.Tensor,
+    max_mask_elements: int = MAX_SHARE_MASK_ELEMENTS,
 ) -> ShareLayout | None:
     """The ``ShareLayout`` of a packed row, or None when no two documents share their untrained prefix
-    (nothing to gain). ``loss_mask_P`` as ``MicroBatch.loss_mask`` (bool or 0/1 float: the target of
+    (nothing to gain) or the mask would hold more than ``max_mask_elements`` entries. ``loss_mask_P`` as ``MicroBatch.loss_mask`` (bool or 0/1 float: the target of
     position t is trained). Documents start where the position is not the previous plus one. Copies the
     row to the host once (Python loops over P tokens: about 2 ms for P = 2k on the CPU VM)."""
     ids, pos = input_ids_1P[0].tolist(), position_ids_1P[0].tolist()
@@ -286,6 +295,8 @@ def share_layout(
         rows[r].append(s)
         loads[r] += segments[s][2]
     R, P = len(rows), len(ids)
+    if R * W * W > max_mask_elements:
+        return None
     row_ids, row_pos = [0] * (R * W), [0] * (R * W)
     seg_of = list(range(-1, -R * W - 1, -1))  # pads: a segment of their own
     part_of = [0] * (R * W)  # 0 prefix, 1 + k the k-th suffix of the segment

@@ -60,6 +60,7 @@ def test_share_layout_rows_and_mask() -> None:
     m = layout.attn_mask_RWW.int().tolist()
     assert m[0] == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 0, 0, 1]]
     assert m[1] == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [0, 0, 0, 0, 1]]  # pad: itself
+    assert share_layout(mb.input_ids, mb.position_ids, mb.loss_mask, max_mask_elements=2 * 5 * 5 - 1) is None
     other = [_doc([1, 2], [3]), _doc([1, 3], [3])]  # different prompts: nothing to share
     (mb,) = pack(other, micro_batch_tokens=64, num_ranks=1)[0]
     assert share_layout(mb.input_ids, mb.position_ids, mb.loss_mask) is None
