@@ -52,6 +52,16 @@ def build_model(shape: str, max_len: int, device: torch.device, dtype: torch.dty
     return model.eval()
 
 
+def build_custom(model, device: torch.device, dtype: torch.dtype):
+    """Our Qwen3 (``prime_spmd.models.qwen3``, what ``prime_spmd rl`` loads with ``--model.impl auto``) with
+    the same weights as the transformers ``model``, through the real loading path (save, then ``load_qwen3``)."""
+    from prime_spmd.models.qwen3.hf import load_qwen3
+
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        return load_qwen3(d, device=device, dtype=dtype).eval()
+
+
 def measure_bandwidth(device: torch.device) -> float:
     """Bytes/s of a large device-to-device copy (read + write counted)."""
     n = (1 << 30) if device.type == "cuda" else (1 << 27)
@@ -200,7 +210,10 @@ def token_agreement(ref: list[list[int]], got: list[list[int]]) -> dict[str, flo
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
-        "--engine", default="native,hf", help="comma list of native, hf, hf-static (static cache + compile), vllm"
+        "--engine",
+        default="native,hf",
+        help="comma list of native (on the transformers model), native-custom (on our Qwen3, same weights), "
+        "hf, hf-static (static cache + compile), vllm",
     )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     ap.add_argument("--model-shape", default="qwen3-0.6b", choices=SHAPES)
@@ -212,7 +225,8 @@ def main() -> None:
     ap.add_argument(
         "--decode-attention",
         default="bmm",
-        help="native engine: comma list of bmm, triton (each a row; rows after the first also report token agreement)",
+        help="native engines: comma list of bmm, triton (each a row; native rows after a batch's first also report "
+        "token agreement with it)",
     )
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     ap.add_argument("--out", default="")
@@ -229,16 +243,18 @@ def main() -> None:
     model = build_model(args.model_shape, max_len, device, dtype)
     cfg = model.config
     bw = measure_bandwidth(device)
+    custom = build_custom(model, device, dtype) if "native-custom" in engines else None
     rows = []
     for bs in batch_sizes:
         ids = prompts(bs, args.prompt_len, cfg.vocab_size)
         roof = roofline_tok_s(model, cfg, bs, args.prompt_len, args.new_tokens, dtype, bw)
+        base_tokens = None  # the first native row's samples; later native rows report their agreement with it
         for name in engines:
-            if name == "native":
-                base_tokens = None
+            if name in ("native", "native-custom"):
                 for attn in args.decode_attention.split(","):
-                    secs, toks = run_native(model, ids, args.new_tokens, device, not args.no_cuda_graphs, attn)
-                    row = dict(engine="native", decode_attention=attn, batch=bs, seconds=secs, roofline_tok_s=roof)
+                    m = model if name == "native" else custom
+                    secs, toks = run_native(m, ids, args.new_tokens, device, not args.no_cuda_graphs, attn)
+                    row = dict(engine=name, decode_attention=attn, batch=bs, seconds=secs, roofline_tok_s=roof)
                     row["tokens_per_s"] = bs * args.new_tokens / secs
                     if base_tokens is None:
                         base_tokens = toks
@@ -246,7 +262,7 @@ def main() -> None:
                         row.update(token_agreement(base_tokens, toks))
                     rows.append(row)
                     extra = f", same tokens as the first: {row['same_tokens']:.3f}" if "same_tokens" in row else ""
-                    print(f"native[{attn}] batch {bs:4d}: {row['tokens_per_s']:10.1f} tok/s ({secs:.2f} s){extra}",
+                    print(f"{name}[{attn}] batch {bs:4d}: {row['tokens_per_s']:10.1f} tok/s ({secs:.2f} s){extra}",
                           file=sys.stderr, flush=True)  # fmt: skip
                 continue
             elif name in ("hf", "hf-static"):
@@ -254,7 +270,7 @@ def main() -> None:
             elif name == "vllm":
                 secs = run_vllm(model, ids, args.new_tokens, device, dtype)
             else:
-                raise SystemExit(f"--engine: unknown {name!r}; use native, hf, hf-static, vllm")
+                raise SystemExit(f"--engine: unknown {name!r}; use native, native-custom, hf, hf-static, vllm")
             tok_s = bs * args.new_tokens / secs
             rows.append(dict(engine=name, batch=bs, seconds=secs, tokens_per_s=tok_s, roofline_tok_s=roof))
             print(f"{name:6s} batch {bs:4d}: {tok_s:10.1f} tok/s ({secs:.2f} s)", file=sys.stderr, flush=True)
@@ -283,7 +299,7 @@ def main() -> None:
     for r in rows:
         vs = f"{r['speedup_vs_hf']:.1f}x" if r["speedup_vs_hf"] else "-"
         tok_s, roof, frac = r["tokens_per_s"], r["roofline_tok_s"], r["roofline_fraction"]
-        label = f"native[{r['decode_attention']}]" if "decode_attention" in r else r["engine"]
+        label = f"{r['engine']}[{r['decode_attention']}]" if "decode_attention" in r else r["engine"]
         table.append([label, r["batch"], f"{tok_s:.0f}", vs, f"{roof:.0f}", f"{100 * frac:.1f}%"])
     common.print_markdown_table(["engine", "batch", "tokens/s", "vs hf", "decode roofline tok/s", "of roofline"], table)
     if args.out:

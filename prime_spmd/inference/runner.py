@@ -146,9 +146,9 @@ def fuse_linears(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Te
 class LlamaStyleRunner:
     """Prefill and decode for HF Llama-style decoders with a ``SlotKVCache``.
 
-    Plain dense HF models (``ModelAdapter.supports_fused_decode``) decode through ``make_decode_layer`` with fused
-    QKV and gate/up weights, compiled on CUDA (``compile_decode``); others (our custom Qwen3, MoE)
-    decode through the model's own submodules. ``attention`` picks the decode attention of both
+    Dense models of plain shape (``ModelAdapter.supports_fused_decode``: HF Llama-style decoders and our dense
+    Qwen3) decode through ``make_decode_layer`` with fused QKV and gate/up weights, compiled on CUDA
+    (``compile_decode``); others (MoE) decode through the model's own submodules. ``attention`` picks the decode attention of both
     paths: "bmm" (two batched matmuls + softmax over the whole length bucket), "triton" (the
     flash-decoding kernel of kernels/decode_attention, which reads each row's own positions only) or
     "auto" (``resolve_decode_attention``: triton on CUDA, bmm elsewhere); ``self.attention`` holds the
@@ -176,7 +176,7 @@ class LlamaStyleRunner:
         self.num_kv_heads = dims.num_kv_heads
         self.head_dim = dims.head_dim
         self.vocab_size = dims.vocab_size
-        self.scale, self.qk_norm = dims.attn_scale, dims.qk_norm
+        self.scale, self.qk_norm, self.eps = dims.attn_scale, dims.qk_norm, dims.rms_norm_eps
         self.dtype = next(model.parameters()).dtype
         self.device = device
         self.cache = SlotKVCache(
@@ -195,8 +195,7 @@ class LlamaStyleRunner:
 
     def _setup_fused_decode(self, model: torch.nn.Module, compile_decode: bool) -> None:
         layers = model.model.layers
-        eps = layers[0].input_layernorm.variance_epsilon
-        fn = make_decode_layer(self.num_heads, self.num_kv_heads, self.head_dim, eps, self.scale, self.attention)
+        fn = make_decode_layer(self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale, self.attention)
         # one compiled graph serves all layers (same shapes, weights passed as arguments); B and Tkv
         # become dynamic after the first recompile, so every (rows, length) bucket reuses it
         self.decode_layer = torch.compile(fn, fullgraph=True) if compile_decode else fn

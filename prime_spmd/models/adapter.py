@@ -60,6 +60,8 @@ class ModelDims:
     """Softmax scale of attention scores (head_dim ** -0.5 unless the model says otherwise)."""
     qk_norm: bool
     """Whether attention RMS-normalizes each head of q and k (Qwen3's ``q_norm`` / ``k_norm``)."""
+    rms_norm_eps: float
+    """The epsilon of every RMSNorm (the fused decode layer normalizes with it)."""
 
 
 class ModelAdapter:
@@ -138,7 +140,8 @@ class ModelAdapter:
 
     def supports_fused_decode(self) -> bool:
         """Whether every layer has the plain shape ``runner.make_decode_layer`` assumes: ``nn.Linear``
-        projections, a SiLU gate/up/down MLP without biases, RMSNorms with ``weight`` + ``variance_epsilon``."""
+        projections (``self_attn.{q,k,v,o}_proj``), a SiLU ``mlp.{gate,up,down}_proj`` without biases, and
+        RMSNorms with a ``weight`` and the one epsilon ``dims().rms_norm_eps``."""
         return False
 
     def rope_tables(self, max_len: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -46,6 +46,7 @@ class HFAdapter(ModelAdapter):
             num_experts=int(getattr(cfg, "num_experts", 0) or getattr(cfg, "num_local_experts", 0) or 0),
             attn_scale=float(getattr(attn0, "scaling", head_dim**-0.5)),
             qk_norm=attn0 is not None and hasattr(attn0, "q_norm"),
+            rms_norm_eps=float(getattr(cfg, "rms_norm_eps", None) or 1e-6),
         )
 
     def block_lists(self) -> list[nn.ModuleList]:
@@ -117,6 +118,7 @@ class HFAdapter(ModelAdapter):
     def supports_fused_decode(self) -> bool:
         if not self.supports_slot_cache() or getattr(self.lm.config, "hidden_act", None) != "silu":
             return False
+        eps = self.dims().rms_norm_eps
         for layer in self.lm.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             lins = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
@@ -127,6 +129,8 @@ class HFAdapter(ModelAdapter):
                 getattr(attn, n) for n in ("q_norm", "k_norm") if hasattr(attn, n)
             ]
             if not all(type(n).__name__.endswith("RMSNorm") and hasattr(n, "variance_epsilon") for n in norms):
+                return False
+            if any(n.variance_epsilon != eps for n in norms):
                 return False
             if any(m.bias is not None for m in lins[4:]):
                 return False

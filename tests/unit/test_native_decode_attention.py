@@ -1,8 +1,8 @@
 """The native engine with the Triton decode attention (``decode_attention="triton"``) vs the bmm path.
 
 A tiny random Qwen3 (fp32), prompts of different lengths and more requests than slots, so rows in a
-step have different lengths and slots are reused; both the fused decode layer (HF model) and the
-submodule path (our custom Qwen3) are covered. CPU: Triton under the interpreter (~15 s); with a GPU
+step have different lengths and slots are reused; both the fused decode layer (HF model, our dense
+Qwen3) and the submodule path (what MoE models take; here our Qwen3 with the fused path switched off) are covered. CPU: Triton under the interpreter (~15 s); with a GPU
 the same test runs on CUDA (compiled decode layer, CUDA graphs, IEEE fp32 dots in the kernel).
 """
 
@@ -65,12 +65,14 @@ def test_fused_decode_layer_triton_matches_bmm(record_property):
     record_property("max_logprob_diff", worst)
 
 
-def test_submodule_decode_triton_matches_bmm(tmp_path, record_property):
+def test_submodule_decode_triton_matches_bmm(tmp_path, monkeypatch, record_property):
     from prime_spmd.config.sections import ModelConfig
     from prime_spmd.models.loading import load_model
+    from prime_spmd.models.qwen3.adapter import Qwen3Adapter
 
     path = build_tiny_model(tmp_path / "m", "qwen3-nano", seed=0, initializer_range=0.3)
     custom = load_model(ModelConfig(path=str(path), impl="custom"), DEVICE, dtype=torch.float32)
+    monkeypatch.setattr(Qwen3Adapter, "supports_fused_decode", lambda self: False)  # the MoE models' path
     eng, worst = _compare(custom)
     assert eng.runner.layer_args is None  # the submodule path
     record_property("max_logprob_diff", worst)

@@ -201,6 +201,7 @@ def test_custom_qwen3_model_runs_on_the_fast_runner(model_dir, device, record_pr
     hf_model, tok = _load(model_dir)
     eng = NativeEngine(custom, tok, max_batch_size=2, max_model_len=64, device=device)
     assert isinstance(eng.runner, runner_mod.LlamaStyleRunner)
+    assert eng.runner.layer_args is not None  # dense: the fused decode layer, as for HF Qwen3
     assert eng.use_graphs == (device.type == "cuda")
     reqs = _reqs(tok, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), TEXTS[:3])
     for r, o in zip(reqs, eng.generate(reqs)):

@@ -38,6 +38,7 @@ class Qwen3Adapter(ModelAdapter):
             num_experts=a.num_experts,
             attn_scale=a.head_dim**-0.5,
             qk_norm=True,
+            rms_norm_eps=a.rms_norm_eps,
         )
 
     def block_lists(self) -> list[nn.ModuleList]:
@@ -75,6 +76,11 @@ class Qwen3Adapter(ModelAdapter):
 
     def supports_slot_cache(self) -> bool:
         return True
+
+    def supports_fused_decode(self) -> bool:
+        # dense: every block is Attention (nn.Linear q/k/v/o, RMSNorm q/k norms) + a SwiGLU MLP without biases,
+        # all norms at args.rms_norm_eps; MoE blocks decode through their own modules (grouped experts)
+        return self.lm.args.num_experts == 0
 
     def rope_tables(self, max_len: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.lm.model.rotary_emb(torch.arange(max_len, device=device)[None], dtype)
