@@ -172,6 +172,7 @@ def run_ours(k: int, rep: int, model: Path, args: argparse.Namespace, out: Path)
            "--trainer.batch_size", str(n), "--inference.max_batch_size", str(n),
            "--sampling.max_tokens", str(args.max_tokens), "--trainer.seq_len", str(args.task["seq_len"]),
            "--optim.lr", str(args.lr), "--rollout.max_async", str(k), "--trainer.seed", str(args.seed),
+           "--trainer.micro_batch_tokens", str(max(args.micro_batch_tokens, args.task["seq_len"])),
            "--ckpt.interval_steps", "0", "--log.no_progress", "--log.no_plots", *env_flags(args.task),
            *([] if last else ["--ckpt.no_save_hf"]), *args.ours_flags]  # fmt: skip
     r = run_logged(d.name, cmd, out, args.rl_limit_s)
@@ -424,6 +425,10 @@ def parse_args() -> argparse.Namespace:
         "OUT/compile_cache, fresh per run; 'inherit': leave the environment's)",
     )
     p.add_argument("--peak-tflops", type=float, default=H200_BF16_PEAK_TFLOPS, help="bf16 dense peak for MFU")
+    p.add_argument("--micro-batch-tokens", type=int, default=2048,
+                   help="ours: --trainer.micro_batch_tokens (2048, the trainer's default). TRL's side trains a step's "
+                   "samples in one batch (per_device_train_batch_size = prompts x group size); a value >= the step's "
+                   "tokens gives ours the same single forward/backward")  # fmt: skip
     p.add_argument("--ours-flag", dest="ours_flags", action="append", default=[], help="extra `rl` flag (repeat)")
     return p.parse_args()
 

@@ -5,7 +5,8 @@ plus one starts a new document (the rule HF's ``find_packed_sequence_indices`` u
 micro-batches need no extra inputs and attention never crosses documents.
 
 Backends: flash-attn's varlen kernel when installed (CUDA, bf16/fp16); else SDPA, with ``is_causal``
-for unpacked rows and a block-diagonal causal bool mask when a row holds several documents. A caller may
+for unpacked rows (GQA native) and a block-diagonal causal bool mask when a row holds several documents
+(k/v expanded to the query heads: masked GQA would fall back to SDPA's math backend on CUDA). A caller may
 instead pass its own bool mask (the trainer's prompt sharing, ``trainer/packing.py: ShareLayout``); SDPA
 then runs with that mask and position_ids only place RoPE.
 
@@ -99,7 +100,12 @@ def attention(
     if ctx.mask_B1TT is None:
         out_BNTDh = F.scaled_dot_product_attention(q_BNTDh, k_BNkvTDh, v_BNkvTDh, is_causal=True, enable_gqa=True)
     else:
-        out_BNTDh = F.scaled_dot_product_attention(
-            q_BNTDh, k_BNkvTDh, v_BNkvTDh, attn_mask=ctx.mask_B1TT, enable_gqa=True
+        # With a mask, enable_gqa would send CUDA to SDPA's math backend (it materializes [B, N, T, T] scores in
+        # fp32): the memory-efficient backend takes masks but not GQA. So expand k/v to N heads (a broadcast
+        # view, copied once by reshape) and call it as MHA; same values (CPU: bit for bit, tests/unit).
+        g = N // k_BNkvTDh.shape[1]
+        k_BNTDh, v_BNTDh = (
+            t[:, :, None].expand(B, t.shape[1], g, T, Dh).reshape(B, N, T, Dh) for t in (k_BNkvTDh, v_BNkvTDh)
         )
+        out_BNTDh = F.scaled_dot_product_attention(q_BNTDh, k_BNTDh, v_BNTDh, attn_mask=ctx.mask_B1TT)
     return out_BNTDh.transpose(1, 2)
