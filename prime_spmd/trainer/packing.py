@@ -86,6 +86,22 @@ def dummy_microbatch(field_names: list[str]) -> MicroBatch:
     )
 
 
+def first_fit(sizes: list[int], capacity: int) -> list[list[int]]:
+    """First fit, in the given order, of items of ``sizes`` into bins of ``capacity`` (an item larger than it
+    gets a bin of its own): the item indices of each bin, bins in opening order."""
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i, n in enumerate(sizes):
+        b = next((b for b, load in enumerate(loads) if load + n <= capacity), None)
+        if b is None:
+            bins.append([])
+            loads.append(0)
+            b = len(bins) - 1
+        bins[b].append(i)
+        loads[b] += n
+    return bins
+
+
 def pack(samples: list[Sample], micro_batch_tokens: int, num_ranks: int) -> list[list[MicroBatch]]:
     """Pack samples into micro-batches and deal them to ``num_ranks`` ranks.
 
@@ -105,18 +121,10 @@ def pack(samples: list[Sample], micro_batch_tokens: int, num_ranks: int) -> list
             raise ValueError(f"sample {i}: loss_mask/fields length differs from input_ids ({len(s.input_ids)})")
         if sorted(s.fields) != field_names:
             raise ValueError(f"sample {i}: fields {sorted(s.fields)} differ from the first sample's {field_names}")
-    bins: list[list[int]] = []
-    loads: list[int] = []
-    for unit in _share_units(samples, micro_batch_tokens):
-        n = sum(len(samples[i].input_ids) for i in unit)
-        for b, load in enumerate(loads):
-            if load + n <= micro_batch_tokens:
-                bins[b] += unit
-                loads[b] += n
-                break
-        else:
-            bins.append(list(unit))
-            loads.append(n)
+    units = list(_share_units(samples, micro_batch_tokens))
+    unit_bins = first_fit([sum(len(samples[i].input_ids) for i in u) for u in units], micro_batch_tokens)
+    bins = [[i for u in ub for i in units[u]] for ub in unit_bins]
+    loads = [sum(len(samples[i].input_ids) for i in b) for b in bins]
     per_rank: list[list[int]] = [[] for _ in range(num_ranks)]
     rank_tokens = [0] * num_ranks
     for b in sorted(range(len(bins)), key=lambda b: (-loads[b], b)):
@@ -284,16 +292,8 @@ def share_layout(
         p = _common_prefix([ids[bounds[d][0] : bounds[d][1]] for d in docs])
         segments.append((docs, p, p + sum(bounds[d][1] - bounds[d][0] - p for d in docs)))
     W = max(s[2] for s in segments)
-    rows: list[list[int]] = []  # segment indices per row, first-fit decreasing
-    loads: list[int] = []
-    for s in sorted(range(len(segments)), key=lambda s: (-segments[s][2], s)):
-        r = next((r for r, load in enumerate(loads) if load + segments[s][2] <= W), None)
-        if r is None:
-            rows.append([])
-            loads.append(0)
-            r = len(rows) - 1
-        rows[r].append(s)
-        loads[r] += segments[s][2]
+    order = sorted(range(len(segments)), key=lambda s: (-segments[s][2], s))  # first-fit decreasing
+    rows = [[order[k] for k in r] for r in first_fit([segments[s][2] for s in order], W)]  # segments per row
     R, P = len(rows), len(ids)
     if R * W * W > max_mask_elements:
         return None
