@@ -42,12 +42,13 @@ case $PART in
     run engine_warmup 160 python3 benchmarks/engine_warmup.py --device cuda --shape qwen3-0.6b --parts engine:custom,trainer,engine:hf \
       --worker-limit-s 60 --budget-s 150 --out "$OUT/engine_warmup/engine_warmup.json" ;;  # engine:hf last: skipped if the budget is spent
   rl_e2e)  # SFT a Qwen3-0.6B shape from scratch (real tokenizer), then RL: prime-spmd k=0/1 vs TRL, evals; <= 9 min
-    # --micro-batch-tokens 16384: ours trains a step's 128 samples in one forward/backward, as TRL's side does
+    # --micro-batch-tokens 16384: ours trains a step's 128 samples in one forward/backward, as TRL's side does;
+    # --rollout.std_normalize: ours divides advantages by the group's reward std, as TRL's GRPO does (scale_rewards="group")
     # --budget-s cuts each phase's limit to what is left, so the script writes results.json and plots before the
     # outer timeout; one compile cache (/tmp/rl_e2e_compile_cache, empty on a fresh machine) serves every subprocess of both sides
     run rl_e2e 560 python3 benchmarks/rl_e2e.py --device cuda --shape qwen3-0.6b --out "$OUT/rl_e2e" --trl-python python3 \
       --tokenizer-files .whl/qwen3-tokenizer --sft-steps 100 --sft-batch 128 --sft-warmup-steps 20 --sft-limit-s 110 \
-      --steps 30 --warmup 3 --prompts 16 --group-size 8 --max-tokens 20 --lr 1e-5 --micro-batch-tokens 16384 --rl-limit-s 100 --eval-limit-s 60 --budget-s 540 \
+      --steps 30 --warmup 3 --prompts 16 --group-size 8 --max-tokens 20 --lr 1e-5 --micro-batch-tokens 16384 --ours-flag=--rollout.std_normalize --rl-limit-s 100 --eval-limit-s 60 --budget-s 540 \
       --compile-cache /tmp/rl_e2e_compile_cache --eval-sft-fp32
     # weights and checkpoints (GBs) stay on the device; results.json, logs and plots come back
     find "$OUT/rl_e2e" \( -name '*.safetensors' -o -name '*.distcp' -o -name '*.pt' -o -name '*.bin' \) -delete ;;
