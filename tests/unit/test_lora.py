@@ -265,3 +265,18 @@ def test_trainer_benchmark_lora_rows(tmp_path: Path) -> None:
     assert (full["lora_rank"], lora["lora_rank"]) == (0, 4)
     assert lora["trainable_params"] < full["trainable_params"] / 10
     assert lora["sync_bytes"] < full["sync_bytes"] / 10 and lora["step_ms"] > 0
+
+
+def test_lora_wrapped_projections_leave_the_fused_decode_path(tmp_path: Path) -> None:
+    """The engine's fused decode layer reads the plain projections' weights concatenated; a model whose
+    projections are LoRA-wrapped must decode through its own modules instead (both adapters say so)."""
+    from prime_spmd.models.qwen3.hf import load_qwen3
+    from prime_spmd.models.registry import adapter_for
+
+    hf = _tiny_hf(tmp_path)
+    hf.save_pretrained(tmp_path / "m")
+    custom = load_qwen3(tmp_path / "m")
+    for lm in (hf, custom):
+        assert adapter_for(lm).supports_fused_decode(), type(lm).__name__
+        apply_lora(lm, LoraConfig(rank=2, alpha=4.0), seed=0)
+        assert not adapter_for(lm).supports_fused_decode(), type(lm).__name__

@@ -78,9 +78,17 @@ class Qwen3Adapter(ModelAdapter):
         return True
 
     def supports_fused_decode(self) -> bool:
-        # dense: every block is Attention (nn.Linear q/k/v/o, RMSNorm q/k norms) + a SwiGLU MLP without biases,
-        # all norms at args.rms_norm_eps; MoE blocks decode through their own modules (grouped experts)
-        return self.lm.args.num_experts == 0
+        # dense: every block is Attention (q/k/v/o, RMSNorm q/k norms) + a SwiGLU MLP without biases, all norms at
+        # args.rms_norm_eps; MoE blocks decode through their own modules (grouped experts). The projections must
+        # be plain nn.Linear (not wrapped, e.g. by LoRA): the fused layer reads their weights, concatenated
+        if self.lm.args.num_experts:
+            return False
+        for layer in self.lm.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            lins = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+            if not all(type(m) is nn.Linear for m in lins):
+                return False
+        return True
 
     def rope_tables(self, max_len: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.lm.model.rotary_emb(torch.arange(max_len, device=device)[None], dtype)
