@@ -311,6 +311,9 @@ def summarize(run: dict, args: argparse.Namespace, n_params: int) -> dict:
              train_time_s=mean("train_time_s"), weight_sync_s=mean("weight_sync_s"), wait_s=mean("wait_s"),
              gen_tokens_per_s=mean("generated_tokens") / step_s, peak_memory_gib=mean("peak_memory_gib"),
              reward_first=run["steps"][0]["reward_mean"], reward_last=run["steps"][-1]["reward_mean"])  # fmt: skip
+    for key in ("train_fwd_bwd_s", "train_optim_s", "pack_time_s"):  # ours: where the train time goes
+        if mean(key) is not None:
+            s[key] = mean(key)
     if mean("trained_tokens") is not None:
         s["trained_tokens_per_s"] = mean("trained_tokens") / step_s
         s["forward_tokens_per_train_s"] = mean("forward_tokens") / s["train_time_s"]

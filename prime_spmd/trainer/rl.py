@@ -185,6 +185,7 @@ class _TrainerLoop:
         per_rank, bm, wait, forward_tokens = None, {}, 0.0, 0
         if topo.is_controller:
             batch, wait = self.take_batch(j)
+            t_pack = time.perf_counter()
             samples, bm = rollouts_to_samples(batch, cfg.rollout, cfg.sampling.max_tokens, cfg.trainer.seq_len)
             bm["policy_lag_mean"] = float(j) - sum(r.policy_version for g in batch.groups for r in g) / max(
                 1, sum(len(g) for g in batch.groups)
@@ -192,6 +193,7 @@ class _TrainerLoop:
             bm["policy_lag_max"] = float(j) - bm.pop("policy_version_min")
             per_rank = pack(samples, cfg.trainer.micro_batch_tokens, topo.num_trainer_ranks)
             forward_tokens = sum(mb.num_tokens for mbs in per_rank for mb in mbs)
+            bm["pack_time_s"] = time.perf_counter() - t_pack  # advantages, samples, packing (host)
         mine = [None]
         dist.scatter_object_list(mine, per_rank, src=CONTROLLER_RANK)
         return mine[0], bm, wait, forward_tokens  # type: ignore[return-value]
@@ -259,6 +261,8 @@ class _TrainerLoop:
             "masked_frac": stats.get("masked_tokens", 0.0) / tokens,
             "entropy": stats.get("entropy_sum", 0.0) / tokens,
             "trained_tokens": stats["trained_tokens"],
+            "train_fwd_bwd_s": stats["fwd_bwd_s"],
+            "train_optim_s": stats["optim_s"],
             "forward_tokens": float(forward_tokens),
             "skipped_steps": stats["skipped"],
             "nonfinite_steps": stats["nonfinite"],

@@ -13,6 +13,7 @@ micro-batches of all ranks (reported unscaled as ``router_aux``; ``loss`` is the
 from __future__ import annotations
 
 import math
+import time
 import warnings
 
 import torch
@@ -67,13 +68,16 @@ def train_step(
 
     Every trainer rank calls it with the same number of micro-batches (packing pads with dummies).
     Returns global sums of the loss_fn stats plus ``loss`` (per trained token), ``grad_norm``,
-    ``lr``, ``trained_tokens``, ``nonfinite`` (non-finite loss or gradient), ``empty_batch`` (no
+    ``lr``, ``trained_tokens``, ``fwd_bwd_s`` (seconds to the clipped grad norm: forward, backward, reductions,
+    clipping), ``optim_s`` (the optimizer and schedule steps after it, host time: on CUDA their kernels
+    may still run after return), ``nonfinite`` (non-finite loss or gradient), ``empty_batch`` (no
     trained token anywhere), ``skipped`` (either: the parameters are then unchanged) and ``stop``
     (1.0 when any trainer rank passed ``stop_requested``, e.g. after a SIGTERM: the flag rides on the
     token-count all-reduce, so every rank takes the same stop decision at the same step). MoE models
     (``policy.last_router`` set) add ``router_aux`` and ``max_expert_load`` (module docstring,
     ``router_metrics``).
     """
+    t_start = time.perf_counter()
     world = dist.get_world_size() if dist.is_initialized() else 1
     n_local = sum(int(mb.loss_mask.sum()) for mb in micro_batches)
     agreed = _all_reduce_sum({"n": torch.tensor(float(n_local)), "stop": torch.tensor(float(stop_requested))}, device)
@@ -103,7 +107,8 @@ def train_step(
     norm = clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()  # DTensor norm -> replicated scalar (no grad flows through it)
-    grad_norm = float(norm)
+    grad_norm = float(norm)  # waits for the device: forward, backward and the grad reductions are done here
+    t_grads = time.perf_counter()
     loss = totals.get("loss_sum", 0.0) / max(n_global, 1.0)
     nonfinite = not (math.isfinite(grad_norm) and math.isfinite(loss))
     empty = n_global == 0  # e.g. every group filtered out: nothing to learn, keep the optimizer state as is
@@ -118,6 +123,8 @@ def train_step(
         warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
         scheduler.step()
     totals.update(
+        fwd_bwd_s=t_grads - t_start,
+        optim_s=time.perf_counter() - t_grads,
         loss=loss,
         grad_norm=grad_norm,
         lr=lr,
