@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -47,6 +48,12 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, outdir: str, arg
         if dist.is_initialized():
             dist.destroy_process_group()
     Path(outdir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+    # The result is written: leave without the interpreter's teardown. In 2 of 3 CI runs on 2026-12-03 a rank
+    # of tests/distributed/test_lora_fsdp.py died there ("terminate called without an active exception",
+    # SIGABRT) after its work had finished and passed, failing the test for what it does not check.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
