@@ -13,8 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from prime_spmd.config import to_json
 from prime_spmd.log import logger
 from prime_spmd.metrics import MetricsSink
@@ -84,13 +82,10 @@ def export_hf(enabled: bool, parts: TrainerParts, out: Path, is_writer: bool) ->
     if not enabled:
         return None
     sd = strip_prefix(full_state_dict(parts.policy))
-    hf_dir = save_hf(parts.policy.lm, sd, out / "hf", parts.tokenizer) if is_writer else None
-    if hf_dir is not None:
-        logger.info(f"HF-format weights written to {hf_dir}")
-    # every trainer rank leaves together, after the folder exists: a rank that went on to exit and tear down
-    # its process group while rank 0 was still writing crashed once at shutdown (gloo, CI 2026-12-03)
-    if dist.is_initialized():
-        dist.barrier()
+    if not is_writer:
+        return None
+    hf_dir = save_hf(parts.policy.lm, sd, out / "hf", parts.tokenizer)
+    logger.info(f"HF-format weights written to {hf_dir}")
     return hf_dir
 
 
