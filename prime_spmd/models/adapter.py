@@ -64,6 +64,15 @@ class ModelDims:
     """The epsilon of every RMSNorm (the fused decode layer normalizes with it)."""
 
 
+def plain_projections(layer: nn.Module) -> bool:
+    """Whether a decoder layer's ``self_attn.{q,k,v,o}_proj`` and ``mlp.{gate,up,down}_proj`` are all plain
+    ``nn.Linear`` (not wrapped, e.g. by LoRA) and the MLP's have no bias: what the fused decode layer reads."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    lins = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    lins += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    return all(type(m) is nn.Linear for m in lins) and all(m.bias is None for m in lins[4:])
+
+
 class ModelAdapter:
     """One model family's answers; ``lm`` is the causal LM (not a wrapper of it). Subclasses implement
     the methods that raise ``NotImplementedError`` and override the defaults that do not fit."""

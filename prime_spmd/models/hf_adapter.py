@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from prime_spmd.models.adapter import ModelAdapter, ModelDims
+from prime_spmd.models.adapter import ModelAdapter, ModelDims, plain_projections
 from prime_spmd.models.common.moe import load_balance_loss
 
 LLAMA_STYLE = {"qwen3", "qwen2", "llama", "mistral"}
@@ -120,19 +120,15 @@ class HFAdapter(ModelAdapter):
             return False
         eps = self.dims().rms_norm_eps
         for layer in self.lm.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            lins = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-            lins += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-            if not all(type(m) is nn.Linear for m in lins):
+            if not plain_projections(layer):
                 return False
+            attn = layer.self_attn
             norms = [layer.input_layernorm, layer.post_attention_layernorm] + [
                 getattr(attn, n) for n in ("q_norm", "k_norm") if hasattr(attn, n)
             ]
             if not all(type(n).__name__.endswith("RMSNorm") and hasattr(n, "variance_epsilon") for n in norms):
                 return False
             if any(n.variance_epsilon != eps for n in norms):
-                return False
-            if any(m.bias is not None for m in lins[4:]):
                 return False
         return True
 

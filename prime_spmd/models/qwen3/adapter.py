@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from prime_spmd.models.adapter import ModelAdapter, ModelDims
+from prime_spmd.models.adapter import ModelAdapter, ModelDims, plain_projections
 from prime_spmd.models.common.moe import GroupedExperts
 from prime_spmd.models.qwen3.hf import to_hf
 from prime_spmd.models.qwen3.model import Qwen3ForCausalLM
@@ -81,14 +81,7 @@ class Qwen3Adapter(ModelAdapter):
         # dense: every block is Attention (q/k/v/o, RMSNorm q/k norms) + a SwiGLU MLP without biases, all norms at
         # args.rms_norm_eps; MoE blocks decode through their own modules (grouped experts). The projections must
         # be plain nn.Linear (not wrapped, e.g. by LoRA): the fused layer reads their weights, concatenated
-        if self.lm.args.num_experts:
-            return False
-        for layer in self.lm.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            lins = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-            if not all(type(m) is nn.Linear for m in lins):
-                return False
-        return True
+        return self.lm.args.num_experts == 0 and all(plain_projections(layer) for layer in self.lm.model.layers)
 
     def rope_tables(self, max_len: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.lm.model.rotary_emb(torch.arange(max_len, device=device)[None], dtype)
