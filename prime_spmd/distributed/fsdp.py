@@ -1,8 +1,9 @@
 """FSDP2, EP and activation checkpointing, applied by ``parallelize`` in one fixed order.
 
 Order: (TP: not yet) -> EP (models with experts and an ``ep`` axis, distributed/ep.py) ->
-activation checkpointing -> FSDP2 per transformer block (the experts of a block first, as their own
-FSDP unit; no per-block units on a one-rank trainer) -> FSDP2 on the root. The model's forward stays single-device code.
+torch.compile of each block's forward (``--trainer.compile``) -> activation checkpointing -> FSDP2 per
+transformer block (the experts of a block first, as their own FSDP unit; no per-block units on a one-rank
+trainer) -> FSDP2 on the root. The model's forward stays single-device code.
 
 Sharding with ep > 1 (trainer mesh ("dp_shard", "ep"), world W = dp_shard * ep): expert weights are
 Shard(0) over ``ep`` (EP) and FSDP-sharded over ``dp_shard``; every other parameter is FSDP-sharded
@@ -36,8 +37,10 @@ def parallelize(
     activation_checkpointing: bool,
     reshard_after_forward: bool = True,
     experts: list[nn.Module] = (),
+    compile_blocks: str | None = None,
 ) -> nn.Module:
-    """Apply EP (when the mesh has an ``ep`` axis), activation checkpointing and FSDP2, in that order.
+    """Apply EP (when the mesh has an ``ep`` axis), block compilation, activation checkpointing and FSDP2,
+    in that order. ``compile_blocks``: a torch.compile backend ("inductor") for every block's forward, or None.
 
     ``layer_lists``: the ModuleLists holding the transformer blocks (AC replaces their entries);
     ``experts``: the stacked-expert modules inside them (``ModelAdapter.expert_modules``), sharded by EP
@@ -54,6 +57,8 @@ def parallelize(
             raise ValueError("--topology.ep > 1 needs a model with experts in our code (--model.impl custom)")
         for m in experts:
             apply_ep(m, mesh["ep"])
+    if compile_blocks:
+        compile_block_forwards([b for layers in layer_lists for b in layers], compile_blocks)
     if activation_checkpointing:
         apply_activation_checkpointing([b for layers in layer_lists for b in layers], layer_lists)
     return apply_fsdp(
@@ -72,6 +77,16 @@ _AC_WRAPPER = "._checkpoint_wrapped_module"
 def unwrapped_name(name: str) -> str:
     """A parameter name without the activation-checkpoint wrapper's segment (the model's own/HF name)."""
     return name.replace(_AC_WRAPPER, "")
+
+
+def compile_block_forwards(blocks: list[nn.Module], backend: str = "inductor") -> None:
+    """Replace each block's ``forward`` by its torch.compile'd version (dynamic shapes: RL micro-batches
+    change length every step). The module itself stays (parameter names, hooks: FSDP2's and AC's wrappers
+    run eagerly around the compiled forward). The blocks share one code object, so dynamo compiles it once
+    per input kind (plain causal, masked, varlen) and reuses that graph in every block: parameters are graph
+    inputs (``inline_inbuilt_nn_modules``), not constants."""
+    for block in blocks:
+        block.forward = torch.compile(block.forward, backend=backend, dynamic=True)
 
 
 def apply_activation_checkpointing(blocks: list[nn.Module], parent_lists: list[nn.ModuleList]) -> None:

@@ -61,6 +61,11 @@ def varlen_attention(model_cfg: ModelConfig, device: torch.device) -> bool:
     return device.type == "cuda" and flash_attn_varlen_func is not None
 
 
+def compile_training(flag: str, device: torch.device, moe: bool) -> bool:
+    """--trainer.compile: auto compiles dense models on CUDA (MoE blocks route with data-dependent shapes)."""
+    return flag == "on" or (flag == "auto" and device.type == "cuda" and not moe)
+
+
 def build_trainer(
     model_cfg: ModelConfig, trainer_cfg: TrainerConfig, optim_cfg: OptimConfig, ctx: DistContext
 ) -> TrainerParts:
@@ -101,6 +106,9 @@ def build_trainer(
         activation_checkpointing=trainer_cfg.activation_checkpointing,
         reshard_after_forward=trainer_cfg.reshard_after_forward,
         experts=adapter.expert_modules(),
+        compile_blocks="inductor"
+        if compile_training(trainer_cfg.compile, device, adapter.dims().num_experts > 0)
+        else None,
     )
     optimizer = build_optimizer(policy, optim_cfg)
     scheduler = build_scheduler(optimizer, optim_cfg, trainer_cfg.max_steps)

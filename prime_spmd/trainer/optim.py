@@ -18,9 +18,13 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # foreach also on CPU (torch picks the per-tensor loop there): the demo's AdamW step took 17 -> 6 ms of
     # CPU time. Not across meshes (EP: experts on (dp_shard, ep), the rest on dp_shard_ep).
+    # CUDA: the fused kernel (a few launches for all parameters instead of foreach's per-op kernels), which
+    # also needs one mesh.
     meshes = {p.device_mesh for p in decay + no_decay if isinstance(p, DTensor)}
-    foreach = True if len(meshes) <= 1 else None
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=foreach)
+    one_mesh = len(meshes) <= 1
+    fused = one_mesh and all(p.device.type == "cuda" for p in decay + no_decay) and bool(decay + no_decay)
+    kind = {"fused": True} if fused else {"foreach": True if one_mesh else None}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kind)
 
 
 def lr_factor(step: int, cfg: OptimConfig, max_steps: int) -> float:
