@@ -10,12 +10,7 @@ import torch
 from prime_spmd.config.job import RLJobConfig
 from prime_spmd.config.sections import ModelConfig
 from tests.dist_utils import run_ranks
-from tests.jobs import copy_for_resume, read_metrics, rl_rank, tiny_rl_cfg
-
-TIMING_KEYS = {
-    "gen_time_s", "train_time_s", "weight_sync_s", "wait_s", "step_time_s", "gen_tokens_per_s",
-    "train_fwd_bwd_s", "train_optim_s", "pack_time_s",
-}  # fmt: skip
+from tests.jobs import TIMING_KEYS, copy_for_resume, read_metrics, rl_rank, tiny_rl_cfg
 
 
 def _cfg(out: Path, model: Path, *, k: int, steps: int, num_inference: int, resume: bool = False) -> RLJobConfig:

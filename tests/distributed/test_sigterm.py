@@ -20,11 +20,9 @@ import sys
 import time
 from pathlib import Path
 
+from tests.jobs import TIMING_KEYS
+
 ROOT = Path(__file__).resolve().parents[2]
-TIMING_KEYS = {
-    "gen_time_s", "train_time_s", "weight_sync_s", "wait_s", "step_time_s", "gen_tokens_per_s", "train_tokens_per_s",
-    "train_fwd_bwd_s", "train_optim_s", "pack_time_s",
-}  # fmt: skip
 STEPS = 8
 
 SFT_FLAGS = [
