@@ -4,11 +4,14 @@ Builds the trainer as ``prime_spmd rl`` does (``build_trainer``: our model code,
 RL loss) once per variant, then feeds it a synthetic GRPO batch that looks like the RL end-to-end benchmark's:
 ``--prompts`` x ``--group-size`` samples of a ``--prompt-len``-token prompt (the same within a group, so prompt
 sharing applies) and ``--completion-min``..``--completion-max`` trained tokens, random advantages and inference
-logprobs, packed by the trainer's own ``pack``. Per variant: the median over ``--steps`` timed steps (after
+logprobs, packed by the trainer's own ``pack``; a new batch (new lengths, so new shapes) every step, as in RL,
+unless ``--same-batch``. Per variant: the median over ``--steps`` timed steps (after
 ``--warmup``) of the whole step (device-synchronized), of its forward + backward part (``fwd_bwd_s``, to the
 grad norm) and the optimizer part; then ``torch.profiler`` over ``--profile-steps`` more steps: the busiest ops
 by host time and by device time, and the device's busy fraction of the wall time (near 1: kernel-bound; low:
-the host launches too slowly). Variants are trainer flag sets (``name:key=value,...`` of ``--trainer.*``).
+the host launches too slowly). Variants are trainer flag sets (``name:key=value,...`` of ``--trainer.*``), plus
+``sdpa_cudnn=1``, which lets SDPA use cuDNN again (``models/common/attention.py: SDPA_BACKENDS``) to measure what
+leaving it out saves.
 
     python3 benchmarks/train_step.py --device cuda --shape qwen3-0.6b --tokenizer-files .whl/qwen3-tokenizer \\
         --variants "eager:compile=off;compiled:compile=on" --out $OUT/train_step
@@ -34,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from torch.nn.attention import SDPBackend  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from benchmarks.rl_e2e import build_real_shape_model, num_params  # noqa: E402
@@ -55,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--completion-min", type=int, default=8)
     p.add_argument("--completion-max", type=int, default=20)
     p.add_argument("--micro-batch-tokens", type=int, default=16384)
+    p.add_argument("--same-batch", action="store_true", help="reuse one batch every step (shapes never change)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--profile-steps", type=int, default=2, help="steps under torch.profiler (0: none)")
@@ -83,11 +88,16 @@ def parse_variants(spec: str) -> list[tuple[str, dict[str, str]]]:
     return out
 
 
+BENCH_KEYS = ("sdpa_cudnn",)
+
+
 def trainer_config(base, overrides: dict[str, str]):
-    """``base`` (TrainerConfig) with string overrides converted to each field's type."""
+    """``base`` (TrainerConfig) with string overrides converted to each field's type (BENCH_KEYS skipped)."""
     fields = {f.name: f for f in dataclasses.fields(base)}
     kwargs = {}
     for key, value in overrides.items():
+        if key in BENCH_KEYS:
+            continue
         if key not in fields:
             raise SystemExit(f"--variants: unknown trainer field {key!r} (known: {', '.join(sorted(fields))})")
         current = getattr(base, key)
@@ -167,6 +177,12 @@ def run_variant(name: str, overrides: dict[str, str], model_dir: Path, args: arg
         ),
         overrides,
     )
+    from prime_spmd.models.common import attention
+
+    backends = [b for b in attention.SDPA_BACKENDS if b != SDPBackend.CUDNN_ATTENTION]
+    if overrides.get("sdpa_cudnn", "0") in ("1", "true"):
+        backends = [SDPBackend.CUDNN_ATTENTION, *backends]
+    attention.SDPA_BACKENDS[:] = backends  # in place: attention() reads the list at call (and trace) time
     if "ctx" not in _CTX:  # one process group for every variant
         _CTX["ctx"] = init_distributed(cfg.topology)
     t0 = time.perf_counter()
@@ -174,24 +190,31 @@ def run_variant(name: str, overrides: dict[str, str], model_dir: Path, args: arg
     build_s = time.perf_counter() - t0
     loss_fn = make_rl_loss(cfg.loss)
     vocab = parts.policy.adapter.dims().vocab_size
-    micro_batches = pack(synthetic_samples(args, vocab), cfg.trainer.micro_batch_tokens, 1)[0]
-    forward_tokens = sum(mb.num_tokens for mb in micro_batches)
+    batches = []  # every variant sees the same sequence of batches
+    for i in range(1 if args.same_batch else args.warmup + args.steps + args.profile_steps):
+        batch_args = argparse.Namespace(**{**vars(args), "seed": args.seed + i})
+        batches.append(pack(synthetic_samples(batch_args, vocab), cfg.trainer.micro_batch_tokens, 1)[0])
+    calls = {"n": 0}
 
     def step() -> dict[str, float]:
+        micro_batches = batches[calls["n"] % len(batches)]
+        calls["n"] += 1
         t = time.perf_counter()
         stats = train_step(parts.policy, parts.optimizer, parts.scheduler, micro_batches, loss_fn, device=device)
         common.sync(device)
         stats["step_s"] = time.perf_counter() - t
+        stats["packed_tokens"] = sum(mb.num_tokens for mb in micro_batches)
+        stats["model_tokens"] = stats["packed_tokens"] - parts.policy.last_shared_tokens
+        stats["micro_batches"] = len(micro_batches)
         return stats
 
     first = []
     for _ in range(args.warmup):
         first.append(step()["step_s"])
     timed = [step() for _ in range(args.steps)]
-    shared = parts.policy.last_shared_tokens
-    med = {k: statistics.median(s[k] for s in timed) for k in ("step_s", "fwd_bwd_s", "optim_s")}
+    med = {k: statistics.median(s[k] for s in timed) for k in ("step_s", "fwd_bwd_s", "optim_s", "model_tokens")}
     n_params = sum(p.numel() for p in parts.policy.parameters())
-    model_tokens = forward_tokens - shared
+    model_tokens = med.pop("model_tokens")
     result = dict(
         variant=name,
         overrides=overrides,
@@ -199,10 +222,10 @@ def run_variant(name: str, overrides: dict[str, str], model_dir: Path, args: arg
         warmup_step_s=first,
         step_s=[s["step_s"] for s in timed],
         median=med,
-        micro_batches=len(micro_batches),
-        packed_tokens=forward_tokens,
+        micro_batches=statistics.median(s["micro_batches"] for s in timed),
+        packed_tokens=statistics.median(s["packed_tokens"] for s in timed),
         model_tokens=model_tokens,
-        trained_tokens=timed[-1]["trained_tokens"],
+        trained_tokens=statistics.median(s["trained_tokens"] for s in timed),
         params=n_params,
         mfu=(6 * n_params * model_tokens / med["step_s"] / (args.peak_tflops * 1e12))
         if device.type == "cuda"

@@ -4,7 +4,8 @@
 #   1. kernels: tests/kernels, the same files as on CPU, with their tensors on CUDA (the `device` fixture
 #      in tests/conftest.py): Triton kernels compiled instead of interpreted;
 #   2. unit: tests/unit/test_loss_impls.py, test_native_engine.py, test_native_decode_attention.py on CUDA (kernels compiled,
-#      the native engine with compiled decode and CUDA graphs), test_train_compile.py (inductor on CUDA);
+#      the native engine with compiled decode and CUDA graphs), test_train_compile.py (inductor on CUDA),
+#      test_attention_backends.py (no cuDNN SDPA);
 #   3. gpu: tests/gpu (-m gpu), real shapes in bf16 (LM head, loss-fused head, MoE experts).
 #   bash scripts/test_gpu.sh [OUTDIR]     (default $OUT, else /tmp/test_gpu)
 # Writes OUTDIR/{kernels,unit,gpu}.{log,xml} and OUTDIR/summary.txt (counts, times, each failure's message,
@@ -39,7 +40,7 @@ step() {  # name, step limit in s, per-test limit in s, pytest arguments
 start=$(date +%s)
 step kernels 240 90 -m "not gpu" tests/kernels
 step unit 210 90 -m "not gpu" tests/unit/test_loss_impls.py tests/unit/test_native_engine.py tests/unit/test_native_decode_attention.py \
-  tests/unit/test_train_compile.py
+  tests/unit/test_train_compile.py tests/unit/test_attention_backends.py
 step gpu 90 60 -m gpu tests/gpu
 python3 - "$OUT" > "$OUT/summary.txt" <<'EOF'
 import sys

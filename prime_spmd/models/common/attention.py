@@ -10,6 +10,11 @@ for unpacked rows (GQA native) and a block-diagonal causal bool mask when a row 
 instead pass its own bool mask (the trainer's prompt sharing, ``trainer/packing.py: ShareLayout``); SDPA
 then runs with that mask and position_ids only place RoPE.
 
+SDPA's backends are limited to ``SDPA_BACKENDS`` (flash, memory-efficient, math: not cuDNN). torch 2.11 on
+Hopper sends masked SDPA to cuDNN first, and cuDNN builds an execution plan for every new shape (hundreds
+of ms, forward and backward); RL micro-batches change shape every step (H200, prime_spmd rl at the
+Qwen3-0.6B shape: train steps of 0.1 s when a shape repeated, 0.25-0.3 s when it did not; 2026-12-03).
+
 Legend (docs/conventions.md): B batch, T tokens, N query heads, Nkv kv heads, Dh head dim, S documents.
 """
 
@@ -19,11 +24,16 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 try:  # optional dependency (CUDA only)
     from flash_attn import flash_attn_varlen_func
 except ImportError:
     flash_attn_varlen_func = None
+
+
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""The SDPA backends attention() lets torch choose from, in torch's own priority order (module docstring)."""
 
 
 @dataclass(slots=True)
@@ -97,6 +107,12 @@ def attention(
         )
         return out.view(B, T, N, Dh)
     q_BNTDh, k_BNkvTDh, v_BNkvTDh = (t.transpose(1, 2) for t in (q_BTNDh, k_BTNkvDh, v_BTNkvDh))
+    with sdpa_kernel(SDPA_BACKENDS):
+        return _sdpa(q_BNTDh, k_BNkvTDh, v_BNkvTDh, ctx).transpose(1, 2)
+
+
+def _sdpa(q_BNTDh: torch.Tensor, k_BNkvTDh: torch.Tensor, v_BNkvTDh: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+    B, N, T, Dh = q_BNTDh.shape
     if ctx.mask_B1TT is None:
         out_BNTDh = F.scaled_dot_product_attention(q_BNTDh, k_BNkvTDh, v_BNkvTDh, is_causal=True, enable_gqa=True)
     else:
@@ -108,4 +124,4 @@ def attention(
             t[:, :, None].expand(B, t.shape[1], g, T, Dh).reshape(B, N, T, Dh) for t in (k_BNkvTDh, v_BNkvTDh)
         )
         out_BNTDh = F.scaled_dot_product_attention(q_BNTDh, k_BNTDh, v_BNTDh, attn_mask=ctx.mask_B1TT)
-    return out_BNTDh.transpose(1, 2)
+    return out_BNTDh
