@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU runs recorded in docs/benchmarks.md, in parts that fit one device call each.
-#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | decode_attn | loss | moe | trainer | lora | env_bridge | engine_warmup | rl_e2e | rl
+#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | decode_attn | loss | moe | trainer | train_step | lora | env_bridge | engine_warmup | rl_e2e | rl
 # Each step has its own time limit so that one slow step does not lose the others' results.
 set -uo pipefail
 PART=$1; OUT=${2:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -28,6 +28,9 @@ case $PART in
   trainer)
     run trainer_dense 240 python3 benchmarks/trainer.py --flavor qwen3-0.6b --impls custom,hf --out "$OUT/trainer_dense.json"
     run trainer_moe 240 python3 benchmarks/trainer.py --flavor qwen3-moe-8l --impls custom --out "$OUT/trainer_moe.json" ;;
+  train_step)  # the trainer's RL step at the 0.6B shape (issue 18): compiled vs cuDNN SDPA allowed vs eager; ~2 min
+    run train_step 240 python3 benchmarks/train_step.py --device cuda --shape qwen3-0.6b --tokenizer-files .whl/qwen3-tokenizer --completion-max 14 \
+      --steps 8 --warmup 3 --profile-steps 1 --variants "compiled:;compiled_cudnn:sdpa_cudnn=1;eager:compile=off" --out "$OUT/train_step" ;;
   lora)
     run trainer_lora 300 python3 benchmarks/trainer.py --flavor qwen3-0.6b --impls custom,hf --lora_rank 0,16 --out "$OUT/trainer_lora.json"
     for r in 0 16; do
