@@ -49,12 +49,17 @@ case $PART in
     # --rollout.std_normalize: ours divides advantages by the group's reward std, as TRL's GRPO does (scale_rewards="group")
     # --budget-s cuts each phase's limit to what is left, so the script writes results.json and plots before the
     # outer timeout; one compile cache (/tmp/rl_e2e_compile_cache, empty on a fresh machine) serves every subprocess of both sides
-    run rl_e2e 560 python3 benchmarks/rl_e2e.py --device cuda --shape qwen3-0.6b --out "$OUT/rl_e2e" --trl-python python3 \
+    # Written under /tmp (its subprocess dirs hold many files; the device call returns a limited number from
+    # OUTDIR): results.json is copied to OUTDIR every 5 s while it runs, then the plots and our per-step metrics.
+    R=/tmp/rl_e2e_out; mkdir -p "$R" "$OUT/rl_e2e"
+    (while true; do cp "$R/results.json" "$OUT/rl_e2e/" 2> /dev/null; sleep 5; done) & copier=$!
+    run rl_e2e 560 python3 benchmarks/rl_e2e.py --device cuda --shape qwen3-0.6b --out "$R" --trl-python python3 \
       --tokenizer-files .whl/qwen3-tokenizer --sft-steps 100 --sft-batch 128 --sft-warmup-steps 20 --sft-limit-s 110 \
       --steps 30 --warmup 3 --prompts 16 --group-size 8 --max-tokens 20 --lr 1e-5 --micro-batch-tokens 16384 --ours-flag=--rollout.std_normalize --rl-limit-s 100 --eval-limit-s 60 --budget-s 540 \
       --compile-cache /tmp/rl_e2e_compile_cache --eval-sft-fp32
-    # weights and checkpoints (GBs) stay on the device; results.json, logs and plots come back
-    find "$OUT/rl_e2e" \( -name '*.safetensors' -o -name '*.distcp' -o -name '*.pt' -o -name '*.bin' \) -delete ;;
+    kill "$copier" 2> /dev/null
+    cp "$R/results.json" "$R"/*.png "$OUT/rl_e2e/" 2> /dev/null
+    for d in "$R"/ours_k*_r0; do cp "$d/metrics.jsonl" "$OUT/rl_e2e/$(basename "$d")_metrics.jsonl" 2> /dev/null; done ;;
   rl)
     run rl_colocated 300 python3 -m prime_spmd rl --config configs/reverse_text/rl.toml --output_dir "$OUT/rl" --model.path /tmp/rlmodel --model.init_tiny qwen3-1m --trainer.max_steps 20 --log.no_progress ;;
 esac

@@ -285,3 +285,38 @@ def test_groups_prefill_their_prompt_once(model_dir, device):
     lens = [len(tok.encode(t)) for t in texts]
     assert shared.num_prompt_tokens == plain.num_prompt_tokens == plain.num_prefill_tokens == sum(lens)
     assert shared.num_prefill_tokens == lens[0] + lens[4] + lens[7]
+
+
+def test_sampled_sequences_follow_the_model_distribution(model_dir, device):
+    """Seeded samples of 2-token completions (prefill's sample, then a decode step's) are drawn from the model's
+    joint distribution p(t1) p(t2 | t1): a chi-square test over the pairs (expected count >= 5; the rest in one
+    cell). Catches a sampler whose reported logprobs are right but whose draws are biased (noise, seeds, steps)."""
+    n = 6000
+    eng, model, tok = _engine(model_dir, device, max_batch_size=64)
+    prompt = tok.encode("reverse me please")
+    sp = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True)
+    reqs = []
+    for i in range(n):
+        s = SamplingParams(**{f: getattr(sp, f) for f in sp.__slots__})
+        s.seed = 10_000 + i
+        reqs.append(Request(prompt_ids=prompt, sampling=s, request_id=i))
+    outs = eng.generate(reqs)
+    V = model.config.vocab_size
+    with torch.no_grad():
+        ids = torch.tensor(prompt, device=device)
+        p1_V = torch.softmax(model(ids[None]).logits[0, -1].double(), -1)
+        both_VL = torch.cat([ids.expand(V, len(prompt)), torch.arange(V, device=device)[:, None]], 1)
+        p2_VV = torch.softmax(model(both_VL).logits[:, -1].double(), -1)
+    joint = (p1_V[:, None] * p2_VV).flatten().cpu()
+    counts = torch.zeros(V * V, dtype=torch.float64)
+    for o in outs:
+        counts[o.token_ids[0] * V + o.token_ids[1]] += 1
+    expected = joint * n
+    big = expected >= 5
+    assert big.sum() >= 10, "too flat a model for the test"
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    df = len(obs) - 1
+    crit = df * (1 - 2 / (9 * df) + 3.09 * (2 / (9 * df)) ** 0.5) ** 3  # Wilson-Hilferty, p = 0.001
+    assert chi2 < crit, (chi2, crit, df)
