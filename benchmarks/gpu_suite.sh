@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU runs recorded in docs/benchmarks.md, in parts that fit one device call each.
-#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | decode_attn | loss | moe | trainer | train_step | lora | env_bridge | engine_warmup | rl_e2e | rl
+#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | decode_attn | loss | moe | trainer | train_step | lora | env_bridge | engine_warmup | rl_e2e | sample_parity | rl
 # Each step has its own time limit so that one slow step does not lose the others' results.
 set -uo pipefail
 PART=$1; OUT=${2:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -60,6 +60,9 @@ case $PART in
     kill "$copier" 2> /dev/null
     cp "$R/results.json" "$R"/*.png "$OUT/rl_e2e/" 2> /dev/null
     for d in "$R"/ours_k*_r0; do cp "$d/metrics.jsonl" "$OUT/rl_e2e/$(basename "$d")_metrics.jsonl" 2> /dev/null; done ;;
+  sample_parity)  # after rl_e2e in the same machine session: our engine's samples vs transformers generate on its SFT model
+    run sample_parity 120 python3 benchmarks/sample_parity.py --model /tmp/rl_e2e_out/sft/hf --device cuda --dtype bfloat16 \
+      --max-tokens 20 --env-args alphabet 0123456789 min_chars 8 max_chars 16 --out "$OUT/sample_parity.json" ;;
   rl)
     run rl_colocated 300 python3 -m prime_spmd rl --config configs/reverse_text/rl.toml --output_dir "$OUT/rl" --model.path /tmp/rlmodel --model.init_tiny qwen3-1m --trainer.max_steps 20 --log.no_progress ;;
 esac
