@@ -163,7 +163,7 @@ class TrainerConfig:
     share_prompts: bool = True
     """Forward a prompt shared by documents of a micro-batch (a GRPO group) once, via an attention mask; dense custom Qwen3 only."""
     compile: Literal["auto", "on", "off"] = "auto"
-    """torch.compile each transformer block's forward for training (inductor, dynamic shapes): fewer kernels per step. auto: on for dense models on CUDA; off on CPU (compiling costs more than it saves at CPU sizes) and for MoE."""
+    """torch.compile each transformer block's forward for training (inductor, dynamic shapes): fewer kernels per step. auto: on for our dense model code (--model.impl custom/auto) on CUDA; off on CPU (compiling costs more than it saves at CPU sizes), for MoE and for transformers models."""
 
     def __post_init__(self) -> None:
         _check(self.max_steps >= 1, "trainer.max_steps", self.max_steps, "must be >= 1")

@@ -64,12 +64,12 @@ def test_compiled_blocks_match_eager_and_reuse_one_graph(device: torch.device) -
 
 
 @pytest.mark.parametrize(
-    ("flag", "device", "moe", "expect"),
-    [("auto", "cuda", False, True), ("auto", "cpu", False, False), ("auto", "cuda", True, False),
-     ("on", "cpu", True, True), ("off", "cuda", False, False)],
+    ("flag", "device", "ours_dense", "expect"),
+    [("auto", "cuda", True, True), ("auto", "cpu", True, False), ("auto", "cuda", False, False),
+     ("on", "cpu", False, True), ("off", "cuda", True, False)],
 )  # fmt: skip
-def test_compile_flag_resolution(flag: str, device: str, moe: bool, expect: bool) -> None:
-    assert compile_training(flag, torch.device(device), moe) is expect
+def test_compile_flag_resolution(flag: str, device: str, ours_dense: bool, expect: bool) -> None:
+    assert compile_training(flag, torch.device(device), ours_dense) is expect
 
 
 def test_compiled_blocks_under_activation_checkpointing_match_eager() -> None:
