@@ -17,7 +17,9 @@ from prime_spmd.models.tiny import build_tiny_model  # noqa: E402
 def test_sample_parity_script_cpu(tmp_path: Path) -> None:
     model = build_tiny_model(tmp_path / "m", "qwen3-nano", seed=0)
     out = tmp_path / "r.json"
-    sample_parity.main(["--model", str(model), "--prompts", "3", "--samples", "4", "--max-tokens", "5", "--out", str(out)])
+    sample_parity.main(
+        ["--model", str(model), "--prompts", "3", "--samples", "4", "--max-tokens", "5", "--out", str(out)]
+    )
     got = json.loads(out.read_text())
     for side in ("native", "hf_generate"):
         assert got[side]["n"] == 12 and 0.0 <= got[side]["reward"] <= 1.0 and got[side]["reward_se"] >= 0
