@@ -286,6 +286,8 @@ def main(argv: list[str] | None = None) -> dict:
                 traceback.print_exc()
                 payload.setdefault("failed", []).append(dict(variant=name, overrides=overrides, error=repr(err)))
             common.write_json(args.out / "results.json", payload)
+    if "ctx" in _CTX:
+        _CTX.pop("ctx").close()  # the process group, so that a caller in the same process may start another
     rows = []
     for v in payload["variants"]:
         prof = v.get("profile", {})
