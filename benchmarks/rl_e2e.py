@@ -208,6 +208,7 @@ def trl_worker(spec_path: str) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from prime_spmd.data.reverse_text import example_rng, lcs_ratio, reverse_text_example
+    from prime_spmd.envs.base import completion_text
 
     s = json.loads(Path(spec_path).read_text())
     out, task, cuda = Path(s["out"]), s["task"], s["device"] == "cuda"
@@ -218,8 +219,16 @@ def trl_worker(spec_path: str) -> None:
         )
         rows.append({"prompt": [{"role": "user", "content": text}], "answer": answer})
 
-    def reward(completions, answer, **_) -> list[float]:
-        return [lcs_ratio(a, c[0]["content"]) for c, a in zip(completions, answer)]
+    scored = {"parsed": [], "exact": []}  # this step's side metrics, read by on_log
+
+    def reward(completions, answer, completion_ids, **_) -> list[float]:
+        # The same scorer as ours: completion_text (decoded, cut at the first end token) of the sampled ids.
+        # TRL's own `completions` text went through its Qwen3 response parser (which can strip what our
+        # scorer counts); its score is logged as reward_parsed, not trained on.
+        texts = [completion_text(tok, list(ids)) for ids in completion_ids]
+        scored["parsed"] += [lcs_ratio(a, c[0]["content"]) for c, a in zip(completions, answer)]
+        scored["exact"] += [float(t == a) for t, a in zip(texts, answer)]
+        return [lcs_ratio(a, t) for t, a in zip(texts, answer)]
 
     cfg = GRPOConfig(
         output_dir=str(out / "trainer"), per_device_train_batch_size=s["prompts"] * s["group_size"],
@@ -268,6 +277,9 @@ def trl_worker(spec_path: str) -> None:
                        reward_mean=logs["reward"], completion_len_mean=logs.get("completions/mean_length"),
                        peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None)  # fmt: skip
             row["generated_tokens"] = (row["completion_len_mean"] or 0.0) * s["prompts"] * s["group_size"]
+            for key, vals in (("reward_parsed", scored["parsed"]), ("env/exact_match", scored["exact"])):
+                row[key] = sum(vals) / len(vals) if vals else None
+                vals.clear()
             sink.write(json.dumps(row) + "\n")
             sink.flush()
 
