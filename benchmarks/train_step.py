@@ -92,22 +92,25 @@ BENCH_KEYS = ("sdpa_cudnn",)
 
 
 def trainer_config(base, overrides: dict[str, str]):
-    """``base`` (TrainerConfig) with string overrides converted to each field's type (BENCH_KEYS skipped)."""
-    fields = {f.name: f for f in dataclasses.fields(base)}
-    kwargs = {}
+    """``base`` (TrainerConfig) with ``key=value`` overrides (BENCH_KEYS skipped), each value read as a TOML
+    scalar (``false``, ``2048``; anything else is a string) and checked by the config loader, as a recipe is."""
+    import tomllib
+
+    from prime_spmd.config.loader import build_dataclass
+
+    values = {}
     for key, value in overrides.items():
         if key in BENCH_KEYS:
             continue
-        if key not in fields:
-            raise SystemExit(f"--variants: unknown trainer field {key!r} (known: {', '.join(sorted(fields))})")
-        current = getattr(base, key)
-        if isinstance(current, bool):
-            if value.lower() not in ("true", "false", "1", "0"):
-                raise SystemExit(f"--variants: {key}={value!r} is not a bool")
-            kwargs[key] = value.lower() in ("true", "1")
-        else:
-            kwargs[key] = type(current)(value)
-    return dataclasses.replace(base, **kwargs)
+        try:
+            values[key] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            values[key] = value
+    try:
+        checked = build_dataclass(type(base), values, "--variants")
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
+    return dataclasses.replace(base, **{k: getattr(checked, k) for k in values})
 
 
 def synthetic_samples(args: argparse.Namespace, vocab: int):

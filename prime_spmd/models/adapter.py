@@ -116,6 +116,11 @@ class ModelAdapter:
         at 0 inside a row mark packed documents; attention stays within them."""
         raise NotImplementedError
 
+    def compiles_by_default(self) -> bool:
+        """Whether ``--trainer.compile auto`` compiles this model's blocks on CUDA: only code tested compiled there
+        (tests/unit/test_train_compile.py); not transformers models."""
+        return False
+
     def has_router_aux(self) -> bool:
         """Whether ``forward_hidden_routed`` returns the router's load-balance loss."""
         return False

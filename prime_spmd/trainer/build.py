@@ -61,10 +61,10 @@ def varlen_attention(model_cfg: ModelConfig, device: torch.device) -> bool:
     return device.type == "cuda" and flash_attn_varlen_func is not None
 
 
-def compile_training(flag: str, device: torch.device, ours_dense: bool) -> bool:
-    """--trainer.compile: auto compiles our dense model code on CUDA (tested there, tests/unit/test_train_compile.py);
-    not MoE blocks (data-dependent routing shapes) nor transformers models (not tested compiled); "on" forces it."""
-    return flag == "on" or (flag == "auto" and device.type == "cuda" and ours_dense)
+def compile_training(flag: str, device: torch.device, by_default: bool) -> bool:
+    """--trainer.compile: auto compiles on CUDA where the adapter says so (``compiles_by_default``: our dense
+    Qwen3 code); "on" forces it, "off" never."""
+    return flag == "on" or (flag == "auto" and device.type == "cuda" and by_default)
 
 
 def build_trainer(
@@ -108,7 +108,7 @@ def build_trainer(
         reshard_after_forward=trainer_cfg.reshard_after_forward,
         experts=adapter.expert_modules(),
         compile_blocks="inductor"
-        if compile_training(trainer_cfg.compile, device, adapter.family == "qwen3" and adapter.dims().num_experts == 0)
+        if compile_training(trainer_cfg.compile, device, adapter.compiles_by_default())
         else None,
     )
     optimizer = build_optimizer(policy, optim_cfg)

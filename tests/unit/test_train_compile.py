@@ -64,12 +64,12 @@ def test_compiled_blocks_match_eager_and_reuse_one_graph(device: torch.device) -
 
 
 @pytest.mark.parametrize(
-    ("flag", "device", "ours_dense", "expect"),
+    ("flag", "device", "by_default", "expect"),
     [("auto", "cuda", True, True), ("auto", "cpu", True, False), ("auto", "cuda", False, False),
      ("on", "cpu", False, True), ("off", "cuda", True, False)],
 )  # fmt: skip
-def test_compile_flag_resolution(flag: str, device: str, ours_dense: bool, expect: bool) -> None:
-    assert compile_training(flag, torch.device(device), ours_dense) is expect
+def test_compile_flag_resolution(flag: str, device: str, by_default: bool, expect: bool) -> None:
+    assert compile_training(flag, torch.device(device), by_default) is expect
 
 
 def test_compiled_blocks_under_activation_checkpointing_match_eager() -> None:
@@ -90,3 +90,19 @@ def test_compiled_blocks_under_activation_checkpointing_match_eager() -> None:
     assert len(grads[0]) == len(grads[1]) > 0
     for g_c, g_e in zip(grads[1], grads[0]):
         torch.testing.assert_close(g_c, g_e, rtol=1e-4, atol=1e-6)
+
+
+def test_auto_compiles_our_dense_code_only() -> None:
+    """compile auto's rule lives in the adapter: our dense Qwen3 yes; our MoE and transformers models no."""
+    import dataclasses
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM as HFQwen3
+
+    from prime_spmd.models.registry import adapter_for
+
+    assert adapter_for(_model()).compiles_by_default()
+    moe = dataclasses.replace(_model().args, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    assert not adapter_for(Qwen3ForCausalLM(moe)).compiles_by_default()
+    hf = HFQwen3(Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=8))  # fmt: skip
+    assert not adapter_for(hf).compiles_by_default()

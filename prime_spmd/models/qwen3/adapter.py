@@ -26,6 +26,9 @@ class Qwen3Adapter(ModelAdapter):
     def model_type(self) -> str:
         return "qwen3_moe (custom)" if self.lm.args.num_experts else "qwen3 (custom)"
 
+    def compiles_by_default(self) -> bool:
+        return self.lm.args.num_experts == 0  # MoE blocks: data-dependent routing shapes
+
     def dims(self) -> ModelDims:
         a = self.lm.args
         return ModelDims(
