@@ -96,7 +96,8 @@ def test_auto_compiles_our_dense_code_only() -> None:
     """compile auto's rule lives in the adapter: our dense Qwen3 yes; our MoE and transformers models no."""
     import dataclasses
 
-    from transformers import Qwen3Config, Qwen3ForCausalLM as HFQwen3
+    from transformers import Qwen3Config
+    from transformers import Qwen3ForCausalLM as HFQwen3
 
     from prime_spmd.models.registry import adapter_for
 
