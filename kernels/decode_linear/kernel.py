@@ -1,0 +1,159 @@
+"""Triton fused decode linear (see reference.py for the math) and its launcher.
+
+One program per (BLOCK_N output columns, BLOCK_M rows). With a norm it first reads its rows of x once
+for the sum of squares (M x K elements: a few KB, from L2), then streams its slab of w in BLOCK_K
+tiles, normalizing each x tile on the fly, and accumulates with ``tl.dot`` in fp32 (rows padded to
+16, so the dot has its minimum shape; the padding costs compute only, and the kernel is bound by
+reading w). "silu_mul" programs read two slabs, columns j of the gate half and of the up half, and
+write silu(gate) * up; a residual is added in the epilogue. No split over K: the epilogues need the
+whole sum, and decode shapes give enough programs over N.
+
+Interpreter (CPU, TRITON_INTERPRET=1): tiles are upcast to fp32 before ``tl.dot`` (bf16 dots give garbage
+there); fp32 inputs use IEEE fp32 dots on GPU too (no TF32).
+
+Legend: see reference.py (M rows, K in, N out features of w, No output columns).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _cast(v, DTYPE: tl.constexpr, RNE_EMU: tl.constexpr):
+    """fp32 ``v`` to DTYPE, rounding to nearest even as torch does. RNE_EMU (bf16 under the interpreter,
+    whose cast truncates): round in the fp32 bits (add 0x7FFF plus the kept lowest bit, drop 16 bits),
+    so CPU tests see the GPU's rounding. Finite values only (the layer's are)."""
+    if RNE_EMU:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        return bits.to(tl.float32, bitcast=True).to(DTYPE)
+    return v.to(DTYPE)
+
+
+@triton.jit
+def _round(v, DTYPE: tl.constexpr, RNE_EMU: tl.constexpr):
+    """Round fp32 ``v`` to the storage dtype and back (the unfused layer's intermediate rounding)."""
+    return _cast(v, DTYPE, RNE_EMU).to(tl.float32)
+
+
+@triton.jit
+def _slab_dot(acc, h, w_ptr, offs_n, mask_n, offs_k, mask_k, swn, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    w = tl.load(w_ptr + offs_n[:, None] * swn + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+    if UPCAST:
+        w = w.to(tl.float32)
+    if IEEE:
+        return acc + tl.dot(h, tl.trans(w), input_precision="ieee")
+    return acc + tl.dot(h, tl.trans(w))
+
+
+@triton.jit
+def _decode_linear_kernel(
+    x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, o_ptr,
+    M, K, NO, eps,
+    sxm, swn, srm, som,
+    HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, RNE_EMU: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    dtype = o_ptr.dtype.element_ty
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < NO
+    rk = tl.arange(0, BLOCK_K)
+
+    if HAS_NORM:
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + rk
+            xt = tl.load(
+                x_ptr + offs_m[:, None] * sxm + offs_k[None, :], mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0
+            ).to(tl.float32)
+            ss += tl.sum(xt * xt, axis=1)
+        rstd = 1.0 / tl.sqrt(ss / K + eps)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + rk
+        mask_k = offs_k < K
+        h = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if HAS_NORM:
+            nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            hn = _round(h.to(tl.float32) * rstd[:, None], dtype, RNE_EMU)
+            h = _cast(nw[None, :] * hn, dtype, RNE_EMU)
+        if UPCAST:
+            h = h.to(tl.float32)
+        acc = _slab_dot(acc, h, w_ptr, offs_n, mask_n, offs_k, mask_k, swn, UPCAST, IEEE)
+        if SILU_MUL:
+            acc_up = _slab_dot(acc_up, h, w_ptr + NO * swn, offs_n, mask_n, offs_k, mask_k, swn, UPCAST, IEEE)
+
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if SILU_MUL:
+            acc_up += tl.load(b_ptr + NO + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    y = _round(acc, dtype, RNE_EMU)
+    if SILU_MUL:
+        g = _round(y / (1.0 + tl.exp(-y)), dtype, RNE_EMU)
+        y = _round(g * _round(acc_up, dtype, RNE_EMU), dtype, RNE_EMU)
+    mask_mn = mask_m[:, None] & mask_n[None, :]
+    if HAS_RES:
+        r = tl.load(r_ptr + offs_m[:, None] * srm + offs_n[None, :], mask=mask_mn, other=0.0).to(tl.float32)
+        y = r + y
+    tl.store(o_ptr + offs_m[:, None] * som + offs_n[None, :], _cast(y, dtype, RNE_EMU), mask=mask_mn)
+
+
+def default_config(m: int, no: int, k: int, silu_mul: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for M rows and No output columns.
+    Interpreter: small tiles so tests cover several tiles and ragged edges cheaply."""
+    block_m = max(16, triton.next_power_of_2(m)) if m <= 64 else 64
+    if INTERPRET:
+        return block_m, 16, 32, 4, 1
+    block_n = 32 if no >= 4096 and not silu_mul else 16
+    block_k = 256 if block_m <= 16 else 128
+    return block_m, block_n, block_k, 4, 4
+
+
+def decode_linear(
+    x_MK: torch.Tensor,
+    w_NK: torch.Tensor,
+    bias_N: torch.Tensor | None,
+    norm_w_K: torch.Tensor | None,
+    eps: float,
+    residual_MNo: torch.Tensor | None,
+    silu_mul: bool,
+    config: tuple[int, int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """out [M, No] (reference.py); ``config`` overrides ``default_config`` (benchmarks/decode_linear.py sweeps it).
+    Inputs: x, w (and residual) with contiguous last dims, one float dtype; checked by op.check_inputs."""
+    M, K = x_MK.shape
+    no = w_NK.shape[0] // 2 if silu_mul else w_NK.shape[0]
+    block_m, block_n, block_k, num_warps, num_stages = config or default_config(M, no, K, silu_mul)
+    out = torch.empty(M, no, device=x_MK.device, dtype=x_MK.dtype)
+    dummy = out
+    grid = (triton.cdiv(no, block_n), triton.cdiv(M, block_m))
+    _decode_linear_kernel[grid](
+        x_MK, w_NK,
+        bias_N if bias_N is not None else dummy,
+        norm_w_K if norm_w_K is not None else dummy,
+        residual_MNo if residual_MNo is not None else dummy,
+        out,
+        M, K, no, eps,
+        x_MK.stride(0), w_NK.stride(0),
+        residual_MNo.stride(0) if residual_MNo is not None else 0, out.stride(0),
+        HAS_BIAS=bias_N is not None, HAS_NORM=norm_w_K is not None, HAS_RES=residual_MNo is not None,
+        SILU_MUL=silu_mul, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        UPCAST=INTERPRET, IEEE=x_MK.dtype == torch.float32 and not INTERPRET,
+        RNE_EMU=INTERPRET and x_MK.dtype == torch.bfloat16,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out
