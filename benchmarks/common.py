@@ -53,6 +53,25 @@ def time_ms(fn: Callable[[], Any], device: str | torch.device, iters: int, warmu
     return statistics.median(times)
 
 
+def time_graph(fn, num_layers: int, reps: int) -> float:
+    """us per call: ``fn(layer)`` for every layer captured in one CUDA graph, median over replays
+    (CPU, a smoke test under TRITON_INTERPRET=1: the layers called in a loop)."""
+    if not torch.cuda.is_available():
+        return 1e3 * time_ms(lambda: [fn(li) for li in range(num_layers)], "cpu", iters=reps) / num_layers
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for li in range(num_layers):
+            fn(li)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for li in range(num_layers):
+            fn(li)
+    ms = time_ms(g.replay, "cuda", iters=reps, warmup=3)
+    return 1e3 * ms / num_layers
+
+
 def matmul_size(device: str | torch.device) -> int:
     """Side of the square matmul that measures the ceiling: 8192 on GPU, 512 on CPU (a smoke check)."""
     return 8192 if is_cuda(device) else 512

@@ -38,25 +38,6 @@ def bmm_attention(q_BNDh, k_BcNkvTcDh, v_BcNkvTcDh, mask_BTkv, scale: float):
     return torch.matmul(p, vc).reshape(b, n, dh)
 
 
-def time_graph(fn, num_layers: int, reps: int) -> float:
-    """us per call: ``fn(layer)`` for every layer captured in one CUDA graph, median over replays
-    (CPU, a smoke test under TRITON_INTERPRET=1: the layers called in a loop)."""
-    if not torch.cuda.is_available():
-        return 1e3 * common.time_ms(lambda: [fn(li) for li in range(num_layers)], "cpu", iters=reps) / num_layers
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for li in range(num_layers):
-            fn(li)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for li in range(num_layers):
-            fn(li)
-    ms = common.time_ms(g.replay, "cuda", iters=reps, warmup=3)
-    return 1e3 * ms / num_layers
-
-
 def bench_batch(b: int, args: argparse.Namespace, bmm) -> list[dict]:
     """The bmm path and each kernel config at batch ``b``: us per layer, GB/s, error vs bmm."""
     dev, dt = torch.device(args.device), torch.bfloat16
@@ -72,7 +53,7 @@ def bench_batch(b: int, args: argparse.Namespace, bmm) -> list[dict]:
     mask_BTkv = torch.zeros(b, tkv, device=dev).masked_fill(~visible, float("-inf"))
     need_bytes = 2 * b * nkv * args.len * dh * 2  # K and V of each row's own positions
     ref = bmm(q_BNDh, ks[0], vs[0], mask_BTkv, scale)
-    us = time_graph(lambda li: bmm(q_BNDh, ks[li], vs[li], mask_BTkv, scale), args.layers, args.reps)
+    us = common.time_graph(lambda li: bmm(q_BNDh, ks[li], vs[li], mask_BTkv, scale), args.layers, args.reps)
     rows = [dict(batch=b, impl="bmm", us_per_layer=us, GBps=need_bytes / us / 1e3)]
     bn0 = kernel.default_block_tc(dh)
     auto = kernel.pick_num_splits(b, nkv, tkv, dev, bn0)
@@ -83,7 +64,7 @@ def bench_batch(b: int, args: argparse.Namespace, bmm) -> list[dict]:
     for tile, warps, stages, ns in dict.fromkeys(configs):
         run = functools.partial(_triton_layer, q_BNDh, ks, vs, lens_B, tkv, scale, ns, warps, stages, tile)
         err = ((run(0).float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-        us = time_graph(run, args.layers, args.reps)
+        us = common.time_graph(run, args.layers, args.reps)
         splits = ns or kernel.pick_num_splits(b, nkv, tkv, dev, tile)
         rows.append(
             dict(batch=b, impl="triton", tile=tile, warps=warps, stages=stages, splits=splits,

@@ -16,6 +16,7 @@ Needs only torch + transformers (no tyro, no verifiers), plus vLLM for ``--engin
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import tempfile
 import time
@@ -82,7 +83,9 @@ def prompts(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
     return torch.randint(0, vocab, (batch, prompt_len), generator=g).tolist()
 
 
-def run_native(model, ids, new_tokens, device, cuda_graphs: bool, attention: str = "bmm") -> tuple[float, list]:
+def run_native(
+    model, ids, new_tokens, device, cuda_graphs: bool, attention: str = "bmm", linear: str = "torch"
+) -> tuple[float, list]:
     """(seconds of the second ``generate``, its token ids per request)."""
     from prime_spmd.inference.engine import Request, SamplingParams
     from prime_spmd.inference.native import NativeEngine
@@ -96,6 +99,7 @@ def run_native(model, ids, new_tokens, device, cuda_graphs: bool, attention: str
         device=device,
         cuda_graphs=cuda_graphs,
         decode_attention=attention,
+        decode_linear=linear,
     )
 
     def once() -> float:
@@ -228,6 +232,11 @@ def main() -> None:
         help="native engines: comma list of bmm, triton (each a row; native rows after a batch's first also report "
         "token agreement with it)",
     )
+    ap.add_argument(
+        "--decode-linear",
+        default="torch",
+        help="native engines: comma list of torch, triton (fused decode linears); crossed with --decode-attention",
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -251,10 +260,11 @@ def main() -> None:
         base_tokens = None  # the first native row's samples; later native rows report their agreement with it
         for name in engines:
             if name in ("native", "native-custom"):
-                for attn in args.decode_attention.split(","):
+                for attn, lin in itertools.product(args.decode_attention.split(","), args.decode_linear.split(",")):
                     m = model if name == "native" else custom
-                    secs, toks = run_native(m, ids, args.new_tokens, device, not args.no_cuda_graphs, attn)
-                    row = dict(engine=name, decode_attention=attn, batch=bs, seconds=secs, roofline_tok_s=roof)
+                    secs, toks = run_native(m, ids, args.new_tokens, device, not args.no_cuda_graphs, attn, lin)
+                    row = dict(engine=name, decode_attention=attn, decode_linear=lin, batch=bs, seconds=secs)
+                    row["roofline_tok_s"] = roof
                     row["tokens_per_s"] = bs * args.new_tokens / secs
                     if base_tokens is None:
                         base_tokens = toks
@@ -262,7 +272,7 @@ def main() -> None:
                         row.update(token_agreement(base_tokens, toks))
                     rows.append(row)
                     extra = f", same tokens as the first: {row['same_tokens']:.3f}" if "same_tokens" in row else ""
-                    print(f"{name}[{attn}] batch {bs:4d}: {row['tokens_per_s']:10.1f} tok/s ({secs:.2f} s){extra}",
+                    print(f"{name}[{attn},{lin}] batch {bs:4d}: {row['tokens_per_s']:10.1f} tok/s ({secs:.2f} s){extra}",
                           file=sys.stderr, flush=True)  # fmt: skip
                 continue
             elif name in ("hf", "hf-static"):
@@ -299,7 +309,7 @@ def main() -> None:
     for r in rows:
         vs = f"{r['speedup_vs_hf']:.1f}x" if r["speedup_vs_hf"] else "-"
         tok_s, roof, frac = r["tokens_per_s"], r["roofline_tok_s"], r["roofline_fraction"]
-        label = f"{r['engine']}[{r['decode_attention']}]" if "decode_attention" in r else r["engine"]
+        label = f"{r['engine']}[{r['decode_attention']},{r['decode_linear']}]" if "decode_linear" in r else r["engine"]
         table.append([label, r["batch"], f"{tok_s:.0f}", vs, f"{roof:.0f}", f"{100 * frac:.1f}%"])
     common.print_markdown_table(["engine", "batch", "tokens/s", "vs hf", "decode roofline tok/s", "of roofline"], table)
     if args.out:

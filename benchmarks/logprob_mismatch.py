@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument(
         "--init-std", type=float, default=0.0, help="initializer_range of the random model (0: shape default)"
     )
+    ap.add_argument("--decode-linear", default="auto", choices=["auto", "torch", "triton"], help="the engine's linears")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
 
@@ -71,6 +72,7 @@ def main() -> None:
             max_batch_size=args.requests,
             max_model_len=args.prompt_len + args.new_tokens,
             device=device,
+            decode_linear=args.decode_linear,
         )
         trainer_lm = load_model(mcfg, device, dtype).eval()
     vocab = engine.vocab_size

@@ -44,4 +44,5 @@ def build_engine(
         device=device,
         cuda_graphs=inference_cfg.cuda_graphs,
         decode_attention=inference_cfg.decode_attention,
+        decode_linear=inference_cfg.decode_linear,
     )

@@ -29,7 +29,7 @@ import torch
 
 from prime_spmd.inference.engine import Completion, InferenceEngine, Request
 from prime_spmd.inference.kv_cache import SlotKVCache, bucket_sizes, pick_bucket
-from prime_spmd.inference.runner import DecodeAttention, build_runner
+from prime_spmd.inference.runner import DecodeAttention, DecodeLinear, build_runner
 from prime_spmd.inference.sampling import SamplingTensors, sample_flat
 from prime_spmd.models.registry import adapter_for
 
@@ -54,10 +54,11 @@ class _Seq:
 class NativeEngine(InferenceEngine):
     """Continuous-batching engine over ``model`` (an HF causal LM or a model with its own runner).
 
-    ``model`` is used in place (its parameters are read at every forward). ``dtype`` casts the
-    model once at construction (None keeps it). ``decode_attention``: "bmm" (batched matmuls over
-    the length bucket), "triton" (the flash-decoding kernel, kernels/decode_attention) or "auto"
-    (triton on CUDA, bmm elsewhere); used by the Llama-style runner. Call every method from one thread.
+        ``model`` is used in place (its parameters are read at every forward). ``dtype`` casts the
+        model once at construction (None keeps it). ``decode_attention``: "bmm" (batched matmuls over
+        the length bucket), "triton" (the flash-decoding kernel, kernels/decode_attention) or "auto"
+        (triton on CUDA, bmm elsewhere); ``decode_linear``: "torch" or "triton" (fused norm/GEMM/epilogue kernels,
+    kernels/decode_linear) or "auto" (torch); both used by the Llama-style runner. Call every method from one thread.
     """
 
     def __init__(
@@ -75,6 +76,7 @@ class NativeEngine(InferenceEngine):
         compile_sampler: bool = True,
         share_prefill: bool = True,
         decode_attention: DecodeAttention = "auto",
+        decode_linear: DecodeLinear = "auto",
     ) -> None:
         device = torch.device(device) if device is not None else next(model.parameters()).device
         if dtype is not None:
@@ -85,7 +87,13 @@ class NativeEngine(InferenceEngine):
         self.max_batch_size, self.max_model_len = max_batch_size, max_model_len
         self.prefill_tokens = max(prefill_tokens, max_model_len)
         self.runner = build_runner(
-            self.model, max_batch_size, max_model_len, device, compile_decode=cuda_graphs, attention=decode_attention
+            self.model,
+            max_batch_size,
+            max_model_len,
+            device,
+            compile_decode=cuda_graphs,
+            attention=decode_attention,
+            linear=decode_linear,
         )
         self.vocab_size = self.runner.vocab_size
         self.batch_buckets = bucket_sizes(max_batch_size, 1, "pow2")

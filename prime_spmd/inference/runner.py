@@ -29,6 +29,10 @@ from prime_spmd.inference.kv_cache import SlotKVCache
 from prime_spmd.models.registry import adapter_for
 
 DecodeAttention = Literal["auto", "bmm", "triton"]
+DecodeLinear = Literal["auto", "torch", "triton"]
+# The fused decode linear (kernels/decode_linear) serves decode steps of at most this many rows; larger
+# steps are compute-heavier and go to cuBLAS (the kernel re-reads the weights per 64-row block).
+DECODE_LINEAR_MAX_ROWS = 64
 
 
 def resolve_decode_attention(attention: str, device: torch.device) -> str:
@@ -40,6 +44,18 @@ def resolve_decode_attention(attention: str, device: torch.device) -> str:
     if attention == "auto":
         return "triton" if device.type == "cuda" else "bmm"
     return attention
+
+
+def resolve_decode_linear(linear: str, device: torch.device) -> str:
+    """The fused decode path's linears on ``device``: "triton" (kernels/decode_linear: RMSNorm, bias,
+    SiLU-gate and residual folded into the GEMM, for steps of <= ``DECODE_LINEAR_MAX_ROWS`` rows) or
+    "torch" (F.linear and separate elementwise ops). "auto" is "torch" everywhere for now (the kernel is
+    opt-in until its H200 figures are in docs/benchmarks.md). ValueError for any other name."""
+    if linear not in ("auto", "torch", "triton"):
+        raise ValueError(f"decode linear {linear!r}: choose auto, torch or triton")
+    if linear == "auto":
+        return "torch"
+    return linear
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -74,7 +90,13 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def make_decode_layer(
-    num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float, attention: DecodeAttention = "bmm"
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    eps: float,
+    scale: float,
+    attention: DecodeAttention = "bmm",
+    linear: DecodeLinear = "torch",
 ):
     """One decoder layer of a decode step as a pure function of tensors (``torch.compile`` fuses it).
 
@@ -84,7 +106,10 @@ def make_decode_layer(
     at ``pos_B``, then what ``attention`` reads: "bmm": ``mask_BTkv`` additive float32 [B, Tkv] (the two
     matmuls read all Tkv positions of every row); "triton": ``lens_B`` int [B] (row b attends
     positions [0, lens_B[b])) and ``kv_len`` = Tkv, a static bound sizing the kernel's grid
-    (kernels/decode_attention). Returns the new residual [B, D].
+    (kernels/decode_attention). ``linear``: "torch" (F.linear, separate norms, SiLU and residual adds) or
+    "triton" (four fused kernels of kernels/decode_linear for steps of B <= ``DECODE_LINEAR_MAX_ROWS``
+    rows: norm+QKV, O+residual, norm+gate/up+SiLU-gate, down+residual; same rounding as the torch ops).
+    Returns the new residual [B, D].
     """
     g = num_heads // num_kv_heads
     nq, nk = num_heads * head_dim, num_kv_heads * head_dim
@@ -95,7 +120,11 @@ def make_decode_layer(
     def layer(x_BD, ln1_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, o_b, ln2_w, gate_up_w, down_w,
               k_BcNkvTcDh, v_BcNkvTcDh, cos_BDh, sin_BDh, pos_B, mask_BTkv, lens_B, kv_len):  # fmt: skip
         b = x_BD.shape[0]
-        qkv = F.linear(rms_norm(x_BD, ln1_w, eps), qkv_w, qkv_b)
+        fused = linear == "triton" and b <= DECODE_LINEAR_MAX_ROWS  # a guard when compiled: one graph per side
+        if fused:
+            qkv = torch.ops.prime_spmd.decode_linear(x_BD, qkv_w, qkv_b, ln1_w, eps, None, False)
+        else:
+            qkv = F.linear(rms_norm(x_BD, ln1_w, eps), qkv_w, qkv_b)
         q = qkv[:, :nq].view(b, num_heads, head_dim)
         k = qkv[:, nq : nq + nk].view(b, num_kv_heads, head_dim)
         v = qkv[:, nq + nk :].view(b, num_kv_heads, head_dim)
@@ -116,6 +145,10 @@ def make_decode_layer(
             scores = torch.matmul(q.view(b, num_kv_heads, g, head_dim), kc.transpose(-1, -2)).float() * scale
             p = torch.softmax(scores + mask_BTkv[:, None, None], dim=-1).to(vc.dtype)
             o = torch.matmul(p, vc).reshape(b, nq)  # [B, Nkv, G, Dh] -> [B, N Dh]
+        if fused:
+            x_BD = torch.ops.prime_spmd.decode_linear(o, o_w, o_b, None, eps, x_BD, False)
+            h = torch.ops.prime_spmd.decode_linear(x_BD, gate_up_w, None, ln2_w, eps, None, True)
+            return torch.ops.prime_spmd.decode_linear(h, down_w, None, None, eps, x_BD, False)
         x_BD = x_BD + F.linear(o, o_w, o_b)
         gu = F.linear(rms_norm(x_BD, ln2_w, eps), gate_up_w)
         inter = gu.shape[1] // 2
@@ -152,7 +185,8 @@ class LlamaStyleRunner:
     paths: "bmm" (two batched matmuls + softmax over the whole length bucket), "triton" (the
     flash-decoding kernel of kernels/decode_attention, which reads each row's own positions only) or
     "auto" (``resolve_decode_attention``: triton on CUDA, bmm elsewhere); ``self.attention`` holds the
-    resolved name.
+    resolved name. ``linear`` picks the fused path's linears (``resolve_decode_linear``; held in
+    ``self.linear``; the model's own submodules, used otherwise, ignore it).
     """
 
     def __init__(
@@ -163,11 +197,15 @@ class LlamaStyleRunner:
         device: torch.device,
         compile_decode: bool = True,
         attention: DecodeAttention = "auto",
+        linear: DecodeLinear = "auto",
     ) -> None:
         attention = resolve_decode_attention(attention, device)
         if attention == "triton":
             import kernels.decode_attention.op  # noqa: F401  registers torch.ops.prime_spmd.decode_attention
         self.attention = attention
+        self.linear = resolve_decode_linear(linear, device)
+        if self.linear == "triton":
+            import kernels.decode_linear.op  # noqa: F401  registers torch.ops.prime_spmd.decode_linear
         self.adapter = adapter_for(model)
         dims = self.adapter.dims()
         self.model, self.inner = model, model.model
@@ -195,7 +233,9 @@ class LlamaStyleRunner:
 
     def _setup_fused_decode(self, model: torch.nn.Module, compile_decode: bool) -> None:
         layers = model.model.layers
-        fn = make_decode_layer(self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale, self.attention)
+        fn = make_decode_layer(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale, self.attention, self.linear
+        )
         # one compiled graph serves all layers (same shapes, weights passed as arguments); B and Tkv
         # become dynamic after the first recompile, so every (rows, length) bucket reuses it
         self.decode_layer = torch.compile(fn, fullgraph=True) if compile_decode else fn
@@ -367,9 +407,10 @@ def build_runner(
     device: torch.device,
     compile_decode: bool = True,
     attention: DecodeAttention = "auto",
+    linear: DecodeLinear = "auto",
 ):
-    """The fastest runner that supports ``model`` (``attention``: see ``LlamaStyleRunner``; the other
-    runners have their own attention and ignore it)."""
+    """The fastest runner that supports ``model`` (``attention``, ``linear``: see ``LlamaStyleRunner``; the
+    other runners have their own and ignore them)."""
     if adapter_for(model).supports_slot_cache():
-        return LlamaStyleRunner(model, num_slots, max_len, device, compile_decode, attention)
+        return LlamaStyleRunner(model, num_slots, max_len, device, compile_decode, attention, linear)
     return GenericRunner(model, num_slots, max_len, device)

@@ -1,0 +1,110 @@
+"""The native engine with the fused decode linears (``decode_linear="triton"``) vs F.linear (``"torch"``).
+
+Tiny random fp32 models through the fused decode layer: an HF Qwen3 (q/k norms, no biases) and an HF
+Qwen2 (QKV biases), prompts of different lengths and more requests than slots, greedy and seeded rows
+in one batch; then steps above ``DECODE_LINEAR_MAX_ROWS`` rows, which must take the torch linears.
+CPU: Triton under the interpreter; with a GPU the same tests run compiled, with CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from prime_spmd.inference import runner as runner_mod
+from prime_spmd.inference.engine import Request, SamplingParams
+from prime_spmd.inference.native import NativeEngine
+from prime_spmd.models.tiny import tiny_qwen3_config
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# max |triton - torch| logprob, fp32: the kernel sums K in another order (IEEE fp32 dots, no TF32)
+LOGPROB_ATOL = 1e-4
+PROMPT_LENS = [3, 17, 9, 30, 1]
+
+
+@pytest.fixture(autouse=True)
+def _big_interpreter_tiles(monkeypatch):
+    """CPU: 64 x 64 tiles (one or two programs per launch; ~6x faster under the interpreter than the
+    16 x 16 x 32 tiles the kernel tests use to cover tile edges, tests/kernels/test_decode_linear.py)."""
+    if DEVICE.type == "cpu":
+        from kernels.decode_linear import kernel
+
+        monkeypatch.setattr(kernel, "default_config", lambda m, no, k, silu_mul: (16, 64, 64, 4, 1))
+
+
+def _requests() -> list[Request]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i, n in enumerate(PROMPT_LENS):
+        ids = torch.randint(0, 97, (n,), generator=g).tolist()
+        sp = SamplingParams(temperature=0.0 if i % 2 == 0 else 1.0, max_tokens=4 + 2 * i, ignore_eos=True, seed=i)
+        out.append(Request(prompt_ids=ids, sampling=sp, request_id=i))
+    return out
+
+
+def _model(kind: str):
+    if kind == "qwen3":
+        cfg = tiny_qwen3_config("qwen3-nano", vocab_size=97, initializer_range=0.3)
+    else:
+        cfg = Qwen2Config(
+            vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.3, tie_word_embeddings=False,
+        )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    if kind == "qwen2":  # HF initializes biases to zero: make them count
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    return model
+
+
+def _generate(model, linear: str):
+    eng = NativeEngine(model, None, max_batch_size=3, max_model_len=64, device=DEVICE, decode_linear=linear)
+    assert eng.runner.linear == linear and eng.runner.layer_args is not None  # the fused decode layer
+    return sorted(eng.generate(_requests()), key=lambda o: o.request_id)
+
+
+def _max_diff(model) -> float:
+    ref = _generate(model, "torch")
+    got = _generate(model, "triton")
+    worst = 0.0
+    for a, b in zip(got, ref):
+        assert a.token_ids == b.token_ids, a.request_id
+        worst = max(worst, max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)))
+    return worst
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2"])
+def test_fused_linears_match_torch(kind, record_property):
+    worst = _max_diff(_model(kind))
+    assert worst < LOGPROB_ATOL, worst
+    record_property("max_logprob_diff", worst)
+
+
+def test_steps_above_max_rows_take_torch_linears(monkeypatch):
+    """With the bound at 2 rows, 3-row steps run F.linear and 1-2-row steps the kernel: still the same
+    samples; and the kernel is really skipped above the bound."""
+    calls = []
+    real = torch.ops.prime_spmd.decode_linear
+
+    def counting(x, *args):
+        calls.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(runner_mod, "DECODE_LINEAR_MAX_ROWS", 2)
+    if DEVICE.type == "cpu":  # eager on CPU: the layer looks the op up at each call
+        monkeypatch.setattr(torch.ops.prime_spmd, "decode_linear", counting)
+    worst = _max_diff(_model("qwen3"))
+    assert worst < LOGPROB_ATOL, worst
+    if DEVICE.type == "cpu":
+        assert calls and max(calls) <= 2, sorted(set(calls))
+
+
+def test_bad_name_and_auto():
+    with pytest.raises(ValueError, match="decode linear 'cublas'"):
+        NativeEngine(_model("qwen3"), None, max_batch_size=1, max_model_len=16, device="cpu", decode_linear="cublas")
+    assert runner_mod.resolve_decode_linear("auto", torch.device("cpu")) == "torch"
+    assert runner_mod.resolve_decode_linear("triton", torch.device("cpu")) == "triton"
