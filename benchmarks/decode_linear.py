@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import common  # noqa: E402
@@ -71,15 +72,19 @@ def bench_op(name: str, spec, m: int, args, compiled) -> list[dict]:
     configs = [default]
     if args.sweep == "full":
         bm = default[0]
-        configs += [
-            (bm, bn, bk, wp, st) for bn, bk, wp, st in itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (3, 4))
-        ]
+        grid = itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 4))
+        configs += [(bm, bn, bk, wp, st) for bn, bk, wp, st in grid]
     for cfg in dict.fromkeys(configs):
 
         def run(i, cfg=cfg):
             return kernel.decode_linear(x, ws[i], None, nw, EPS, r, silu, config=cfg)
 
-        err = ((run(0).float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+        try:
+            out0 = run(0)
+        except triton.runtime.errors.OutOfResources as e:  # these tiles x stages do not fit in shared memory
+            print(f"{name} M {m} config {cfg}: skipped ({e})", file=sys.stderr)
+            continue
+        err = ((out0.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
         us = common.time_graph(run, copies, args.reps)
         rows.append(dict(base, impl="triton", config=list(cfg), default=cfg == default, us=us,
                          GBps=w_bytes / us / 1e3, rel_err_vs_torch=err))  # fmt: skip
@@ -116,7 +121,9 @@ def main() -> None:
     table = []
     for (op, m), group in itertools.groupby(rows, key=lambda row: (row["op"], row["M"])):
         group = list(group)
-        t, d = group[0], next(row for row in group if row.get("default"))
+        t, d = group[0], next((row for row in group if row.get("default")), None)
+        if d is None:  # the default did not fit (skipped above): a bug in default_config
+            d = dict(us=float("nan"), GBps=float("nan"), rel_err_vs_torch=float("nan"))
         best = min(group[1:], key=lambda row: row["us"])
         table.append([op, m, f"{t['us']:.2f}", f"{t['GBps']:.0f}", f"{d['us']:.2f}", f"{d['GBps']:.0f}",
                       f"{best['us']:.2f}", "/".join(map(str, best["config"])), f"{d['rel_err_vs_torch']:.1e}"])  # fmt: skip
