@@ -98,8 +98,13 @@ def peak_mib(fn: Callable[[], Any], device: str | torch.device) -> float | None:
 
 
 def run_metadata(device: str | torch.device, **extra: Any) -> dict[str, Any]:
-    """Date, short commit, device name and torch version of this run, then ``extra``."""
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    """Date, short commit (the COMMIT file of a source snapshot, else git's HEAD), device name and torch
+    version of this run, then ``extra``."""
+    stamp = Path(__file__).resolve().parent.parent / "COMMIT"  # a source snapshot's commit (scripts/gpu_snapshot.sh)
+    if stamp.is_file():
+        commit = stamp.read_text().strip()
+    else:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     return dict(
         date=datetime.date.today().isoformat(),
         commit=commit or None,

@@ -114,13 +114,15 @@ def _decode_linear_kernel(
 
 def default_config(m: int, no: int, k: int, silu_mul: bool) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for M rows and No output columns.
-    Interpreter: small tiles so tests cover several tiles and ragged edges cheaply."""
+
+    GPU: the best of the sweep at M = 1 for all four Qwen3-0.6B layer linears on an H200 (benchmarks/
+    decode_linear.py, docs/benchmarks.md) is 32 x 256 tiles, 4 warps, 4 stages; at M = 64 the residual
+    linears (o, down: what the engine fuses there) are best at 16 x 256. Interpreter: small tiles so tests
+    cover several tiles and ragged edges cheaply."""
     block_m = max(16, triton.next_power_of_2(m)) if m <= 64 else 64
     if INTERPRET:
         return block_m, 16, 32, 4, 1
-    block_n = 32 if no >= 4096 and not silu_mul else 16
-    block_k = 256 if block_m <= 16 else 128
-    return block_m, block_n, block_k, 4, 4
+    return block_m, 32 if block_m <= 16 else 16, 256, 4, 4
 
 
 def decode_linear(

@@ -30,9 +30,13 @@ from prime_spmd.models.registry import adapter_for
 
 DecodeAttention = Literal["auto", "bmm", "triton"]
 DecodeLinear = Literal["auto", "torch", "triton"]
-# The fused decode linear (kernels/decode_linear) serves decode steps of at most this many rows; larger
-# steps are compute-heavier and go to cuBLAS (the kernel re-reads the weights per 64-row block).
-DECODE_LINEAR_MAX_ROWS = 64
+# Rows up to which the fused decode linears (kernels/decode_linear) replace F.linear: the norm-prologue ones
+# (qkv, gate_up + SiLU-gate) up to DECODE_LINEAR_MAX_ROWS, the residual-epilogue ones (o, down) up to
+# DECODE_LINEAR_MAX_ROWS_RESIDUAL. From the H200 sweep at the Qwen3-0.6B shape (docs/benchmarks.md): at 64 rows
+# cuBLAS beat the kernel on qkv / gate_up (7.0 / 9.3 us vs 10.6 / 13.0 at the best tiles) while the kernel
+# beat it on o / down (6.0 / 7.6 vs 7.1 / 9.4 us, residual add included).
+DECODE_LINEAR_MAX_ROWS = 16
+DECODE_LINEAR_MAX_ROWS_RESIDUAL = 64
 
 
 def resolve_decode_attention(attention: str, device: torch.device) -> str:
@@ -107,8 +111,9 @@ def make_decode_layer(
     matmuls read all Tkv positions of every row); "triton": ``lens_B`` int [B] (row b attends
     positions [0, lens_B[b])) and ``kv_len`` = Tkv, a static bound sizing the kernel's grid
     (kernels/decode_attention). ``linear``: "torch" (F.linear, separate norms, SiLU and residual adds) or
-    "triton" (four fused kernels of kernels/decode_linear for steps of B <= ``DECODE_LINEAR_MAX_ROWS``
-    rows: norm+QKV, O+residual, norm+gate/up+SiLU-gate, down+residual; same rounding as the torch ops).
+    "triton" (fused kernels of kernels/decode_linear: norm+QKV and norm+gate/up+SiLU-gate for steps of
+    B <= ``DECODE_LINEAR_MAX_ROWS`` rows, O+residual and down+residual for B <= ``DECODE_LINEAR_MAX_ROWS_RESIDUAL``;
+    same rounding as the torch ops).
     Returns the new residual [B, D].
     """
     g = num_heads // num_kv_heads
@@ -120,7 +125,9 @@ def make_decode_layer(
     def layer(x_BD, ln1_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, o_b, ln2_w, gate_up_w, down_w,
               k_BcNkvTcDh, v_BcNkvTcDh, cos_BDh, sin_BDh, pos_B, mask_BTkv, lens_B, kv_len):  # fmt: skip
         b = x_BD.shape[0]
-        fused = linear == "triton" and b <= DECODE_LINEAR_MAX_ROWS  # a guard when compiled: one graph per side
+        # guards when compiled: one graph per side of each bound
+        fused = linear == "triton" and b <= DECODE_LINEAR_MAX_ROWS
+        fused_res = linear == "triton" and b <= DECODE_LINEAR_MAX_ROWS_RESIDUAL
         if fused:
             qkv = torch.ops.prime_spmd.decode_linear(x_BD, qkv_w, qkv_b, ln1_w, eps, None, False)
         else:
@@ -145,14 +152,19 @@ def make_decode_layer(
             scores = torch.matmul(q.view(b, num_kv_heads, g, head_dim), kc.transpose(-1, -2)).float() * scale
             p = torch.softmax(scores + mask_BTkv[:, None, None], dim=-1).to(vc.dtype)
             o = torch.matmul(p, vc).reshape(b, nq)  # [B, Nkv, G, Dh] -> [B, N Dh]
-        if fused:
+        if fused_res:
             x_BD = torch.ops.prime_spmd.decode_linear(o, o_w, o_b, None, eps, x_BD, False)
+        else:
+            x_BD = x_BD + F.linear(o, o_w, o_b)
+        if fused:
             h = torch.ops.prime_spmd.decode_linear(x_BD, gate_up_w, None, ln2_w, eps, None, True)
+        else:
+            gu = F.linear(rms_norm(x_BD, ln2_w, eps), gate_up_w)
+            inter = gu.shape[1] // 2
+            h = F.silu(gu[:, :inter]) * gu[:, inter:]
+        if fused_res:
             return torch.ops.prime_spmd.decode_linear(h, down_w, None, None, eps, x_BD, False)
-        x_BD = x_BD + F.linear(o, o_w, o_b)
-        gu = F.linear(rms_norm(x_BD, ln2_w, eps), gate_up_w)
-        inter = gu.shape[1] // 2
-        return x_BD + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], down_w)
+        return x_BD + F.linear(h, down_w)
 
     return layer
 

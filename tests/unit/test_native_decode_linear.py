@@ -2,7 +2,7 @@
 
 Tiny random fp32 models through the fused decode layer: an HF Qwen3 (q/k norms, no biases) and an HF
 Qwen2 (QKV biases), prompts of different lengths and more requests than slots, greedy and seeded rows
-in one batch; then steps above ``DECODE_LINEAR_MAX_ROWS`` rows, which must take the torch linears.
+in one batch; then steps above the row bounds, which must take the torch linears.
 CPU: Triton under the interpreter; with a GPU the same tests run compiled, with CUDA graphs.
 """
 
@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+import kernels.decode_linear.op  # noqa: F401  registers torch.ops.prime_spmd.decode_linear
 from prime_spmd.inference import runner as runner_mod
 from prime_spmd.inference.engine import Request, SamplingParams
 from prime_spmd.inference.native import NativeEngine
@@ -84,23 +85,28 @@ def test_fused_linears_match_torch(kind, record_property):
     record_property("max_logprob_diff", worst)
 
 
-def test_steps_above_max_rows_take_torch_linears(monkeypatch):
-    """With the bound at 2 rows, 3-row steps run F.linear and 1-2-row steps the kernel: still the same
-    samples; and the kernel is really skipped above the bound."""
+@pytest.mark.parametrize("bounds", [(2, 3), (2, 2)])
+def test_steps_above_the_bounds_take_torch_linears(monkeypatch, bounds):
+    """Steps here have 2 or 3 rows (3 slots). Bounds (norm linears, residual linears) (2, 3): 3-row steps run
+    the residual kernels and F.linear for qkv / gate_up; (2, 2): 3-row steps run F.linear only. Still the
+    same samples; on CPU (eager: the layer looks the op up at each call) the kernel sees only the rows its
+    bounds allow."""
     calls = []
     real = torch.ops.prime_spmd.decode_linear
 
-    def counting(x, *args):
-        calls.append(x.shape[0])
-        return real(x, *args)
+    def counting(x, w, bias, norm_w, eps, residual, silu_mul):
+        calls.append((x.shape[0], norm_w is not None))
+        return real(x, w, bias, norm_w, eps, residual, silu_mul)
 
-    monkeypatch.setattr(runner_mod, "DECODE_LINEAR_MAX_ROWS", 2)
-    if DEVICE.type == "cpu":  # eager on CPU: the layer looks the op up at each call
+    monkeypatch.setattr(runner_mod, "DECODE_LINEAR_MAX_ROWS", bounds[0])
+    monkeypatch.setattr(runner_mod, "DECODE_LINEAR_MAX_ROWS_RESIDUAL", bounds[1])
+    if DEVICE.type == "cpu":
         monkeypatch.setattr(torch.ops.prime_spmd, "decode_linear", counting)
     worst = _max_diff(_model("qwen3"))
     assert worst < LOGPROB_ATOL, worst
     if DEVICE.type == "cpu":
-        assert calls and max(calls) <= 2, sorted(set(calls))
+        assert {rows for rows, _ in calls} == set(range(2, bounds[1] + 1)), sorted(set(calls))
+        assert all(rows <= bounds[0] for rows, normed in calls if normed), sorted(set(calls))
 
 
 def test_bad_name_and_auto():
