@@ -68,7 +68,7 @@ def bench_op(name: str, spec, m: int, args, compiled) -> list[dict]:
     us = common.time_graph(lambda i: compiled(x, ws[i], nw, r, silu), copies, args.reps)
     base = dict(shape=args.model_shape, op=name, M=m, K=k, N=n)
     rows = [dict(base, impl="torch", us=us, GBps=w_bytes / us / 1e3)]
-    default = kernel.default_config(m, n // 2 if silu else n, k, silu)
+    default = kernel.default_config(m, n // 2 if silu else n, k, silu, 2)
     configs = [default]
     if args.sweep == "full":
         bm = default[0]

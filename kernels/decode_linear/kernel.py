@@ -112,17 +112,34 @@ def _decode_linear_kernel(
     tl.store(o_ptr + offs_m[:, None] * som + offs_n[None, :], _cast(y, dtype, RNE_EMU), mask=mask_mn)
 
 
-def default_config(m: int, no: int, k: int, silu_mul: bool) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for M rows and No output columns.
+SMEM_BUDGET = 160 * 1024  # bytes of pipelined tiles: the H200 sweep's bf16 configs at this estimate compiled and ran
+
+
+def default_config(m: int, no: int, k: int, silu_mul: bool, elsize: int = 2) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for M rows, No output columns, K inputs of
+    ``elsize`` bytes.
 
     GPU: the best of the sweep at M = 1 for all four Qwen3-0.6B layer linears on an H200 (benchmarks/
     decode_linear.py, docs/benchmarks.md) is 32 x 256 tiles, 4 warps, 4 stages; at M = 64 the residual
-    linears (o, down: what the engine fuses there) are best at 16 x 256. Interpreter: small tiles so tests
-    cover several tiles and ragged edges cheaply."""
+    linears (o, down: what the engine fuses there) are best at 16 x 256. BLOCK_K is capped by K, then
+    halved (down to 64) and the stages cut (down to 2) while stages x (x tile + w tiles) exceeds
+    ``SMEM_BUDGET`` (fp32, or 64 rows with two slabs). Interpreter: small tiles so tests cover several
+    tiles and ragged edges cheaply."""
     block_m = max(16, triton.next_power_of_2(m)) if m <= 64 else 64
     if INTERPRET:
         return block_m, 16, 32, 4, 1
-    return block_m, 32 if block_m <= 16 else 16, 256, 4, 4
+    block_n = 32 if block_m <= 16 else 16
+    block_k = min(256, max(32, triton.next_power_of_2(k)))
+    stages = 4
+
+    def smem() -> int:
+        return stages * (block_m + (2 if silu_mul else 1) * block_n) * block_k * elsize
+
+    while smem() > SMEM_BUDGET and block_k > 64:
+        block_k //= 2
+    while smem() > SMEM_BUDGET and stages > 2:
+        stages -= 1
+    return block_m, block_n, block_k, 4, stages
 
 
 def decode_linear(
@@ -139,7 +156,7 @@ def decode_linear(
     Inputs: x, w (and residual) with contiguous last dims, one float dtype; checked by op.check_inputs."""
     M, K = x_MK.shape
     no = w_NK.shape[0] // 2 if silu_mul else w_NK.shape[0]
-    block_m, block_n, block_k, num_warps, num_stages = config or default_config(M, no, K, silu_mul)
+    block_m, block_n, block_k, num_warps, num_stages = config or default_config(M, no, K, silu_mul, x_MK.element_size())
     out = torch.empty(M, no, device=x_MK.device, dtype=x_MK.dtype)
     dummy = out
     grid = (triton.cdiv(no, block_n), triton.cdiv(M, block_m))

@@ -48,9 +48,12 @@ SHAPES = [
 ]
 
 
-def _ulps_bf16(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """|got - ref| in units of ref's bf16 spacing (2^(exponent - 7)), elementwise."""
-    spacing = torch.exp2(torch.floor(torch.log2(ref.float().abs().clamp_min(1e-30))) - 7)
+def _ulps_bf16(got: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """|got - ref| in units of the bf16 spacing (2^(exponent - 7)) of ``scale`` (default ref), elementwise.
+    With a residual, pass scale = max(|ref|, |residual|): where the add cancels, a one-step difference of
+    the GEMM's rounded output is many steps of the small sum."""
+    mag = ref.float().abs() if scale is None else scale.float().abs()
+    spacing = torch.exp2(torch.floor(torch.log2(mag.clamp_min(1e-30))) - 7)
     return (got.float() - ref.float()).abs() / spacing
 
 
@@ -139,4 +142,6 @@ def test_cuda_graph_replay_reads_new_inputs():
         case["residual_MNo"].normal_()
         graph.replay()
         ref = decode_linear_reference(**case)
-        assert _ulps_bf16(out, ref).max().item() <= 4
+        scale = torch.maximum(ref.float().abs(), case["residual_MNo"].float().abs())
+        assert (out == ref).float().mean().item() > 0.9
+        assert _ulps_bf16(out, ref, scale).max().item() <= 4

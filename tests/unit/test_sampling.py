@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import torch
-
 import pytest
+import torch
 
 from prime_spmd.inference.sampling import SamplingTensors, exponential_from_bits, gumbel_noise, noise_bits, sample
 
