@@ -25,6 +25,15 @@ PROMPT_LENS = [3, 17, 9, 30, 1]
 
 
 @pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Every engine here compiles the same decode-layer code object (CUDA): with the row bounds' guards,
+    a file of engines passes Dynamo's per-code-object recompile limit (8), which one engine stays under."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture(autouse=True)
 def _big_interpreter_tiles(monkeypatch):
     """CPU: 64 x 64 tiles (one or two programs per launch; ~6x faster under the interpreter than the
     16 x 16 x 32 tiles the kernel tests use to cover tile edges, tests/kernels/test_decode_linear.py)."""
