@@ -12,13 +12,25 @@
 # the measured errors recorded by the tests as junit properties). Exits nonzero if a step fails or times out.
 # With pytest-timeout importable each test has its own limit (a slow test fails alone, with its stack);
 # a step past its limit gets SIGINT, so pytest still prints the tracebacks so far and writes its junit file.
-# Needs torch, triton, transformers; tyro and verifiers are not imported by these files.
+# Needs torch, triton, transformers, and tyro (+ docstring_parser, typeguard: prime_spmd.config imports it; several
+# unit files import ModelConfig / LossConfig from there): where tyro is not importable, the wheels of
+# scripts/gpu_wheels.sh in .whl/ (carry it) are installed into a temp dir first. verifiers is not needed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-/tmp/test_gpu}}
 mkdir -p "$OUT"
 python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'scripts/test_gpu.sh needs a CUDA GPU')" || exit 1
 unset TRITON_INTERPRET  # kernels compile for the GPU (tests/conftest.py sets it only without CUDA)
+if ! python3 -c "import tyro" 2> /dev/null; then
+  whls=(.whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl)
+  if [ -f "${whls[0]}" ]; then
+    site=$(mktemp -d)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "${whls[@]}"
+    export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+  else
+    echo "tyro not importable and no .whl/tyro-*.whl (bash scripts/gpu_wheels.sh, carry .whl): files importing prime_spmd.config fail"
+  fi
+fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 rc=0
 per_test=()

@@ -272,7 +272,7 @@ class InferenceConfig:
     decode_attention: Literal["auto", "bmm", "triton"] = "auto"
     """Native engine decode attention: auto (triton on CUDA, bmm elsewhere), bmm (batched matmuls over the length bucket) or triton (flash-decoding kernel)."""
     decode_linear: Literal["auto", "torch", "triton"] = "auto"
-    """Native engine decode linears: auto (torch for now), torch (F.linear + separate norm/SiLU/residual ops) or triton (fused kernels of kernels/decode_linear, decode steps of <= 64 rows)."""
+    """Native engine decode linears: auto (triton on CUDA for hidden size <= 1024, torch otherwise), torch (F.linear + separate norm/SiLU/residual ops) or triton (fused kernels of kernels/decode_linear for decode steps of <= 16 / 64 rows)."""
     gpu_memory_utilization: float = 0.3
     """vLLM: fraction of GPU memory for the engine."""
     weight_bucket_mb: int = 256

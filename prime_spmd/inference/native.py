@@ -58,7 +58,7 @@ class NativeEngine(InferenceEngine):
         model once at construction (None keeps it). ``decode_attention``: "bmm" (batched matmuls over
         the length bucket), "triton" (the flash-decoding kernel, kernels/decode_attention) or "auto"
         (triton on CUDA, bmm elsewhere); ``decode_linear``: "torch" or "triton" (fused norm/GEMM/epilogue kernels,
-    kernels/decode_linear) or "auto" (torch); both used by the Llama-style runner. Call every method from one thread.
+    kernels/decode_linear) or "auto" (triton on CUDA for hidden size <= 1024, else torch); both used by the Llama-style runner. Call every method from one thread.
     """
 
     def __init__(

@@ -50,15 +50,23 @@ def resolve_decode_attention(attention: str, device: torch.device) -> str:
     return attention
 
 
-def resolve_decode_linear(linear: str, device: torch.device) -> str:
+# "auto" takes the fused decode linears on CUDA up to this hidden size: on an H200 (docs/benchmarks.md,
+# 2026-12-04) they were faster at the Qwen3-0.6B shape (hidden 1024: batch 1 671 vs 549 tok/s, batch 64 29.5k vs
+# 28.8k) and slower at the Qwen3-8B shape (hidden 4096: batch 1 177 vs 187, batch 64 8.7k vs 9.4k); sizes in
+# between are not measured.
+DECODE_LINEAR_AUTO_MAX_HIDDEN = 1024
+
+
+def resolve_decode_linear(linear: str, device: torch.device, hidden_size: int) -> str:
     """The fused decode path's linears on ``device``: "triton" (kernels/decode_linear: RMSNorm, bias,
-    SiLU-gate and residual folded into the GEMM, for steps of <= ``DECODE_LINEAR_MAX_ROWS`` rows) or
-    "torch" (F.linear and separate elementwise ops). "auto" is "torch" everywhere for now (the kernel is
-    opt-in until its H200 figures are in docs/benchmarks.md). ValueError for any other name."""
+    SiLU-gate and residual folded into the GEMM, for steps within the row bounds above) or "torch"
+    (F.linear and separate elementwise ops). "auto" is "triton" on CUDA for models of hidden size <=
+    ``DECODE_LINEAR_AUTO_MAX_HIDDEN`` and "torch" otherwise (Triton on CPU runs only under the
+    interpreter). ValueError for any other name."""
     if linear not in ("auto", "torch", "triton"):
         raise ValueError(f"decode linear {linear!r}: choose auto, torch or triton")
     if linear == "auto":
-        return "torch"
+        return "triton" if device.type == "cuda" and hidden_size <= DECODE_LINEAR_AUTO_MAX_HIDDEN else "torch"
     return linear
 
 
@@ -215,11 +223,11 @@ class LlamaStyleRunner:
         if attention == "triton":
             import kernels.decode_attention.op  # noqa: F401  registers torch.ops.prime_spmd.decode_attention
         self.attention = attention
-        self.linear = resolve_decode_linear(linear, device)
-        if self.linear == "triton":
-            import kernels.decode_linear.op  # noqa: F401  registers torch.ops.prime_spmd.decode_linear
         self.adapter = adapter_for(model)
         dims = self.adapter.dims()
+        self.linear = resolve_decode_linear(linear, device, dims.hidden_size)
+        if self.linear == "triton":
+            import kernels.decode_linear.op  # noqa: F401  registers torch.ops.prime_spmd.decode_linear
         self.model, self.inner = model, model.model
         self.num_layers = dims.num_layers
         self.num_heads = dims.num_heads

@@ -40,7 +40,7 @@ def _big_interpreter_tiles(monkeypatch):
     if DEVICE.type == "cpu":
         from kernels.decode_linear import kernel
 
-        monkeypatch.setattr(kernel, "default_config", lambda m, no, k, silu_mul: (16, 64, 64, 4, 1))
+        monkeypatch.setattr(kernel, "default_config", lambda m, no, k, silu_mul, elsize=2: (16, 64, 64, 4, 1))
 
 
 def _requests() -> list[Request]:
@@ -121,5 +121,11 @@ def test_steps_above_the_bounds_take_torch_linears(monkeypatch, bounds):
 def test_bad_name_and_auto():
     with pytest.raises(ValueError, match="decode linear 'cublas'"):
         NativeEngine(_model("qwen3"), None, max_batch_size=1, max_model_len=16, device="cpu", decode_linear="cublas")
-    assert runner_mod.resolve_decode_linear("auto", torch.device("cpu")) == "torch"
-    assert runner_mod.resolve_decode_linear("triton", torch.device("cpu")) == "triton"
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert runner_mod.resolve_decode_linear("auto", cpu, 64) == "torch"
+    assert runner_mod.resolve_decode_linear("auto", cuda, 1024) == "triton"
+    assert runner_mod.resolve_decode_linear("auto", cuda, 4096) == "torch"
+    assert runner_mod.resolve_decode_linear("triton", cpu, 4096) == "triton"
+    assert runner_mod.resolve_decode_linear("torch", cuda, 1024) == "torch"
+    eng = NativeEngine(_model("qwen3"), None, max_batch_size=1, max_model_len=16, device="cpu")  # default: auto
+    assert eng.runner.linear == "torch"
