@@ -18,17 +18,18 @@ case $PART in
     run decode_attn_tests 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_attention.py tests/unit/test_native_decode_attention.py
     run decode_attn_kernel 100 python3 benchmarks/decode_attention.py --batch-sizes 1,64,256 --out "$OUT/decode_attention.json"
     run decode_attn_engine 270 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,64,256 --prompt-len 128 --new-tokens 256 --engine native --decode-attention bmm,triton --out "$OUT/engine_decode_attn.json" ;;
-  decode_linear_sweep)  # issue 17: the fused decode linears on CUDA (tests), alone (sweep, 0.6B and 8B layer shapes); <= 10 min
-    run decode_linear_tests 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_linear.py tests/unit/test_native_decode_linear.py
-    run decode_linear_kernel_06b 240 python3 benchmarks/decode_linear.py --model-shape qwen3-0.6b --rows 1,4,16,64 --out "$OUT/decode_linear_06b.json"
-    run decode_linear_kernel_8b 180 python3 benchmarks/decode_linear.py --model-shape qwen3-8b --rows 1,16,64 --out "$OUT/decode_linear_8b.json" ;;
-  decode_linear_engine)  # issue 17: the engine with torch vs fused decode linears, and the mismatch KL of each; <= 9 min
-    run decode_linear_tests 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_linear.py tests/unit/test_native_decode_linear.py
-    run decode_linear_engine 300 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,64,256 --prompt-len 128 --new-tokens 256 --engine native --decode-attention triton --decode-linear torch,triton --out "$OUT/engine_decode_linear.json"
-    run decode_linear_engine_8b 200 python3 benchmarks/engine.py --device cuda --model-shape qwen3-8b --batch-sizes 1,64 --prompt-len 128 --new-tokens 256 --engine native --decode-attention triton --decode-linear torch,triton --out "$OUT/engine_decode_linear_8b.json"
+  decode_linear_sweep)  # issue 17: the fused decode linears alone (sweep, 0.6B layer shapes, 1 and 64 rows); ~2.5 min
+    run decode_linear_kernel_06b 240 python3 benchmarks/decode_linear.py --model-shape qwen3-0.6b --rows 1,64 --out "$OUT/decode_linear_06b.json"
+    run decode_linear_kernel_8b 240 python3 benchmarks/decode_linear.py --model-shape qwen3-8b --rows 1,64 --out "$OUT/decode_linear_8b.json" ;;
+  decode_linear_engine)  # issue 17: the engine with torch vs fused decode linears (0.6B, 8B), mismatch KL of each; ~6.5 min
+    # logprob_mismatch.py imports prime_spmd.config (tyro): install .whl (bash scripts/gpu_wheels.sh; carry .whl) first
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
+    export PYTHONPATH=/tmp/site:$PWD
+    run decode_linear_engine 190 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,16,64 --prompt-len 128 --new-tokens 256 --engine native --decode-attention triton --decode-linear torch,triton --out "$OUT/engine_decode_linear.json"
     for lin in torch triton; do
       run "mismatch_$lin" 90 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --decode-linear "$lin" --out "$OUT/mismatch_$lin.json"
-    done ;;
+    done
+    run decode_linear_engine_8b 170 python3 benchmarks/engine.py --device cuda --model-shape qwen3-8b --batch-sizes 1,64 --prompt-len 128 --new-tokens 256 --engine native --decode-attention triton --decode-linear torch,triton --out "$OUT/engine_decode_linear_8b.json" ;;
   loss)
     run loss 420 python3 benchmarks/loss_kernel.py --out "$OUT/loss_kernel.json" ;;
   moe)  # first use (fresh Triton cache, then the same cache again), then warm speed: default table vs full autotune
