@@ -54,11 +54,12 @@ class _Seq:
 class NativeEngine(InferenceEngine):
     """Continuous-batching engine over ``model`` (an HF causal LM or a model with its own runner).
 
-        ``model`` is used in place (its parameters are read at every forward). ``dtype`` casts the
-        model once at construction (None keeps it). ``decode_attention``: "bmm" (batched matmuls over
-        the length bucket), "triton" (the flash-decoding kernel, kernels/decode_attention) or "auto"
-        (triton on CUDA, bmm elsewhere); ``decode_linear``: "torch" or "triton" (fused norm/GEMM/epilogue kernels,
-    kernels/decode_linear) or "auto" (triton on CUDA for hidden size <= 1024, else torch); both used by the Llama-style runner. Call every method from one thread.
+    ``model`` is used in place (its parameters are read at every forward). ``dtype`` casts the
+    model once at construction (None keeps it). ``decode_attention``: "bmm" (batched matmuls over
+    the length bucket), "triton" (the flash-decoding kernel, kernels/decode_attention) or "auto"
+    (triton on CUDA, bmm elsewhere); ``decode_linear``: "torch", "triton" (fused norm / GEMM / epilogue
+    kernels, kernels/decode_linear) or "auto" (triton on CUDA for hidden size <= 1024, else torch); both
+    used by the Llama-style runner. Call every method from one thread.
     """
 
     def __init__(
