@@ -1,8 +1,9 @@
 """The native engine with the fused decode linears (``decode_linear="triton"``) vs F.linear (``"torch"``).
 
-Tiny random fp32 models through the fused decode layer: an HF Qwen3 (q/k norms, no biases) and an HF
-Qwen2 (QKV biases), prompts of different lengths and more requests than slots, greedy and seeded rows
-in one batch; then steps above the row bounds, which must take the torch linears.
+Tiny random fp32 models through the fused decode layer: an HF Qwen3 (q/k norms, no biases), an HF
+Qwen2 (QKV biases) and an HF Llama with attention_bias (QKV and O biases), prompts of different lengths
+and more requests than slots, greedy and seeded rows in one batch; then steps above the row bounds,
+which must take the torch linears.
 CPU: Triton under the interpreter; with a GPU the same tests run compiled, with CUDA graphs.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 import kernels.decode_linear.op  # noqa: F401  registers torch.ops.prime_spmd.decode_linear
 from prime_spmd.inference import runner as runner_mod
@@ -56,6 +57,11 @@ def _requests() -> list[Request]:
 def _model(kind: str):
     if kind == "qwen3":
         cfg = tiny_qwen3_config("qwen3-nano", vocab_size=97, initializer_range=0.3)
+    elif kind == "llama_bias":  # attention_bias: q/k/v and o_proj biases (o's reaches the fused O+residual)
+        cfg = LlamaConfig(
+            vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.3, attention_bias=True,
+        )  # fmt: skip
     else:
         cfg = Qwen2Config(
             vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -63,11 +69,13 @@ def _model(kind: str):
         )  # fmt: skip
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    if kind == "qwen2":  # HF initializes biases to zero: make them count
+    if kind != "qwen3":  # HF initializes biases to zero: make them count
         with torch.no_grad():
             for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0, 0.5)
+                attn = layer.self_attn
+                for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
+                    if proj.bias is not None:
+                        proj.bias.normal_(0, 0.5)
     return model
 
 
@@ -87,7 +95,7 @@ def _max_diff(model) -> float:
     return worst
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen2"])
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2", "llama_bias"])
 def test_fused_linears_match_torch(kind, record_property):
     worst = _max_diff(_model(kind))
     assert worst < LOGPROB_ATOL, worst
