@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from prime_spmd.config.sections import InferenceConfig, ModelConfig
 from prime_spmd.inference.engine import InferenceEngine
 from prime_spmd.inference.native import NativeEngine
+from prime_spmd.log import logger
 from prime_spmd.models.loading import load_model, load_tokenizer, resolve_dtype
 
 
@@ -36,7 +39,7 @@ def build_engine(
         raise ValueError(f"--topology.engine_tp={tp} needs --inference.engine=vllm (the native engine runs tp 1)")
     dtype = resolve_dtype(model_cfg.dtype, device)
     model = load_model(model_cfg, device, dtype)
-    return NativeEngine(
+    engine = NativeEngine(
         model,
         load_tokenizer(model_cfg),
         max_batch_size=inference_cfg.max_batch_size,
@@ -46,3 +49,9 @@ def build_engine(
         decode_attention=inference_cfg.decode_attention,
         decode_linear=inference_cfg.decode_linear,
     )
+    warm = inference_cfg.warmup
+    if warm == "on" or (warm == "auto" and engine.use_graphs):
+        t0 = time.perf_counter()
+        n = engine.warmup()
+        logger.info(f"native engine warm-up: {n} decode variants compiled/captured in {time.perf_counter() - t0:.1f} s")
+    return engine

@@ -165,6 +165,39 @@ class NativeEngine(InferenceEngine):
         self._pending = launched
         return done
 
+    @torch.no_grad()
+    def warmup(self, max_len: int | None = None) -> int:
+        """Run every decode variant a job can meet before it serves a request, so that compiling (the fused
+        layer, the sampler, the decode-attention kernel's per-shape specializations) and CUDA-graph capture
+        happen here rather than inside the first steps that meet each shape.
+
+        One prefill of one-token prompts (first cuBLAS and sampler use), then the decode step of every row
+        bucket at every length bucket up to ``max_len`` tokens (default: the cache length), plain sampling
+        (no top-k/top-p/min-p, what RL uses; filtered sampling is still captured on first use). On CUDA each
+        step is compiled and captured (``_capture``); elsewhere it runs once. Its cost grows with the number
+        of buckets (rows x lengths). With no request in flight every slot is free: the device state and the
+        K/V the steps write are overwritten at admission. Returns the number of decode variants run.
+        """
+        if self.has_unfinished():
+            raise ValueError("NativeEngine.warmup: requests are in flight; warm up before adding requests")
+        if self.runner.cache is None:  # the generic runner re-runs whole sequences: nothing to compile or capture
+            return 0
+        # two rows: the compiled sampler (dynamic shapes) specializes a size of 1, which prefill rarely has
+        rows = min(2, self.max_batch_size)
+        ids = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
+        slots = torch.arange(rows, device=self.device)
+        zeros, ones = torch.zeros(rows, dtype=torch.long, device=self.device), torch.ones(rows, device=self.device)
+        logits = self.runner.prefill(ids, slots, zeros)
+        self._sample(logits, ones, zeros, ones, 0 * ones, zeros, zeros, False, False)
+        top = pick_bucket(self.len_buckets, min(max_len or self.max_model_len, self.max_model_len))
+        keys = [(nb, kv, False, False) for kv in self.len_buckets if kv <= top for nb in self.batch_buckets]
+        for key in keys:
+            if not self.use_graphs:
+                self._decode_step(*key)
+            elif key not in self._graphs:
+                self._graphs[key] = self._capture(*key)
+        return len(keys)
+
     def reset_cache(self) -> None:
         """No prefix cache: K/V never outlive their request. Rebuilds the RoPE tables (buffers may have moved)."""
         self.runner.rebuild_rope()

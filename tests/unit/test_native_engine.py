@@ -320,3 +320,23 @@ def test_sampled_sequences_follow_the_model_distribution(model_dir, device):
     df = len(obs) - 1
     crit = df * (1 - 2 / (9 * df) + 3.09 * (2 / (9 * df)) ** 0.5) ** 3  # Wilson-Hilferty, p = 0.001
     assert chi2 < crit, (chi2, crit, df)
+
+
+def test_warmup_runs_every_decode_bucket_and_changes_no_output(model_dir, device):
+    # max_model_len 512: length buckets 256 and 512; rows 1, 2, 4
+    sp = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    cold, _, tok = _engine(model_dir, device, max_batch_size=4, max_model_len=512)
+    want = cold.generate(_reqs(tok, sp, seed0=5))
+    warm, _, _ = _engine(model_dir, device, max_batch_size=4, max_model_len=512)
+    assert warm.warmup(max_len=100) == 3  # the 256 bucket only
+    assert warm.warmup() == 6
+    if warm.use_graphs:
+        assert set(warm._graphs) == {(nb, kv, False, False) for nb in (1, 2, 4) for kv in (256, 512)}
+    assert warm.num_prefill_tokens == 0 and warm.num_generated_tokens == 0
+    got = warm.generate(_reqs(tok, sp, seed0=5))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), rtol=0, atol=1e-6)
+    warm.add_request(_reqs(tok, sp, seed0=5)[0])
+    with pytest.raises(ValueError, match="in flight"):
+        warm.warmup()
