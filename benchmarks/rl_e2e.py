@@ -150,12 +150,14 @@ def eval_config(args: argparse.Namespace, out: Path) -> Path:
     return path
 
 
-def eval_model(name: str, model: Path, args: argparse.Namespace, out: Path, extra: tuple[str, ...] = ()) -> dict:
+def eval_model(
+    name: str, model: Path, args: argparse.Namespace, out: Path, extra: tuple[str, ...] = (), limit_s: float = 0
+) -> dict:
     d = out / name
     r = run_logged(name, [sys.executable, "-m", "prime_spmd", "eval", "--config", str(eval_config(args, out)),
                           "--model.path", str(model), "--output_dir", str(d), "--sampling.max_tokens",
                           str(args.max_tokens), "--env.num_eval_examples", str(args.eval_examples),
-                          "--log.no_progress", *extra], out, args.eval_limit_s)  # fmt: skip
+                          "--log.no_progress", *extra], out, limit_s or args.eval_limit_s)  # fmt: skip
     if r["rc"] == 0:
         r.update(json.loads((d / "summary.json").read_text()))
     return r
@@ -427,6 +429,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sft-limit-s", type=float, default=300)
     p.add_argument("--rl-limit-s", type=float, default=150)
     p.add_argument("--eval-limit-s", type=float, default=90)
+    p.add_argument("--eval-sft-limit-s", type=float, default=0,
+                   help="the post-SFT eval's limit (0: --eval-limit-s); the first process to compile the engine")  # fmt: skip
     p.add_argument(
         "--budget-s",
         type=float,
@@ -523,7 +527,7 @@ def main() -> None:
     n_params = num_params(model)
     res["meta"]["num_params"] = n_params
     if not args.no_eval:
-        res["phases"]["eval_sft"] = eval_model("eval_sft", model, args, out)
+        res["phases"]["eval_sft"] = eval_model("eval_sft", model, args, out, limit_s=args.eval_sft_limit_s)
         save()
     sides = args.sides.split(",")
     for rep in range(args.repeats):
