@@ -71,7 +71,7 @@ case $PART in
     (while true; do cp "$R/results.json" "$OUT/rl_e2e/" 2> /dev/null; sleep 5; done) & copier=$!
     run rl_e2e 560 python3 benchmarks/rl_e2e.py --device cuda --shape qwen3-0.6b --out "$R" --trl-python python3 \
       --tokenizer-files .whl/qwen3-tokenizer --sft-steps 100 --sft-batch 128 --sft-warmup-steps 20 --sft-limit-s 110 \
-      --steps 30 --warmup 3 --prompts 16 --group-size 8 --max-tokens 20 --lr 1e-5 --micro-batch-tokens 16384 --ours-flag=--rollout.std_normalize --rl-limit-s 100 --eval-limit-s 60 --eval-sft-limit-s 110 --budget-s 540 \
+      --steps 30 --warmup 3 --prompts 16 --group-size 8 --max-tokens 20 --lr 1e-5 --micro-batch-tokens 16384 --ours-flag=--rollout.std_normalize --rl-limit-s 100 --eval-limit-s 60 --budget-s 540 \
       --compile-cache /tmp/rl_e2e_compile_cache --eval-sft-fp32
     kill "$copier" 2> /dev/null
     cp "$R/results.json" "$R"/*.png "$OUT/rl_e2e/" 2> /dev/null

