@@ -97,21 +97,38 @@ def peak_mib(fn: Callable[[], Any], device: str | torch.device) -> float | None:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def run_metadata(device: str | torch.device, **extra: Any) -> dict[str, Any]:
-    """Date, short commit (the COMMIT file of a source snapshot, else git's HEAD), device name and torch
-    version of this run, then ``extra``."""
-    stamp = Path(__file__).resolve().parent.parent / "COMMIT"  # a source snapshot's commit (scripts/gpu_snapshot.sh)
+def source_commit() -> str | None:
+    """Short commit of the code that runs: the COMMIT file of a source snapshot (scripts/gpu_snapshot.sh; the
+    device machine's git metadata can be stale), else git's HEAD."""
+    root = Path(__file__).resolve().parent.parent
+    stamp = root / "COMMIT"
     if stamp.is_file():
-        commit = stamp.read_text().strip()
-    else:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        return stamp.read_text().strip() or None
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=root)
+    return head.stdout.strip() or None
+
+
+def run_metadata(device: str | torch.device, **extra: Any) -> dict[str, Any]:
+    """Date, short commit (``source_commit``), device name and torch version of this run, then ``extra``."""
     return dict(
         date=datetime.date.today().isoformat(),
-        commit=commit or None,
+        commit=source_commit(),
         device=torch.cuda.get_device_name(device) if is_cuda(device) else platform.processor() or "cpu",
         torch=torch.__version__,
         **extra,
     )
+
+
+def train_step_flops(model_dir: str | Path, num_params: int, model_tokens: float, head_tokens: float) -> float:
+    """FLOPs of one training step, forward + backward at 6 per parameter per token: the blocks' parameters times
+    the tokens the blocks ran (``model_tokens``: prompt sharing skips a group's prompt copies), plus the LM head's
+    times the tokens it ran (``head_tokens``: every packed token). The input embedding (a lookup) counts for
+    nothing; attention's quadratic term is left out. ``num_params`` counts tied weights once; the vocab and
+    hidden sizes and the tying come from ``model_dir``'s config.json."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    head = cfg["vocab_size"] * cfg["hidden_size"]
+    blocks = num_params - head * (1 if cfg.get("tie_word_embeddings", False) else 2)
+    return 6.0 * (blocks * model_tokens + head * head_tokens)
 
 
 def write_json(path: str | Path, payload: dict[str, Any]) -> None:

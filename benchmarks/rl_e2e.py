@@ -17,7 +17,9 @@ One script for both machines; the same phases run on CPU (tiny shapes) and on on
    (run 6); its result does not depend on when it runs.
 
 Per RL step: samples/s, generated and trained tokens/s, the time split (generate / train / weight sync /
-wait), the train part's MFU (6 * parameters * forwarded tokens / train time / --peak-tflops; GPU only) and
+wait), the train part's MFU (``common.train_step_flops``: 6 x the blocks' parameters x the tokens they ran, prompt
+copies skipped by prompt sharing left out, + 6 x the LM head's x every packed token; / train time / --peak-tflops;
+GPU only) and
 peak memory; the mismatch KL of step 0 (max_async 0: the engine's and the trainer's bf16 logprobs of the
 same weights) and at lag 1. Steps before ``--warmup`` are left out of the rates. Every phase runs as a
 subprocess with its own time limit; results.json is rewritten after each phase, plots at the end (and
@@ -333,8 +335,11 @@ def summarize(run: dict, args: argparse.Namespace, n_params: int) -> dict:
     if mean("trained_tokens") is not None:
         s["trained_tokens_per_s"] = mean("trained_tokens") / step_s
         s["forward_tokens_per_train_s"] = mean("forward_tokens") / s["train_time_s"]
-        if args.device == "cuda":
-            s["train_mfu_pct"] = 100 * 6 * n_params * s["forward_tokens_per_train_s"] / (args.peak_tflops * 1e12)
+        if args.device == "cuda" and mean("model_tokens") is not None:
+            from benchmarks.common import train_step_flops
+
+            flops = train_step_flops(args.model_dir, n_params, mean("model_tokens"), mean("forward_tokens"))
+            s["train_mfu_pct"] = 100 * flops / s["train_time_s"] / (args.peak_tflops * 1e12)
         s["mismatch_kl_step0"] = run["steps"][0]["mismatch_kl"]
         s["mismatch_kl_mean"] = statistics.fmean(r["mismatch_kl"] for r in run["steps"])
     return s
@@ -474,8 +479,9 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    meta = dict(date=datetime.date.today().isoformat(), commit=commit.stdout.strip() or None, torch=torch.__version__,
+    from benchmarks.common import source_commit
+
+    meta = dict(date=datetime.date.today().isoformat(), commit=source_commit(), torch=torch.__version__,
                 device=torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
                 cpus=os.cpu_count(), omp_threads=os.environ.get("OMP_NUM_THREADS"))  # fmt: skip
     res: dict = dict(meta=meta, args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -527,6 +533,7 @@ def main() -> None:
             raise SystemExit(f"SFT failed (see {out / 'sft.log'})")
         model = out / "sft" / "hf"
     n_params = num_params(model)
+    args.model_dir = model  # config.json for the FLOP count (summarize)
     res["meta"]["num_params"] = n_params
     sides = args.sides.split(",")
     for rep in range(args.repeats):

@@ -207,7 +207,6 @@ def run_variant(name: str, overrides: dict[str, str], model_dir: Path, args: arg
         common.sync(device)
         stats["step_s"] = time.perf_counter() - t
         stats["packed_tokens"] = sum(mb.num_tokens for mb in micro_batches)
-        stats["model_tokens"] = stats["packed_tokens"] - parts.policy.last_shared_tokens
         stats["micro_batches"] = len(micro_batches)
         return stats
 
@@ -215,9 +214,11 @@ def run_variant(name: str, overrides: dict[str, str], model_dir: Path, args: arg
     for _ in range(args.warmup):
         first.append(step()["step_s"])
     timed = [step() for _ in range(args.steps)]
-    med = {k: statistics.median(s[k] for s in timed) for k in ("step_s", "fwd_bwd_s", "optim_s", "model_tokens")}
+    keys = ("step_s", "fwd_bwd_s", "optim_s", "model_tokens", "packed_tokens")
+    med = {k: statistics.median(s[k] for s in timed) for k in keys}
     n_params = sum(p.numel() for p in parts.policy.parameters())
-    model_tokens = med.pop("model_tokens")
+    model_tokens, packed_tokens = med.pop("model_tokens"), med.pop("packed_tokens")
+    flops = common.train_step_flops(model_dir, n_params, model_tokens, packed_tokens)
     result = dict(
         variant=name,
         overrides=overrides,
@@ -226,13 +227,11 @@ def run_variant(name: str, overrides: dict[str, str], model_dir: Path, args: arg
         step_s=[s["step_s"] for s in timed],
         median=med,
         micro_batches=statistics.median(s["micro_batches"] for s in timed),
-        packed_tokens=statistics.median(s["packed_tokens"] for s in timed),
+        packed_tokens=packed_tokens,
         model_tokens=model_tokens,
         trained_tokens=statistics.median(s["trained_tokens"] for s in timed),
         params=n_params,
-        mfu=(6 * n_params * model_tokens / med["step_s"] / (args.peak_tflops * 1e12))
-        if device.type == "cuda"
-        else None,
+        mfu=(flops / med["step_s"] / (args.peak_tflops * 1e12)) if device.type == "cuda" else None,
         peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
     )
     if args.profile_steps:

@@ -67,7 +67,8 @@ def train_step(
     """Forward/backward every micro-batch, clip, step. Collective over the trainer role.
 
     Every trainer rank calls it with the same number of micro-batches (packing pads with dummies).
-    Returns global sums of the loss_fn stats plus ``loss`` (per trained token), ``grad_norm``,
+    Returns global sums of the loss_fn stats and of ``model_tokens`` (packed tokens less the prompt copies that
+    prompt sharing did not run through the blocks), plus ``loss`` (per trained token), ``grad_norm``,
     ``lr``, ``trained_tokens``, ``fwd_bwd_s`` (seconds to the clipped grad norm: forward, backward, reductions,
     clipping), ``optim_s`` (the optimizer and schedule steps after it, host time: on CUDA their kernels
     may still run after return), ``nonfinite`` (non-finite loss or gradient), ``empty_batch`` (no
@@ -91,7 +92,10 @@ def train_step(
         loss_sum, logprob_L, entropy_L = policy(mb.input_ids, mb.position_ids, mb.targets, temperature, loss_fn, fields)
         (loss_sum * scale).backward()
         stats = loss_fn.stats(logprob_L, entropy_L, fields)
-        stats = {"loss_sum": loss_sum, **stats}
+        # tokens the blocks ran: the packed ones less the prompt copies a shared forward skipped (the LM head
+        # still runs on every packed token); what an honest FLOP count multiplies the blocks' parameters by
+        model_tokens = mb.num_tokens - getattr(policy, "last_shared_tokens", 0)
+        stats = {"loss_sum": loss_sum, "model_tokens": torch.tensor(float(model_tokens)), **stats}
         router = getattr(policy, "last_router", None)
         if router is not None:  # the same on every rank: the model decides, not the data
             stats["router_aux_sum"] = router.aux_loss * fields["loss_mask"].sum()

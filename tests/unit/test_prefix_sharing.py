@@ -128,3 +128,28 @@ def test_share_prompts_only_where_supported(tmp_path) -> None:
     layout = share_layout(mb.input_ids, mb.position_ids, mb.loss_mask)
     with pytest.raises(ValueError, match="no explicit attention mask"):
         hf.adapter.forward_hidden_routed(layout.input_ids_RW, layout.position_ids_RW, layout.attn_mask_RWW)
+
+
+def test_train_step_counts_the_tokens_the_blocks_ran(tmp_path) -> None:
+    # what MFU multiplies the blocks' parameters by: packed tokens less the prompt copies sharing skipped
+    from prime_spmd.config.sections import ModelConfig
+    from prime_spmd.models.loading import load_model
+    from prime_spmd.models.tiny import build_tiny_model
+    from prime_spmd.trainer.step import train_step
+
+    path = build_tiny_model(tmp_path, "qwen3-nano")
+    lm = load_model(ModelConfig(path=str(path), impl="custom"), torch.device("cpu"))
+    mbs = pack(_samples(), micro_batch_tokens=48, num_ranks=1)[0]
+    assert len(mbs) >= 2  # the count sums over micro-batches
+    shared_tokens = 0
+    for mb in mbs:
+        layout = share_layout(mb.input_ids, mb.position_ids, mb.loss_mask)
+        shared_tokens += layout.num_shared_tokens if layout is not None else 0
+    assert shared_tokens > 0
+    packed = sum(mb.num_tokens for mb in mbs)
+    for share, want in ((True, packed - shared_tokens), (False, packed)):
+        policy = PolicyModel(copy.deepcopy(lm), "reference", share_prompts=share)
+        opt = torch.optim.SGD(policy.parameters(), lr=0.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+        stats = train_step(policy, opt, sched, mbs, _MeanLogprob(), device=torch.device("cpu"))
+        assert stats["model_tokens"] == want, (share, stats["model_tokens"], want)
