@@ -84,7 +84,7 @@ def prompts(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
 
 
 def run_native(
-    model, ids, new_tokens, device, cuda_graphs: bool, attention: str = "bmm", linear: str = "torch"
+    model, ids, new_tokens, device, cuda_graphs: bool, attention: str = "bmm", linear: str = "torch", sampler="torch"
 ) -> tuple[float, list]:
     """(seconds of the second ``generate``, its token ids per request)."""
     from prime_spmd.inference.engine import Request, SamplingParams
@@ -100,6 +100,7 @@ def run_native(
         cuda_graphs=cuda_graphs,
         decode_attention=attention,
         decode_linear=linear,
+        sampler=sampler,
     )
 
     def once() -> float:
@@ -237,6 +238,11 @@ def main() -> None:
         default="torch",
         help="native engines: comma list of torch, triton (fused decode linears); crossed with --decode-attention",
     )
+    ap.add_argument(
+        "--sampler",
+        default="torch",
+        help="native engines: comma list of torch, triton (kernels/gumbel_sample); crossed with the two above",
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -260,10 +266,15 @@ def main() -> None:
         base_tokens = None  # the first native row's samples; later native rows report their agreement with it
         for name in engines:
             if name in ("native", "native-custom"):
-                for attn, lin in itertools.product(args.decode_attention.split(","), args.decode_linear.split(",")):
+                variants = itertools.product(
+                    args.decode_attention.split(","), args.decode_linear.split(","), args.sampler.split(",")
+                )
+                for attn, lin, smp in variants:
                     m = model if name == "native" else custom
-                    secs, toks = run_native(m, ids, args.new_tokens, device, not args.no_cuda_graphs, attn, lin)
-                    row = dict(engine=name, decode_attention=attn, decode_linear=lin, batch=bs, seconds=secs)
+                    secs, toks = run_native(m, ids, args.new_tokens, device, not args.no_cuda_graphs, attn, lin, smp)
+                    row = dict(
+                        engine=name, decode_attention=attn, decode_linear=lin, sampler=smp, batch=bs, seconds=secs
+                    )
                     row["roofline_tok_s"] = roof
                     row["tokens_per_s"] = bs * args.new_tokens / secs
                     if base_tokens is None:
@@ -272,7 +283,7 @@ def main() -> None:
                         row.update(token_agreement(base_tokens, toks))
                     rows.append(row)
                     extra = f", same tokens as the first: {row['same_tokens']:.3f}" if "same_tokens" in row else ""
-                    print(f"{name}[{attn},{lin}] batch {bs:4d}: {row['tokens_per_s']:10.1f} tok/s ({secs:.2f} s){extra}",
+                    print(f"{name}[{attn},{lin},{smp}] batch {bs:4d}: {row['tokens_per_s']:10.1f} tok/s ({secs:.2f} s){extra}",
                           file=sys.stderr, flush=True)  # fmt: skip
                 continue
             elif name in ("hf", "hf-static"):
@@ -309,7 +320,9 @@ def main() -> None:
     for r in rows:
         vs = f"{r['speedup_vs_hf']:.1f}x" if r["speedup_vs_hf"] else "-"
         tok_s, roof, frac = r["tokens_per_s"], r["roofline_tok_s"], r["roofline_fraction"]
-        label = f"{r['engine']}[{r['decode_attention']},{r['decode_linear']}]" if "decode_linear" in r else r["engine"]
+        label = r["engine"]
+        if "decode_linear" in r:
+            label += f"[{r['decode_attention']},{r['decode_linear']},{r['sampler']}]"
         table.append([label, r["batch"], f"{tok_s:.0f}", vs, f"{roof:.0f}", f"{100 * frac:.1f}%"])
     common.print_markdown_table(["engine", "batch", "tokens/s", "vs hf", "decode roofline tok/s", "of roofline"], table)
     if args.out:

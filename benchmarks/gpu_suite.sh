@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU runs recorded in docs/benchmarks.md, in parts that fit one device call each.
-#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | engine_profile | decode_attn | decode_linear_sweep | decode_linear_engine | loss | moe | trainer | train_step | lora | env_bridge | engine_warmup | rl_e2e | sample_parity | rl
+#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | engine_profile | sampler | decode_attn | decode_linear_sweep | decode_linear_engine | loss | moe | trainer | train_step | lora | env_bridge | engine_warmup | rl_e2e | sample_parity | rl
 # Each step has its own time limit so that one slow step does not lose the others' results.
 set -uo pipefail
 PART=$1; OUT=${2:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -18,6 +18,12 @@ case $PART in
     mkdir -p "$OUT/engine_profile"
     run engine_profile 200 python3 benchmarks/engine_profile.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,64 --out-dir "$OUT/engine_profile"
     run engine_rows 240 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,64,256 --prompt-len 128 --new-tokens 256 --engine native --out "$OUT/engine_rows.json" ;;
+  sampler)  # issue 17: the split-vocabulary Triton sampler (kernels/gumbel_sample): CUDA tests, the engine with the torch vs Triton sampler, its mismatch KL; ~5 min
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
+    export PYTHONPATH=/tmp/site:$PWD
+    run sampler_tests 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_gumbel_sample.py
+    run sampler_engine 240 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,64,256 --prompt-len 128 --new-tokens 256 --engine native --decode-attention triton --decode-linear auto --sampler torch,triton --out "$OUT/engine_sampler.json"
+    run mismatch_sampler 90 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --sampler triton --out "$OUT/mismatch_sampler_triton.json" ;;
   decode_attn)  # issue 17: the Triton decode attention on CUDA (tests), alone (sweep), in the engine vs bmm
     run decode_attn_tests 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_attention.py tests/unit/test_native_decode_attention.py
     run decode_attn_kernel 100 python3 benchmarks/decode_attention.py --batch-sizes 1,64,256 --out "$OUT/decode_attention.json"

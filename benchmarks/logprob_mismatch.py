@@ -48,6 +48,7 @@ def main() -> None:
         "--init-std", type=float, default=0.0, help="initializer_range of the random model (0: shape default)"
     )
     ap.add_argument("--decode-linear", default="auto", choices=["auto", "torch", "triton"], help="the engine's linears")
+    ap.add_argument("--sampler", default="auto", choices=["auto", "torch", "triton"], help="the engine's sampler")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
 
@@ -73,6 +74,7 @@ def main() -> None:
             max_model_len=args.prompt_len + args.new_tokens,
             device=device,
             decode_linear=args.decode_linear,
+            sampler=args.sampler,
         )
         trainer_lm = load_model(mcfg, device, dtype).eval()
     vocab = engine.vocab_size

@@ -48,6 +48,7 @@ def build_engine(
         cuda_graphs=inference_cfg.cuda_graphs,
         decode_attention=inference_cfg.decode_attention,
         decode_linear=inference_cfg.decode_linear,
+        sampler=inference_cfg.sampler,
     )
     warm = inference_cfg.warmup
     if warm == "on" or (warm == "auto" and engine.use_graphs):

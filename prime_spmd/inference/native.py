@@ -30,7 +30,7 @@ import torch
 from prime_spmd.inference.engine import Completion, InferenceEngine, Request
 from prime_spmd.inference.kv_cache import SlotKVCache, bucket_sizes, pick_bucket
 from prime_spmd.inference.runner import DecodeAttention, DecodeLinear, build_runner
-from prime_spmd.inference.sampling import SamplingTensors, sample_flat
+from prime_spmd.inference.sampling import Sampler, SamplingTensors, make_sampler
 from prime_spmd.models.registry import adapter_for
 
 
@@ -59,7 +59,8 @@ class NativeEngine(InferenceEngine):
     the length bucket), "triton" (the flash-decoding kernel, kernels/decode_attention) or "auto"
     (triton on CUDA, bmm elsewhere); ``decode_linear``: "torch", "triton" (fused norm / GEMM / epilogue
     kernels, kernels/decode_linear) or "auto" (triton on CUDA for hidden size <= 1024, else torch); both
-    used by the Llama-style runner. Call every method from one thread.
+    used by the Llama-style runner. ``sampler``: "torch", "triton" (kernels/gumbel_sample for plain sampling)
+    or "auto" (torch; ``sampling.make_sampler``). Call every method from one thread.
     """
 
     def __init__(
@@ -78,6 +79,7 @@ class NativeEngine(InferenceEngine):
         share_prefill: bool = True,
         decode_attention: DecodeAttention = "auto",
         decode_linear: DecodeLinear = "auto",
+        sampler: Sampler = "auto",
     ) -> None:
         device = torch.device(device) if device is not None else next(model.parameters()).device
         if dtype is not None:
@@ -102,10 +104,8 @@ class NativeEngine(InferenceEngine):
         # MoE expert dispatch sizes its buffers on the host (data-dependent shapes): no graphs
         has_moe = any("MoE" in type(m).__name__ for m in self.model.modules())
         self.use_graphs = cuda_graphs and device.type == "cuda" and self.runner.cache is not None and not has_moe
-        # the sampler is ~30 elementwise/reduction passes over [B, V]; compiled (CUDA only) a few
-        self._sample = sample_flat
-        if compile_sampler and device.type == "cuda":
-            self._sample = torch.compile(sample_flat, dynamic=True)
+        # the torch sampler is ~30 elementwise/reduction passes over [B, V]; compiled (CUDA only) a few
+        self._sample = make_sampler(sampler, compile_sampler and device.type == "cuda")
         self._graphs: dict[tuple[int, int, bool, bool], torch.cuda.CUDAGraph] = {}
         self._pool = None
         # per-slot decode state on the device, written at admission and advanced by each decode step

@@ -19,68 +19,31 @@ T = 0 is greedy (argmax of the raw logits) and reports ``log_softmax(logits)[tok
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-_MASK32 = 0xFFFFFFFF
+from kernels.gumbel_sample.reference import exponential_from_bits, noise_bits
 
+__all__ = [
+    "SamplingTensors",
+    "exponential_from_bits",
+    "gumbel_noise",
+    "make_sampler",
+    "noise_bits",
+    "sample",
+    "sample_flat",
+]
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (lowbias32-style) on int64 tensors holding values in [0, 2^32).
-
-    Multipliers are < 2^31 so every product stays below 2^63: no signed overflow anywhere.
-    """
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x2C1B3C6D) & _MASK32
-    x = x ^ (x >> 16)
-    x = (x * 0x297A2D39) & _MASK32
-    x = x ^ (x >> 15)
-    return x
-
-
-def row_keys(seeds_B: torch.Tensor, steps_B: torch.Tensor) -> torch.Tensor:
-    """Per-row 32-bit keys from (seed, step): int64 [B] -> int64 [B] in [0, 2^32)."""
-    lo = seeds_B & _MASK32
-    hi = (seeds_B >> 32) & _MASK32
-    k = _mix32(lo ^ 0x5BD1E995)
-    k = _mix32(k ^ hi)
-    return _mix32(k ^ (steps_B & _MASK32))
-
-
-_BITS = 24
-_HALF = 1 << (_BITS - 1)
-_SCALE = 1.0 / (1 << _BITS)
-
-
-def noise_bits(seeds_B: torch.Tensor, steps_B: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """24 hashed bits per (row, vocab index): int64 [B, V] in [0, 2^24), a pure function of (seed, step, index)."""
-    keys_B = row_keys(seeds_B, steps_B)
-    v_V = torch.arange(vocab_size, device=seeds_B.device, dtype=torch.int64)
-    return _mix32(keys_B[:, None] ^ _mix32(v_V + 0x3C6EF372)[None, :]) >> (32 - _BITS)
+Sampler = Literal["auto", "torch", "triton"]
 
 
 def exponential_noise(seeds_B: torch.Tensor, steps_B: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Standard exponential noise float32 [B, V]: ``-log(u)`` for ``u = (k + 0.5) / 2^24``, k the hashed bits.
-
-    Computed so that no u rounds to 1: ``(k + 0.5)`` needs 25 significant bits once k >= 2^23, and
-    float32 has 24, so the naive ``-log(float(k) + 0.5) / 2^24)`` maps k = 2^24 - 1 to u = 1, e = 0 and
-    a Gumbel of +inf: a uniformly random token forced at rate 2^-24 per vocab entry, 0.9% of all samples
-    with Qwen3's 151,936-token vocabulary (found by benchmarks/sample_parity.py on the GPU, 2026-12-03).
-    The upper half uses ``w = 1 - u = (2^24 - 1 - k + 0.5) / 2^24`` (exact) and ``-log1p(-w)``, which
-    is also accurate where e is small, i.e. in the large-Gumbel tail that decides unlikely tokens.
-    """
+    """Standard exponential noise float32 [B, V]: ``-log(u)`` for ``u = (k + 0.5) / 2^24``, k the hashed bits
+    (the hash and the exact ``-log(u)`` are kernels/gumbel_sample/reference.py's, the spec the kernel follows)."""
     return exponential_from_bits(noise_bits(seeds_B, steps_B, vocab_size))
-
-
-def exponential_from_bits(k_BV: torch.Tensor) -> torch.Tensor:
-    """``-log((k + 0.5) / 2^24)`` in float32 for int64 k in [0, 2^24), accurate to float32 rounding (see above)."""
-    low_BV = k_BV < _HALF
-    u_low_BV = (k_BV.to(torch.float32) + 0.5) * _SCALE  # exact for k < 2^23
-    w_high_BV = (((1 << _BITS) - 1 - k_BV).to(torch.float32) + 0.5) * _SCALE  # exact for k >= 2^23
-    return torch.where(low_BV, -torch.log(u_low_BV), -torch.log1p(-w_high_BV))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -192,3 +155,25 @@ def sample_flat(
         needs_min_p=needs_min_p,
     )
     return sample(logits_BV, st, gumbel_noise)
+
+
+def make_sampler(impl: Sampler, compile_torch: bool) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The engine's ``sample_flat``-shaped sampler. "torch": ``sample_flat`` (``torch.compile``d when
+    ``compile_torch``); "triton": plain sampling (no top-k / top-p / min-p in the step) through the
+    split-vocabulary kernels of kernels/gumbel_sample, filtered sampling through the torch one; "auto": torch
+    (the kernels are not yet measured on a GPU; docs/inference.md)."""
+    if impl not in ("auto", "torch", "triton"):
+        raise ValueError(f"unknown sampler {impl!r}; choose auto, torch or triton")
+    torch_fn = torch.compile(sample_flat, dynamic=True) if compile_torch else sample_flat
+    if impl != "triton":
+        return torch_fn
+    import kernels.gumbel_sample.op  # noqa: F401  registers torch.ops.prime_spmd.gumbel_sample
+
+    def fused(logits_BV, temperature_B, top_k_B, top_p_B, min_p_B, seeds_B, steps_B, needs_sort, needs_min_p):
+        if needs_sort or needs_min_p:
+            return torch_fn(
+                logits_BV, temperature_B, top_k_B, top_p_B, min_p_B, seeds_B, steps_B, needs_sort, needs_min_p
+            )
+        return torch.ops.prime_spmd.gumbel_sample(logits_BV.float(), temperature_B, seeds_B, steps_B)
+
+    return fused

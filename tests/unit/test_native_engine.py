@@ -340,3 +340,18 @@ def test_warmup_runs_every_decode_bucket_and_changes_no_output(model_dir, device
     warm.add_request(_reqs(tok, sp, seed0=5)[0])
     with pytest.raises(ValueError, match="in flight"):
         warm.warmup()
+
+
+def test_triton_sampler_draws_the_torch_samplers_tokens(model_dir, device):
+    # plain sampling through kernels/gumbel_sample (CPU: the Triton interpreter); a greedy request and a
+    # top-p one (which falls back to the torch sampler) in the same engine
+    reqs = lambda tok: _reqs(tok, SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True), seed0=3)  # noqa: E731
+    want_eng, _, tok = _engine(model_dir, device, max_batch_size=4, sampler="torch")
+    got_eng, _, _ = _engine(model_dir, device, max_batch_size=4, sampler="triton")
+    for make in (reqs, lambda t: _reqs(t, SamplingParams(temperature=0, max_tokens=6), seed0=3)):
+        want, got = want_eng.generate(make(tok)), got_eng.generate(make(tok))
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        for g, w in zip(got, want):
+            torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), rtol=0, atol=1e-5)
+    topp = _reqs(tok, SamplingParams(temperature=1.0, top_p=0.8, max_tokens=6), seed0=3)
+    assert [o.token_ids for o in got_eng.generate(topp)] == [o.token_ids for o in want_eng.generate(topp)]

@@ -1,0 +1,165 @@
+"""Triton Gumbel-max sampling (see reference.py for the math) in two launches, split over the vocabulary.
+
+1. ``_partials_kernel``, grid (S vocab chunks, B rows): each program streams its chunk of one row's logits once
+   and keeps, in fp32: the running max and sum of exp (online softmax), the best ``x + g`` with its index and
+   its x, and the best x with its index (greedy). The noise is hashed in the kernel (uint32 arithmetic, the
+   reference's int64 ``& MASK32`` products wrap the same way), so it costs no memory traffic.
+2. ``_combine_kernel``, grid (B,): merges a row's S partials into the token and ``x[token] - logZ``.
+Splitting the vocabulary gives every row S programs: one program per row (what a compiled torch sampler
+reduces with) leaves most of the GPU idle at small batch sizes. Ties go to the lowest index, as torch.argmax.
+
+``-log1p(-w)`` is computed as ``log(y) * z / (y - 1)`` with ``z = -w``, ``y = 1 + z`` (exact where y == 1:
+z), accurate to a few ulps with ``tl.log`` alone (libdevice's log1p is not available under the interpreter).
+So the noise can differ from the reference's in the last bits: a token can differ only where two candidates'
+``x + g`` tie to within that.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.gumbel_sample.reference import MASK32, NOISE_BITS, SEED_SALT, VOCAB_SALT
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _mix32(x):
+    """reference.mix32 on uint32 (multiplication wraps mod 2^32)."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x2C1B3C6D
+    x = x ^ (x >> 16)
+    x = x * 0x297A2D39
+    x = x ^ (x >> 15)
+    return x
+
+
+@triton.jit
+def _partials_kernel(
+    logits_ptr, temp_ptr, seeds_ptr, steps_ptr, part_f_ptr, part_i_ptr,
+    V, CHUNK, S, slv, stt, sts, stp,
+    BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    s = tl.program_id(0)
+    b = tl.program_id(1)
+    t = tl.load(temp_ptr + b * stt)
+    t = tl.where(t <= 0, 1.0, t)
+    seed = tl.load(seeds_ptr + b * sts)
+    step = tl.load(steps_ptr + b * stp)
+    key = _mix32((seed & MASK32).to(tl.uint32) ^ SEED_SALT)
+    key = _mix32(key ^ ((seed >> 32) & MASK32).to(tl.uint32))
+    key = _mix32(key ^ (step & MASK32).to(tl.uint32))
+    lanes = tl.arange(0, BLOCK_V)
+    neg_inf = float("-inf")
+    m_run = tl.full((), neg_inf, tl.float32)  # max of x: also the greedy candidate's value
+    l_run = tl.full((), 0.0, tl.float32)
+    top_i = tl.full((), 0, tl.int32)
+    best = tl.full((), neg_inf, tl.float32)
+    best_x = tl.full((), neg_inf, tl.float32)
+    best_i = tl.full((), 0, tl.int32)
+    start = s * CHUNK
+    stop = tl.minimum(start + CHUNK, V)
+    for v0 in range(start, stop, BLOCK_V):
+        offs = v0 + lanes
+        mask = offs < stop
+        x = tl.load(logits_ptr + b * slv + offs, mask=mask, other=neg_inf).to(tl.float32) / t
+        tile_max = tl.max(x, 0)
+        if tile_max > m_run:  # strict: the earlier tile keeps a tie
+            top_i = v0 + tl.argmax(x, 0)
+        m_new = tl.maximum(m_run, tile_max)
+        l_run = l_run * tl.exp(m_run - m_new) + tl.sum(tl.where(mask, tl.exp(x - m_new), 0.0), 0)
+        m_run = m_new
+        # noise: 24 hashed bits -> exponential e -> Gumbel -log(e)
+        bits = _mix32(key ^ _mix32(offs.to(tl.uint32) + VOCAB_SALT)) >> (32 - NOISE_BITS)
+        scale = 1.0 / (1 << NOISE_BITS)
+        u = (bits.to(tl.float32) + 0.5) * scale  # exact below 2^23
+        z = -((((1 << NOISE_BITS) - 1 - bits).to(tl.float32) + 0.5) * scale)  # -w = u - 1, exact from 2^23 on
+        y = 1.0 + z
+        log1p_z = tl.where(y == 1.0, z, tl.log(y) * z / (y - 1.0))
+        e = tl.where(bits < (1 << (NOISE_BITS - 1)), -tl.log(u), -log1p_z)
+        score = tl.where(mask, x - tl.log(e), neg_inf)
+        tile_best = tl.max(score, 0)
+        if tile_best > best:
+            i = tl.argmax(score, 0)
+            best = tile_best
+            best_i = v0 + i
+            best_x = tl.max(tl.where(lanes == i, x, neg_inf), 0)
+    pf = part_f_ptr + (b * S + s) * 4
+    tl.store(pf + 0, m_run)
+    tl.store(pf + 1, l_run)
+    tl.store(pf + 2, best)
+    tl.store(pf + 3, best_x)
+    pi = part_i_ptr + (b * S + s) * 2
+    tl.store(pi + 0, best_i)
+    tl.store(pi + 1, top_i)
+
+
+@triton.jit
+def _combine_kernel(
+    temp_ptr, part_f_ptr, part_i_ptr, tokens_ptr, logprobs_ptr,
+    S, stt,
+    BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_S)
+    mask = offs < S
+    neg_inf = float("-inf")
+    pf = part_f_ptr + (b * S + offs) * 4
+    m = tl.load(pf + 0, mask=mask, other=neg_inf)
+    l_ = tl.load(pf + 1, mask=mask, other=0.0)
+    best = tl.load(pf + 2, mask=mask, other=neg_inf)
+    best_x = tl.load(pf + 3, mask=mask, other=neg_inf)
+    pi = part_i_ptr + (b * S + offs) * 2
+    best_i = tl.load(pi + 0, mask=mask, other=0)
+    top_i = tl.load(pi + 1, mask=mask, other=0)
+    m_all = tl.max(m, 0)
+    log_z = m_all + tl.log(tl.sum(tl.where(mask, l_ * tl.exp(m - m_all), 0.0), 0))
+    s_best = tl.argmax(best, 0)  # first chunk on a tie: the lowest index
+    tok = tl.sum(tl.where(offs == s_best, best_i, 0), 0)
+    x_tok = tl.max(tl.where(offs == s_best, best_x, neg_inf), 0)
+    s_top = tl.argmax(m, 0)
+    greedy = tl.load(temp_ptr + b * stt) <= 0
+    tok = tl.where(greedy, tl.sum(tl.where(offs == s_top, top_i, 0), 0), tok)
+    x_tok = tl.where(greedy, m_all, x_tok)
+    tl.store(tokens_ptr + b, tok.to(tl.int64))
+    tl.store(logprobs_ptr + b, x_tok - log_z)
+
+
+def num_chunks(rows: int, vocab: int, block_v: int, device: torch.device) -> int:
+    """Vocab chunks per row: enough programs to fill the GPU about twice (rows x chunks), at least one tile
+    each; the interpreter takes 3 chunks at most, so tests cover the merge cheaply."""
+    tiles = triton.cdiv(vocab, block_v)
+    if INTERPRET or device.type != "cuda":
+        return min(3, tiles)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(tiles, triton.cdiv(2 * sms, rows), 1024))
+
+
+def gumbel_sample(
+    logits_BV: torch.Tensor, temperature_B: torch.Tensor, seeds_B: torch.Tensor, steps_B: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens int64 [B], logprobs float32 [B]) as reference.gumbel_sample_reference; logits' last dim contiguous,
+    the [B] inputs any stride (the engine passes columns of its sampling-parameter tables)."""
+    B, V = logits_BV.shape
+    block_v = 64 if INTERPRET else 1024
+    s = num_chunks(B, V, block_v, logits_BV.device)
+    chunk = triton.cdiv(triton.cdiv(V, s), block_v) * block_v  # whole tiles per chunk
+    s = triton.cdiv(V, chunk)
+    part_f = torch.empty(B, s, 4, device=logits_BV.device, dtype=torch.float32)
+    part_i = torch.empty(B, s, 2, device=logits_BV.device, dtype=torch.int32)
+    tokens = torch.empty(B, device=logits_BV.device, dtype=torch.int64)
+    logprobs = torch.empty(B, device=logits_BV.device, dtype=torch.float32)
+    _partials_kernel[(s, B)](
+        logits_BV, temperature_B, seeds_B, steps_B, part_f, part_i, V, chunk, s, logits_BV.stride(0),
+        temperature_B.stride(0), seeds_B.stride(0), steps_B.stride(0), BLOCK_V=block_v,
+    )  # fmt: skip
+    _combine_kernel[(B,)](
+        temperature_B, part_f, part_i, tokens, logprobs, s, temperature_B.stride(0), BLOCK_S=triton.next_power_of_2(s)
+    )
+    return tokens, logprobs
