@@ -53,6 +53,7 @@ def build_engine(
     warm = inference_cfg.warmup
     if warm == "on" or (warm == "auto" and engine.use_graphs):
         t0 = time.perf_counter()
+        logger.info("native engine warm-up: compiling and capturing the decode step of every batch/length bucket")
         n = engine.warmup()
         logger.info(f"native engine warm-up: {n} decode variants compiled/captured in {time.perf_counter() - t0:.1f} s")
     return engine
