@@ -5,7 +5,8 @@ qkv (RMSNorm + GEMM), o (GEMM + residual), gate_up (RMSNorm + GEMM + SiLU-gate),
 Each op runs over ``copies`` distinct weight copies (together > 256 MB, so weights come from HBM, not
 L2, as in a real step), captured in one CUDA graph, median over replays. Reports us per op and the
 bandwidth over its weight bytes (what bounds decode), for the kernel's default config and, with
-``--sweep full``, a grid of (BLOCK_N, BLOCK_K, warps, stages); plus the best config found per op and M.
+``--sweep full``, a grid of (BLOCK_N, BLOCK_K, warps, stages); ``--split-k 1,2,4`` adds the default tiles with K
+split over that many programs (and crosses the full grid with them); plus the best config found per op and M.
 
 Legend (docs/conventions.md, kernels/decode_linear/reference.py): M rows, K in, N out features of w.
 
@@ -69,11 +70,12 @@ def bench_op(name: str, spec, m: int, args, compiled) -> list[dict]:
     base = dict(shape=args.model_shape, op=name, M=m, K=k, N=n)
     rows = [dict(base, impl="torch", us=us, GBps=w_bytes / us / 1e3)]
     default = kernel.default_config(m, n // 2 if silu else n, k, silu, 2)
-    configs = [default]
+    splits = [int(x) for x in args.split_k.split(",")]
+    configs = [default] + [(*default[:5], sk) for sk in splits if sk != default[5]]
     if args.sweep == "full":
         bm = default[0]
-        grid = itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 4))
-        configs += [(bm, bn, bk, wp, st) for bn, bk, wp, st in grid]
+        grid = itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 4), splits)
+        configs += [(bm, bn, bk, wp, st, sk) for bn, bk, wp, st, sk in grid]
     for cfg in dict.fromkeys(configs):
 
         def run(i, cfg=cfg):
@@ -102,6 +104,7 @@ def main() -> None:
     ap.add_argument("--ops", default="qkv,o,gate_up,down")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--sweep", default="full", choices=["full", "default"])
+    ap.add_argument("--split-k", default="1", help="comma list of K splits (kernel.decode_linear's SPLIT_K) to time")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if args.device == "cpu":  # a smoke run under TRITON_INTERPRET=1: tiny shapes

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU runs recorded in docs/benchmarks.md, in parts that fit one device call each.
-#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | engine_profile | sampler | decode_attn | decode_linear_sweep | decode_linear_engine | loss | moe | trainer | train_step | lora | env_bridge | engine_warmup | rl_e2e | sample_parity | rl
+#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | engine_profile | sampler | decode_attn | decode_linear_sweep | decode_linear_splitk | decode_linear_engine | loss | moe | trainer | train_step | lora | env_bridge | engine_warmup | rl_e2e | sample_parity | rl
 # Each step has its own time limit so that one slow step does not lose the others' results.
 set -uo pipefail
 PART=$1; OUT=${2:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -31,6 +31,8 @@ case $PART in
   decode_linear_sweep)  # issue 17: the fused decode linears alone (sweep, 0.6B layer shapes, 1 and 64 rows); ~2.5 min
     run decode_linear_kernel_06b 240 python3 benchmarks/decode_linear.py --model-shape qwen3-0.6b --rows 1,64 --out "$OUT/decode_linear_06b.json"
     run decode_linear_kernel_8b 240 python3 benchmarks/decode_linear.py --model-shape qwen3-8b --rows 1,64 --out "$OUT/decode_linear_8b.json" ;;
+  decode_linear_splitk)  # issue 17: the fused decode linears with K split over 2 / 4 / 8 programs (0.6B layer shapes, 1 / 16 / 64 rows); ~1.5 min
+    run decode_linear_splitk 150 python3 benchmarks/decode_linear.py --model-shape qwen3-0.6b --rows 1,16,64 --sweep default --split-k 1,2,4,8 --out "$OUT/decode_linear_splitk.json" ;;
   decode_linear_engine)  # issue 17: the engine with torch vs fused decode linears (0.6B, 8B), mismatch KL of each; ~6.5 min
     # logprob_mismatch.py imports prime_spmd.config (tyro): install .whl (bash scripts/gpu_wheels.sh; carry .whl) first
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
