@@ -145,7 +145,7 @@ class TrainerConfig:
     batch_size: int = 32
     """Sequences per optimizer step, summed over all trainer ranks."""
     micro_batch_tokens: int = 2048
-    """Tokens packed into one micro-batch on one rank (forward/backward unit); gradients accumulate over micro-batches."""
+    """Tokens packed into one micro-batch on one rank (forward/backward unit); gradients accumulate over micro-batches. With --trainer.share_prompts (RL) the tokens the model runs, a group's prompt once (and at most twice this many packed tokens)."""
     seq_len: int = 512
     """Longest sequence (prompt + completion) in tokens; longer samples are dropped and counted."""
     activation_checkpointing: bool = False

@@ -86,30 +86,44 @@ def dummy_microbatch(field_names: list[str]) -> MicroBatch:
     )
 
 
-def first_fit(sizes: list[int], capacity: int) -> list[list[int]]:
+def first_fit(sizes: list[int], capacity: int, sizes2: list[int] | None = None, capacity2: int = 0) -> list[list[int]]:
     """First fit, in the given order, of items of ``sizes`` into bins of ``capacity`` (an item larger than it
-    gets a bin of its own): the item indices of each bin, bins in opening order."""
+    gets a bin of its own): the item indices of each bin, bins in opening order. With ``sizes2`` a bin also
+    holds at most ``capacity2`` of those (a second measure of the same items)."""
     bins: list[list[int]] = []
     loads: list[int] = []
+    loads2: list[int] = []
     for i, n in enumerate(sizes):
-        b = next((b for b, load in enumerate(loads) if load + n <= capacity), None)
+        n2 = sizes2[i] if sizes2 is not None else 0
+        ok = (
+            b for b in range(len(bins)) if loads[b] + n <= capacity and (sizes2 is None or loads2[b] + n2 <= capacity2)
+        )
+        b = next(ok, None)
         if b is None:
             bins.append([])
             loads.append(0)
+            loads2.append(0)
             b = len(bins) - 1
         bins[b].append(i)
         loads[b] += n
+        loads2[b] += n2
     return bins
 
 
-def pack(samples: list[Sample], micro_batch_tokens: int, num_ranks: int) -> list[list[MicroBatch]]:
+def pack(
+    samples: list[Sample], micro_batch_tokens: int, num_ranks: int, share_prompts: bool = False
+) -> list[list[MicroBatch]]:
     """Pack samples into micro-batches and deal them to ``num_ranks`` ranks.
 
     First-fit decreasing by length into bins of ``micro_batch_tokens``, of units that keep a share group
     (samples with the same tokens before their first trained token: a GRPO group's prompt) in one
     micro-batch, so that the trainer can forward its prompt once (``ShareLayout``); a group longer than a
-    bin is cut into bin-sized units. Bins go to the rank with the fewest tokens so far; ranks with fewer
-    bins get dummy micro-batches so every rank runs the same number of forward/backward passes. Deterministic for a given input order.
+    bin is cut into bin-sized units. ``share_prompts`` (the trainer forwards shared prompts once): a unit
+    costs the tokens the model runs, its group's prompt counted once, so a bin holds up to
+    ``micro_batch_tokens`` of those and at most twice that many packed tokens (what an unshared forward of
+    the row would run, should the row not share). Bins go to the rank with the fewest tokens so far; ranks
+    with fewer bins get dummy micro-batches so every rank runs the same number of forward/backward passes.
+    Deterministic for a given input order.
     """
     field_names = sorted(samples[0].fields) if samples else []
     for i, s in enumerate(samples):
@@ -121,8 +135,13 @@ def pack(samples: list[Sample], micro_batch_tokens: int, num_ranks: int) -> list
             raise ValueError(f"sample {i}: loss_mask/fields length differs from input_ids ({len(s.input_ids)})")
         if sorted(s.fields) != field_names:
             raise ValueError(f"sample {i}: fields {sorted(s.fields)} differ from the first sample's {field_names}")
-    units = list(_share_units(samples, micro_batch_tokens))
-    unit_bins = first_fit([sum(len(samples[i].input_ids) for i in u) for u in units], micro_batch_tokens)
+    units = list(_share_units(samples, micro_batch_tokens, share_prompts))
+    packed = [sum(len(samples[i].input_ids) for i in u) for u in units]
+    if share_prompts:
+        cost = [_unit_cost(samples, u, True) for u in units]
+        unit_bins = first_fit(cost, micro_batch_tokens, packed, 2 * micro_batch_tokens)
+    else:
+        unit_bins = first_fit(packed, micro_batch_tokens)
     bins = [[i for u in ub for i in units[u]] for ub in unit_bins]
     loads = [sum(len(samples[i].input_ids) for i in b) for b in bins]
     per_rank: list[list[int]] = [[] for _ in range(num_ranks)]
@@ -140,28 +159,43 @@ def pack(samples: list[Sample], micro_batch_tokens: int, num_ranks: int) -> list
     return out
 
 
-def _share_units(samples: list[Sample], capacity: int) -> list[list[int]]:
-    """Sample indices in packing units, longest unit first: one unit per share group (``pack``), a group of
-    more than ``capacity`` tokens cut greedily (its samples longest first) into units of at most ``capacity``.
-    Samples with nothing trained are units of their own. Deterministic for a given input order."""
+def _prompt_len(s: Sample) -> int | None:
+    """Tokens before the first trained one (a share group's key), or None when nothing is trained."""
+    return next((t for t, m in enumerate(s.loss_mask) if m), None)
+
+
+def _unit_cost(samples: list[Sample], unit: list[int], shared: bool) -> int:
+    """Tokens a unit puts through the model: all of them, or with ``shared`` its group's prompt once."""
+    total = sum(len(samples[i].input_ids) for i in unit)
+    f = _prompt_len(samples[unit[0]])
+    return total - (len(unit) - 1) * f if shared and f is not None else total
+
+
+def _share_units(samples: list[Sample], capacity: int, shared: bool = False) -> list[list[int]]:
+    """Sample indices in packing units, costliest unit first: one unit per share group (``pack``), a group
+    costing more than ``capacity`` tokens (``_unit_cost``; packed tokens are held to twice ``capacity`` when
+    ``shared``) cut greedily, its samples longest first. Samples with nothing trained are units of their own.
+    Deterministic for a given input order."""
     groups: dict[tuple, list[int]] = {}
     for i, s in enumerate(samples):
-        f = next((t for t, m in enumerate(s.loss_mask) if m), None)
+        f = _prompt_len(s)
         groups.setdefault(("solo", i) if f is None else ("prefix", tuple(s.input_ids[:f])), []).append(i)
     units: list[list[int]] = []
     for members in groups.values():
         unit: list[int] = []
-        load = 0
+        load = packed = 0
         for i in sorted(members, key=lambda i: (-len(samples[i].input_ids), i)):
             n = len(samples[i].input_ids)
-            if unit and load + n > capacity:
+            extra = n - (_prompt_len(samples[i]) or 0) if shared and unit else n  # the prompt is in the unit already
+            if unit and (load + extra > capacity or (shared and packed + n > 2 * capacity)):
                 units.append(unit)
-                unit, load = [], 0
+                unit, load, packed, extra = [], 0, 0, n
             unit.append(i)
-            load += n
+            load += extra
+            packed += n
         units.append(unit)
-    size = [sum(len(samples[i].input_ids) for i in u) for u in units]
-    return [units[u] for u in sorted(range(len(units)), key=lambda u: (-size[u], units[u][0]))]
+    cost = [_unit_cost(samples, u, shared) for u in units]
+    return [units[u] for u in sorted(range(len(units)), key=lambda u: (-cost[u], units[u][0]))]
 
 
 @dataclass(frozen=True, slots=True)

@@ -191,7 +191,8 @@ class _TrainerLoop:
                 1, sum(len(g) for g in batch.groups)
             )
             bm["policy_lag_max"] = float(j) - bm.pop("policy_version_min")
-            per_rank = pack(samples, cfg.trainer.micro_batch_tokens, topo.num_trainer_ranks)
+            share = self.parts.policy.share_prompts  # micro-batches then hold model tokens, prompts once
+            per_rank = pack(samples, cfg.trainer.micro_batch_tokens, topo.num_trainer_ranks, share_prompts=share)
             forward_tokens = sum(mb.num_tokens for mbs in per_rank for mb in mbs)
             bm["pack_time_s"] = time.perf_counter() - t_pack  # advantages, samples, packing (host)
         mine = [None]

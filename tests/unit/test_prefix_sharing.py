@@ -153,3 +153,26 @@ def test_train_step_counts_the_tokens_the_blocks_ran(tmp_path) -> None:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
         stats = train_step(policy, opt, sched, mbs, _MeanLogprob(), device=torch.device("cpu"))
         assert stats["model_tokens"] == want, (share, stats["model_tokens"], want)
+
+
+def test_pack_with_shared_prompts_budgets_the_tokens_the_model_runs() -> None:
+    from prime_spmd.trainer.packing import _unit_cost
+
+    # group A: a 10-token prompt x 4 completions of 5: 60 packed tokens, 30 through the model
+    group_a = [_doc([1] * 10, [2, 3, 4, 5, 6], adv=float(k)) for k in range(4)]
+    unshared = pack(group_a, micro_batch_tokens=32, num_ranks=1)[0]
+    shared = pack(group_a, micro_batch_tokens=32, num_ranks=1, share_prompts=True)[0]
+    assert [mb.num_tokens for mb in unshared] == [30, 30] and [mb.num_tokens for mb in shared] == [60]
+    # group B: a 20-token prompt x 4 completions of 2: 28 model tokens fit, but 88 packed tokens pass 2 x 32
+    group_b = [_doc([7] * 20, [8, 9], adv=float(k)) for k in range(4)]
+    mbs = pack(group_b, micro_batch_tokens=32, num_ranks=1, share_prompts=True)[0]
+    assert [mb.num_tokens for mb in mbs] == [44, 44]  # a third 22-token sample would make 66 > 64
+    everything = group_a + group_b + _samples()
+    for mb in pack(everything, micro_batch_tokens=32, num_ranks=2, share_prompts=True)[0]:
+        assert mb.num_tokens <= 64
+    # the bins' model tokens, as the trainer would count them, stay within the budget
+    for mb in pack(everything, micro_batch_tokens=32, num_ranks=1, share_prompts=True)[0]:
+        layout = share_layout(mb.input_ids, mb.position_ids, mb.loss_mask)
+        model_tokens = mb.num_tokens - (layout.num_shared_tokens if layout is not None else 0)
+        assert model_tokens <= 32, (mb.num_tokens, model_tokens)
+    assert _unit_cost(group_a, [0, 1, 2, 3], True) == 30 and _unit_cost(group_a, [0, 1, 2, 3], False) == 60
