@@ -115,7 +115,7 @@ def pack(
 ) -> list[list[MicroBatch]]:
     """Pack samples into micro-batches and deal them to ``num_ranks`` ranks.
 
-    First-fit decreasing by length into bins of ``micro_batch_tokens``, of units that keep a share group
+    First-fit decreasing by size into bins of ``micro_batch_tokens``, of units that keep a share group
     (samples with the same tokens before their first trained token: a GRPO group's prompt) in one
     micro-batch, so that the trainer can forward its prompt once (``ShareLayout``); a group longer than a
     bin is cut into bin-sized units. ``share_prompts`` (the trainer forwards shared prompts once): a unit
