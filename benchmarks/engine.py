@@ -241,7 +241,7 @@ def main() -> None:
     ap.add_argument(
         "--sampler",
         default="torch",
-        help="native engines: comma list of torch, triton (kernels/gumbel_sample); crossed with the two above",
+        help="native engines: comma list of torch, triton, fused (kernels/gumbel_sample); crossed with the two above",
     )
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     ap.add_argument("--out", default="")

@@ -18,12 +18,12 @@ case $PART in
     mkdir -p "$OUT/engine_profile"
     run engine_profile 200 python3 benchmarks/engine_profile.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,64 --out-dir "$OUT/engine_profile"
     run engine_rows 240 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,64,256 --prompt-len 128 --new-tokens 256 --engine native --out "$OUT/engine_rows.json" ;;
-  sampler)  # issue 17: the split-vocabulary Triton sampler (kernels/gumbel_sample): CUDA tests, the engine with the torch vs Triton sampler, its mismatch KL; ~5 min
+  sampler)  # issue 17: the split-vocabulary Triton sampler and its LM-head-fused form (kernels/gumbel_sample): CUDA tests, engine rows torch / triton / fused, mismatch KL of fused; ~6 min
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
     export PYTHONPATH=/tmp/site:$PWD
     run sampler_tests 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_gumbel_sample.py
-    run sampler_engine 240 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,64,256 --prompt-len 128 --new-tokens 256 --engine native --decode-attention triton --decode-linear auto --sampler torch,triton --out "$OUT/engine_sampler.json"
-    run mismatch_sampler 90 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --sampler triton --out "$OUT/mismatch_sampler_triton.json" ;;
+    run sampler_engine 300 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,64,256 --prompt-len 128 --new-tokens 256 --engine native --decode-attention triton --decode-linear auto --sampler torch,triton,fused --out "$OUT/engine_sampler.json"
+    run mismatch_sampler 90 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --sampler fused --out "$OUT/mismatch_sampler_fused.json" ;;
   decode_attn)  # issue 17: the Triton decode attention on CUDA (tests), alone (sweep), in the engine vs bmm
     run decode_attn_tests 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_attention.py tests/unit/test_native_decode_attention.py
     run decode_attn_kernel 100 python3 benchmarks/decode_attention.py --batch-sizes 1,64,256 --out "$OUT/decode_attention.json"

@@ -48,7 +48,9 @@ def main() -> None:
         "--init-std", type=float, default=0.0, help="initializer_range of the random model (0: shape default)"
     )
     ap.add_argument("--decode-linear", default="auto", choices=["auto", "torch", "triton"], help="the engine's linears")
-    ap.add_argument("--sampler", default="auto", choices=["auto", "torch", "triton"], help="the engine's sampler")
+    ap.add_argument(
+        "--sampler", default="auto", choices=["auto", "torch", "triton", "fused"], help="the engine's sampler"
+    )
     ap.add_argument("--out", default="")
     args = ap.parse_args()
 

@@ -131,6 +131,88 @@ def _combine_kernel(
     tl.store(logprobs_ptr + b, x_tok - log_z)
 
 
+@triton.jit
+def _lm_head_partials_kernel(
+    h_ptr, w_ptr, temp_ptr, seeds_ptr, steps_ptr, part_f_ptr, part_i_ptr,
+    B, V, D, CHUNK, S, shb, swv, stt, sts, stp,
+    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """``_partials_kernel`` for a block of rows whose logits it computes itself, tile by tile, from the LM head's
+    input ``h`` [B, D] and weight ``w`` [V, D] (fp32 accumulation): the logits are never written to memory, and
+    each program reads its chunk of ``w`` once for all its rows."""
+    s = tl.program_id(0)
+    pb = tl.program_id(1)
+    rows = pb * BLOCK_B + tl.arange(0, BLOCK_B)
+    mask_b = rows < B
+    t = tl.load(temp_ptr + rows * stt, mask=mask_b, other=1.0)
+    t = tl.where(t <= 0, 1.0, t)
+    seed = tl.load(seeds_ptr + rows * sts, mask=mask_b, other=0)
+    step = tl.load(steps_ptr + rows * stp, mask=mask_b, other=0)
+    key = _mix32((seed & MASK32).to(tl.uint32) ^ SEED_SALT)
+    key = _mix32(key ^ ((seed >> 32) & MASK32).to(tl.uint32))
+    key = _mix32(key ^ (step & MASK32).to(tl.uint32))
+    lanes = tl.arange(0, BLOCK_V)
+    rd = tl.arange(0, BLOCK_D)
+    neg_inf = float("-inf")
+    m_run = tl.full([BLOCK_B], neg_inf, tl.float32)
+    l_run = tl.zeros([BLOCK_B], tl.float32)
+    top_i = tl.zeros([BLOCK_B], tl.int32)
+    best = tl.full([BLOCK_B], neg_inf, tl.float32)
+    best_x = tl.full([BLOCK_B], neg_inf, tl.float32)
+    best_i = tl.zeros([BLOCK_B], tl.int32)
+    start = s * CHUNK
+    stop = tl.minimum(start + CHUNK, V)
+    for v0 in range(start, stop, BLOCK_V):
+        offs_v = v0 + lanes
+        mask_v = offs_v < stop
+        acc = tl.zeros([BLOCK_B, BLOCK_V], tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + rd
+            mask_d = offs_d < D
+            h = tl.load(
+                h_ptr + rows[:, None] * shb + offs_d[None, :], mask=mask_b[:, None] & mask_d[None, :], other=0.0
+            )
+            w = tl.load(
+                w_ptr + offs_v[:, None] * swv + offs_d[None, :], mask=mask_v[:, None] & mask_d[None, :], other=0.0
+            )
+            if UPCAST:
+                h = h.to(tl.float32)
+                w = w.to(tl.float32)
+            if IEEE:
+                acc = tl.dot(h, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(h, tl.trans(w), acc)
+        x = tl.where(mask_v[None, :], acc / t[:, None], neg_inf)
+        tile_max = tl.max(x, 1)
+        top_i = tl.where(tile_max > m_run, v0 + tl.argmax(x, 1), top_i)  # strict: an earlier tile keeps a tie
+        m_new = tl.maximum(m_run, tile_max)
+        l_run = l_run * tl.exp(m_run - m_new) + tl.sum(tl.where(mask_v[None, :], tl.exp(x - m_new[:, None]), 0.0), 1)
+        m_run = m_new
+        bits = _mix32(key[:, None] ^ _mix32(offs_v.to(tl.uint32) + VOCAB_SALT)[None, :]) >> (32 - NOISE_BITS)
+        scale = 1.0 / (1 << NOISE_BITS)
+        u = (bits.to(tl.float32) + 0.5) * scale
+        z = -((((1 << NOISE_BITS) - 1 - bits).to(tl.float32) + 0.5) * scale)
+        y = 1.0 + z
+        log1p_z = tl.where(y == 1.0, z, tl.log(y) * z / (y - 1.0))
+        e = tl.where(bits < (1 << (NOISE_BITS - 1)), -tl.log(u), -log1p_z)
+        score = tl.where(mask_v[None, :], x - tl.log(e), neg_inf)
+        tile_best = tl.max(score, 1)
+        arg = tl.argmax(score, 1)
+        upd = tile_best > best
+        x_at = tl.sum(tl.where(lanes[None, :] == arg[:, None], x, 0.0), 1)
+        best_x = tl.where(upd, x_at, best_x)
+        best_i = tl.where(upd, v0 + arg, best_i)
+        best = tl.where(upd, tile_best, best)
+    pf = part_f_ptr + (rows * S + s) * 4
+    tl.store(pf + 0, m_run, mask=mask_b)
+    tl.store(pf + 1, l_run, mask=mask_b)
+    tl.store(pf + 2, best, mask=mask_b)
+    tl.store(pf + 3, best_x, mask=mask_b)
+    pi = part_i_ptr + (rows * S + s) * 2
+    tl.store(pi + 0, best_i, mask=mask_b)
+    tl.store(pi + 1, top_i, mask=mask_b)
+
+
 def num_chunks(rows: int, vocab: int, block_v: int, device: torch.device) -> int:
     """Vocab chunks per row: enough programs to fill the GPU about twice (rows x chunks), at least one tile
     each; the interpreter takes 3 chunks at most, so tests cover the merge cheaply."""
@@ -158,6 +240,45 @@ def gumbel_sample(
     _partials_kernel[(s, B)](
         logits_BV, temperature_B, seeds_B, steps_B, part_f, part_i, V, chunk, s, logits_BV.stride(0),
         temperature_B.stride(0), seeds_B.stride(0), steps_B.stride(0), BLOCK_V=block_v,
+    )  # fmt: skip
+    _combine_kernel[(B,)](
+        temperature_B, part_f, part_i, tokens, logprobs, s, temperature_B.stride(0), BLOCK_S=triton.next_power_of_2(s)
+    )
+    return tokens, logprobs
+
+
+LM_HEAD_MAX_ROWS = 64
+"""Rows the fused LM-head sampler takes in one row block (so each chunk of the weight is read once)."""
+
+
+def gumbel_sample_lm_head(
+    hidden_BD: torch.Tensor,
+    weight_VD: torch.Tensor,
+    temperature_B: torch.Tensor,
+    seeds_B: torch.Tensor,
+    steps_B: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gumbel_sample`` of the logits ``hidden_BD @ weight_VD.T`` (fp32 accumulation), computed tile by tile
+    inside the sampling kernel instead of written out. ``hidden`` and ``weight`` in one float dtype with
+    contiguous last dims; B <= ``LM_HEAD_MAX_ROWS``."""
+    B, D = hidden_BD.shape
+    V = weight_VD.shape[0]
+    assert B <= LM_HEAD_MAX_ROWS, B
+    block_b = max(16, triton.next_power_of_2(B))
+    block_v, block_d = (16, 32) if INTERPRET else (128, 128)
+    s = num_chunks(1, V, block_v, hidden_BD.device)
+    chunk = triton.cdiv(triton.cdiv(V, s), block_v) * block_v
+    s = triton.cdiv(V, chunk)
+    part_f = torch.empty(B, s, 4, device=hidden_BD.device, dtype=torch.float32)
+    part_i = torch.empty(B, s, 2, device=hidden_BD.device, dtype=torch.int32)
+    tokens = torch.empty(B, device=hidden_BD.device, dtype=torch.int64)
+    logprobs = torch.empty(B, device=hidden_BD.device, dtype=torch.float32)
+    _lm_head_partials_kernel[(s, triton.cdiv(B, block_b))](
+        hidden_BD, weight_VD, temperature_B, seeds_B, steps_B, part_f, part_i,
+        B, V, D, chunk, s, hidden_BD.stride(0), weight_VD.stride(0),
+        temperature_B.stride(0), seeds_B.stride(0), steps_B.stride(0),
+        BLOCK_B=block_b, BLOCK_V=block_v, BLOCK_D=block_d, UPCAST=INTERPRET,
+        IEEE=hidden_BD.dtype == torch.float32 and not INTERPRET, num_warps=4, num_stages=3,
     )  # fmt: skip
     _combine_kernel[(B,)](
         temperature_B, part_f, part_i, tokens, logprobs, s, temperature_B.stride(0), BLOCK_S=triton.next_power_of_2(s)

@@ -80,3 +80,15 @@ def gumbel_sample_reference(
     tokens_B = torch.where(greedy_B, torch.argmax(x_BV, dim=-1), torch.argmax(x_BV + gumbel_BV, dim=-1))
     logprobs_B = torch.log_softmax(x_BV, dim=-1).gather(1, tokens_B[:, None]).squeeze(1)
     return tokens_B, logprobs_B
+
+
+def gumbel_sample_lm_head_reference(
+    hidden_BD: torch.Tensor,
+    weight_VD: torch.Tensor,
+    temperature_B: torch.Tensor,
+    seeds_B: torch.Tensor,
+    steps_B: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gumbel_sample_reference`` of the fp32 logits ``hidden_BD @ weight_VD.T`` (bf16 products are exact in fp32)."""
+    logits_BV = hidden_BD.float() @ weight_VD.float().T
+    return gumbel_sample_reference(logits_BV, temperature_B, seeds_B, steps_B)

@@ -273,8 +273,8 @@ class InferenceConfig:
     """Native engine decode attention: auto (triton on CUDA, bmm elsewhere), bmm (batched matmuls over the length bucket) or triton (flash-decoding kernel)."""
     decode_linear: Literal["auto", "torch", "triton"] = "auto"
     """Native engine decode linears: auto (triton on CUDA for hidden size <= 1024, torch otherwise), torch (F.linear + separate norm/SiLU/residual ops) or triton (fused kernels of kernels/decode_linear for decode steps of <= 16 / 64 rows)."""
-    sampler: Literal["auto", "torch", "triton"] = "auto"
-    """Native engine token sampler: torch (compiled on CUDA), triton (split-vocabulary Gumbel-max kernels of kernels/gumbel_sample for plain sampling; top-k/top-p/min-p steps use torch) or auto (torch until the kernels are measured on a GPU)."""
+    sampler: Literal["auto", "torch", "triton", "fused"] = "auto"
+    """Native engine token sampler: torch (compiled on CUDA), triton (split-vocabulary Gumbel-max kernels of kernels/gumbel_sample for plain sampling; top-k/top-p/min-p steps use torch), fused (as triton, and decode steps of <= 64 rows compute the LM head inside the sampling kernel) or auto (torch until the kernels are measured on a GPU)."""
     warmup: Literal["auto", "on", "off"] = "auto"
     """Native engine: compile and capture the decode step of every (rows, length) bucket when the engine is built, not in the first steps that meet each one; costs more the longer the cache. auto: on CUDA with --inference.cuda_graphs; on: also elsewhere (runs each once)."""
     gpu_memory_utilization: float = 0.3

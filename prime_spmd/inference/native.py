@@ -59,8 +59,9 @@ class NativeEngine(InferenceEngine):
     the length bucket), "triton" (the flash-decoding kernel, kernels/decode_attention) or "auto"
     (triton on CUDA, bmm elsewhere); ``decode_linear``: "torch", "triton" (fused norm / GEMM / epilogue
     kernels, kernels/decode_linear) or "auto" (triton on CUDA for hidden size <= 1024, else torch); both
-    used by the Llama-style runner. ``sampler``: "torch", "triton" (kernels/gumbel_sample for plain sampling)
-    or "auto" (torch; ``sampling.make_sampler``). Call every method from one thread.
+    used by the Llama-style runner. ``sampler``: "torch", "triton" (kernels/gumbel_sample for plain sampling),
+    "fused" (as triton, and decode steps of <= 64 rows sample inside the LM head) or "auto" (torch;
+    ``sampling.make_sampler``). Call every method from one thread.
     """
 
     def __init__(
@@ -106,6 +107,12 @@ class NativeEngine(InferenceEngine):
         self.use_graphs = cuda_graphs and device.type == "cuda" and self.runner.cache is not None and not has_moe
         # the torch sampler is ~30 elementwise/reduction passes over [B, V]; compiled (CUDA only) a few
         self._sample = make_sampler(sampler, compile_sampler and device.type == "cuda")
+        # "fused": decode steps of few rows sample inside the LM head (kernels/gumbel_sample), logits never written
+        self._head_rows = 0
+        if sampler == "fused" and self.runner.cache is not None:
+            from kernels.gumbel_sample.kernel import LM_HEAD_MAX_ROWS
+
+            self._head_rows = LM_HEAD_MAX_ROWS
         self._graphs: dict[tuple[int, int, bool, bool], torch.cuda.CUDAGraph] = {}
         self._pool = None
         # per-slot decode state on the device, written at admission and advanced by each decode step
@@ -346,11 +353,18 @@ class NativeEngine(InferenceEngine):
     def _decode_step(self, nb: int, kv_len: int, needs_sort: bool, needs_min_p: bool) -> None:
         """One decode of slots 0..nb-1 from and into the device state; graph-capturable (no host sync)."""
         ids, pos = self._ids[:nb], self._pos[:nb]
-        logits = self.runner.decode(ids, pos, kv_len)
         f = self._floats[:, :nb]
-        tokens, logprobs = self._sample(
-            logits, f[0], self._top_k[:nb], f[1], f[2], self._seeds[:nb], self._steps[:nb], needs_sort, needs_min_p
-        )
+        if nb <= self._head_rows and not (needs_sort or needs_min_p):
+            h = self.runner.decode(ids, pos, kv_len, head=False)
+            w = self.runner.adapter.lm_head_weight()
+            tokens, logprobs = torch.ops.prime_spmd.gumbel_sample_lm_head(
+                h, w, f[0], self._seeds[:nb], self._steps[:nb]
+            )
+        else:
+            logits = self.runner.decode(ids, pos, kv_len)
+            tokens, logprobs = self._sample(
+                logits, f[0], self._top_k[:nb], f[1], f[2], self._seeds[:nb], self._steps[:nb], needs_sort, needs_min_p
+            )
         ids.copy_(tokens)
         pos.add_(1).clamp_(max=self.max_model_len - 1)  # free rows keep decoding; stay in the cache
         self._steps[:nb].add_(1)

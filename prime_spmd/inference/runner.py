@@ -336,10 +336,11 @@ class LlamaStyleRunner:
         return self._lm_head(self.inner.norm(x_BD))
 
     @torch.no_grad()
-    def decode(self, ids_B: torch.Tensor, pos_B: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """One token for each of slots 0..B-1 at ``pos_B``; attends positions [0, kv_len); float logits [B, V]."""
+    def decode(self, ids_B: torch.Tensor, pos_B: torch.Tensor, kv_len: int, head: bool = True) -> torch.Tensor:
+        """One token for each of slots 0..B-1 at ``pos_B``; attends positions [0, kv_len); float logits [B, V],
+        or with ``head=False`` the LM head's input [B, D] (the final norm's output, model dtype)."""
         if self.layer_args is not None:
-            return self._decode_fused(ids_B, pos_B, kv_len)
+            return self._decode_fused(ids_B, pos_B, kv_len, head)
         b = ids_B.shape[0]
         g = self.num_heads // self.num_kv_heads
         x = self.inner.embed_tokens(ids_B)[:, None]  # [B, 1, D]: MoE blocks want 3-D input
@@ -368,9 +369,10 @@ class LlamaStyleRunner:
                 o = torch.matmul(p, vc)  # [B, Nkv, G, Dh]
             x = x + attn.o_proj(o.reshape(b, 1, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self._lm_head(self.inner.norm(x[:, 0]))
+        h = self.inner.norm(x[:, 0])
+        return self._lm_head(h) if head else h
 
-    def _decode_fused(self, ids_B: torch.Tensor, pos_B: torch.Tensor, kv_len: int) -> torch.Tensor:
+    def _decode_fused(self, ids_B: torch.Tensor, pos_B: torch.Tensor, kv_len: int, head: bool) -> torch.Tensor:
         x = self.inner.embed_tokens(ids_B)  # [B, D]
         cos, sin = self.cos_TcDh[pos_B], self.sin_TcDh[pos_B]  # [B, Dh]
         if self.attention == "triton":
@@ -382,7 +384,8 @@ class LlamaStyleRunner:
             lens_B, tkv = None, 0  # a constant: the bmm path reads Tkv from the mask's shape
         for li, args in enumerate(self.layer_args):
             x = self.decode_layer(x, *args, self.cache.k[li], self.cache.v[li], cos, sin, pos_B, mask_BTkv, lens_B, tkv)
-        return self._lm_head(self.inner.norm(x))
+        h = self.inner.norm(x)
+        return self._lm_head(h) if head else h
 
 
 class GenericRunner:

@@ -37,7 +37,7 @@ __all__ = [
     "sample_flat",
 ]
 
-Sampler = Literal["auto", "torch", "triton"]
+Sampler = Literal["auto", "torch", "triton", "fused"]
 
 
 def exponential_noise(seeds_B: torch.Tensor, steps_B: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -158,14 +158,15 @@ def sample_flat(
 
 
 def make_sampler(impl: Sampler, compile_torch: bool) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """The engine's ``sample_flat``-shaped sampler. "torch": ``sample_flat`` (``torch.compile``d when
-    ``compile_torch``); "triton": plain sampling (no top-k / top-p / min-p in the step) through the
+    """The engine's ``sample_flat``-shaped sampler over logits. "torch": ``sample_flat`` (``torch.compile``d when
+    ``compile_torch``); "triton" (and "fused", whose decode steps of few rows sample inside the LM head instead:
+    ``NativeEngine._decode_step``): plain sampling (no top-k / top-p / min-p in the step) through the
     split-vocabulary kernels of kernels/gumbel_sample, filtered sampling through the torch one; "auto": torch
     (the kernels are not yet measured on a GPU; docs/inference.md)."""
-    if impl not in ("auto", "torch", "triton"):
-        raise ValueError(f"unknown sampler {impl!r}; choose auto, torch or triton")
+    if impl not in ("auto", "torch", "triton", "fused"):
+        raise ValueError(f"unknown sampler {impl!r}; choose auto, torch, triton or fused")
     torch_fn = torch.compile(sample_flat, dynamic=True) if compile_torch else sample_flat
-    if impl != "triton":
+    if impl not in ("triton", "fused"):
         return torch_fn
     import kernels.gumbel_sample.op  # noqa: F401  registers torch.ops.prime_spmd.gumbel_sample
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.gumbel_sample.op import gumbel_sample
+from kernels.gumbel_sample.op import gumbel_sample, gumbel_sample_lm_head
 
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
 # max |kernel - reference| logprob: interpreter 6.0e-7 (2026-12-04), one summation order against another over
@@ -69,9 +69,27 @@ def test_strided_row_parameters(device) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("b,v,d,dtype", [(1, 300, 32, torch.float32), (5, 1000, 80, torch.float32),
+                                         (20, 257, 48, torch.bfloat16), (64, 130, 16, torch.float32)])  # fmt: skip
+def test_lm_head_kernel_matches_reference(device, b, v, d, dtype) -> None:
+    # the logits computed inside the kernel, tile by tile (CPU: 16 x 32 tiles, so D and V are ragged)
+    _, temp, seeds, steps = _inputs(b, v, device, seed=b + d)
+    gen = torch.Generator().manual_seed(d)
+    hidden = torch.randn(b, d, generator=gen).to(device, dtype)
+    weight = (torch.randn(v, d, generator=gen) * 0.5).to(device, dtype)
+    ref_tok, ref_lp = gumbel_sample_lm_head(hidden, weight, temp, seeds, steps, impl="reference")
+    tok, lp = gumbel_sample_lm_head(hidden, weight, temp, seeds, steps, impl="triton")
+    assert tok.tolist() == ref_tok.tolist()
+    # fp32 logits summed over D in another order: interpreter 3.8e-6 at D = 80 (logits of size ~5), 2026-12-04
+    torch.testing.assert_close(lp, ref_lp, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device) -> None:
     args = _inputs(4, 150, device)
     torch.library.opcheck(torch.ops.prime_spmd.gumbel_sample.default, tuple(args))
+    hidden, weight = torch.randn(4, 32, device=device), torch.randn(150, 32, device=device)
+    torch.library.opcheck(torch.ops.prime_spmd.gumbel_sample_lm_head.default, (hidden, weight, *args[1:]))
 
 
 def test_bad_inputs_are_named() -> None:
@@ -80,6 +98,11 @@ def test_bad_inputs_are_named() -> None:
         gumbel_sample(logits, temp, seeds.int(), steps, impl="triton")
     with pytest.raises(ValueError, match="unknown gumbel sample impl"):
         gumbel_sample(logits, temp, seeds, steps, impl="cuda")
+    with pytest.raises(ValueError, match="weight"):
+        gumbel_sample_lm_head(torch.randn(2, 8), torch.randn(10, 9), temp, seeds, steps, impl="triton")
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        rows = _inputs(65, 10, "cpu")[1:]
+        gumbel_sample_lm_head(torch.randn(65, 8), torch.randn(10, 8), *rows, impl="triton")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture")
@@ -96,3 +119,17 @@ def test_compiled_and_captured_on_cuda() -> None:
     # a real-size vocab: the GPU's exp/log differ from libm's in the last bits, which can flip a near-tie
     assert (tok == ref_tok).float().mean().item() >= 63 / 64
     torch.testing.assert_close(lp[tok == ref_tok], ref_lp[tok == ref_tok], rtol=0, atol=LOGPROB_ATOL)
+    # the LM head inside the kernel, Qwen3-0.6B's head in bf16
+    hidden = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(151_936, 1024, device="cuda", dtype=torch.bfloat16) * 0.05
+    ref_tok, ref_lp = gumbel_sample_lm_head(hidden, weight, *args[1:], impl="reference")
+    fn = torch.compile(lambda *a: gumbel_sample_lm_head(*a, impl="triton"), fullgraph=True)
+    fn(hidden, weight, *args[1:])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tok, lp = fn(hidden, weight, *args[1:])
+    graph.replay()
+    torch.cuda.synchronize()
+    same = tok == ref_tok  # bf16 products summed in fp32 in another order than cuBLAS's
+    assert same.float().mean().item() >= 62 / 64
+    torch.testing.assert_close(lp[same], ref_lp[same], rtol=0, atol=1e-4)

@@ -342,12 +342,13 @@ def test_warmup_runs_every_decode_bucket_and_changes_no_output(model_dir, device
         warm.warmup()
 
 
-def test_triton_sampler_draws_the_torch_samplers_tokens(model_dir, device):
-    # plain sampling through kernels/gumbel_sample (CPU: the Triton interpreter); a greedy request and a
-    # top-p one (which falls back to the torch sampler) in the same engine
+@pytest.mark.parametrize("sampler", ["triton", "fused"])
+def test_triton_sampler_draws_the_torch_samplers_tokens(model_dir, device, sampler):
+    # plain sampling through kernels/gumbel_sample (CPU: the Triton interpreter; "fused": decode steps compute the
+    # LM head inside the sampling kernel); a greedy request and a top-p one (which falls back to torch)
     reqs = lambda tok: _reqs(tok, SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True), seed0=3)  # noqa: E731
     want_eng, _, tok = _engine(model_dir, device, max_batch_size=4, sampler="torch")
-    got_eng, _, _ = _engine(model_dir, device, max_batch_size=4, sampler="triton")
+    got_eng, _, _ = _engine(model_dir, device, max_batch_size=4, sampler=sampler)
     for make in (reqs, lambda t: _reqs(t, SamplingParams(temperature=0, max_tokens=6), seed0=3)):
         want, got = want_eng.generate(make(tok)), got_eng.generate(make(tok))
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
