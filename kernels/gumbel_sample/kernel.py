@@ -41,6 +41,28 @@ def _mix32(x):
 
 
 @triton.jit
+def _row_key(seed, step):
+    """reference.row_keys: int64 seed and step -> uint32 key."""
+    key = _mix32((seed & MASK32).to(tl.uint32) ^ SEED_SALT)
+    key = _mix32(key ^ ((seed >> 32) & MASK32).to(tl.uint32))
+    return _mix32(key ^ (step & MASK32).to(tl.uint32))
+
+
+@triton.jit
+def _gumbel(key, offs):
+    """Gumbel noise -log(e) of (key, vocab index), e = reference.exponential_from_bits of the hashed bits; key and
+    offs broadcast. ``-log1p(-w)`` as ``log(y) z / (y - 1)`` (module docstring)."""
+    bits = _mix32(key ^ _mix32(offs.to(tl.uint32) + VOCAB_SALT)) >> (32 - NOISE_BITS)
+    scale = 1.0 / (1 << NOISE_BITS)
+    u = (bits.to(tl.float32) + 0.5) * scale  # exact below 2^23
+    z = -((((1 << NOISE_BITS) - 1 - bits).to(tl.float32) + 0.5) * scale)  # -w = u - 1, exact from 2^23 on
+    y = 1.0 + z
+    log1p_z = tl.where(y == 1.0, z, tl.log(y) * z / (y - 1.0))
+    e = tl.where(bits < (1 << (NOISE_BITS - 1)), -tl.log(u), -log1p_z)
+    return -tl.log(e)
+
+
+@triton.jit
 def _partials_kernel(
     logits_ptr, temp_ptr, seeds_ptr, steps_ptr, part_f_ptr, part_i_ptr,
     V, CHUNK, S, slv, stt, sts, stp,
@@ -52,9 +74,7 @@ def _partials_kernel(
     t = tl.where(t <= 0, 1.0, t)
     seed = tl.load(seeds_ptr + b * sts)
     step = tl.load(steps_ptr + b * stp)
-    key = _mix32((seed & MASK32).to(tl.uint32) ^ SEED_SALT)
-    key = _mix32(key ^ ((seed >> 32) & MASK32).to(tl.uint32))
-    key = _mix32(key ^ (step & MASK32).to(tl.uint32))
+    key = _row_key(seed, step)
     lanes = tl.arange(0, BLOCK_V)
     neg_inf = float("-inf")
     m_run = tl.full((), neg_inf, tl.float32)  # max of x: also the greedy candidate's value
@@ -75,15 +95,7 @@ def _partials_kernel(
         m_new = tl.maximum(m_run, tile_max)
         l_run = l_run * tl.exp(m_run - m_new) + tl.sum(tl.where(mask, tl.exp(x - m_new), 0.0), 0)
         m_run = m_new
-        # noise: 24 hashed bits -> exponential e -> Gumbel -log(e)
-        bits = _mix32(key ^ _mix32(offs.to(tl.uint32) + VOCAB_SALT)) >> (32 - NOISE_BITS)
-        scale = 1.0 / (1 << NOISE_BITS)
-        u = (bits.to(tl.float32) + 0.5) * scale  # exact below 2^23
-        z = -((((1 << NOISE_BITS) - 1 - bits).to(tl.float32) + 0.5) * scale)  # -w = u - 1, exact from 2^23 on
-        y = 1.0 + z
-        log1p_z = tl.where(y == 1.0, z, tl.log(y) * z / (y - 1.0))
-        e = tl.where(bits < (1 << (NOISE_BITS - 1)), -tl.log(u), -log1p_z)
-        score = tl.where(mask, x - tl.log(e), neg_inf)
+        score = tl.where(mask, x + _gumbel(key, offs), neg_inf)
         tile_best = tl.max(score, 0)
         if tile_best > best:
             i = tl.argmax(score, 0)
@@ -148,9 +160,7 @@ def _lm_head_partials_kernel(
     t = tl.where(t <= 0, 1.0, t)
     seed = tl.load(seeds_ptr + rows * sts, mask=mask_b, other=0)
     step = tl.load(steps_ptr + rows * stp, mask=mask_b, other=0)
-    key = _mix32((seed & MASK32).to(tl.uint32) ^ SEED_SALT)
-    key = _mix32(key ^ ((seed >> 32) & MASK32).to(tl.uint32))
-    key = _mix32(key ^ (step & MASK32).to(tl.uint32))
+    key = _row_key(seed, step)
     lanes = tl.arange(0, BLOCK_V)
     rd = tl.arange(0, BLOCK_D)
     neg_inf = float("-inf")
@@ -188,14 +198,7 @@ def _lm_head_partials_kernel(
         m_new = tl.maximum(m_run, tile_max)
         l_run = l_run * tl.exp(m_run - m_new) + tl.sum(tl.where(mask_v[None, :], tl.exp(x - m_new[:, None]), 0.0), 1)
         m_run = m_new
-        bits = _mix32(key[:, None] ^ _mix32(offs_v.to(tl.uint32) + VOCAB_SALT)[None, :]) >> (32 - NOISE_BITS)
-        scale = 1.0 / (1 << NOISE_BITS)
-        u = (bits.to(tl.float32) + 0.5) * scale
-        z = -((((1 << NOISE_BITS) - 1 - bits).to(tl.float32) + 0.5) * scale)
-        y = 1.0 + z
-        log1p_z = tl.where(y == 1.0, z, tl.log(y) * z / (y - 1.0))
-        e = tl.where(bits < (1 << (NOISE_BITS - 1)), -tl.log(u), -log1p_z)
-        score = tl.where(mask_v[None, :], x - tl.log(e), neg_inf)
+        score = tl.where(mask_v[None, :], x + _gumbel(key[:, None], offs_v[None, :]), neg_inf)
         tile_best = tl.max(score, 1)
         arg = tl.argmax(score, 1)
         upd = tile_best > best
