@@ -22,9 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gumbel_sample.reference import MASK32, NOISE_BITS, SEED_SALT, VOCAB_SALT
+from kernels.gumbel_sample import reference
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# jit code may read module globals only as constexprs (a compile error on the GPU, not under the interpreter)
+MASK32 = tl.constexpr(reference.MASK32)
+NOISE_BITS = tl.constexpr(reference.NOISE_BITS)
+SEED_SALT = tl.constexpr(reference.SEED_SALT)
+VOCAB_SALT = tl.constexpr(reference.VOCAB_SALT)
 
 
 @triton.jit
