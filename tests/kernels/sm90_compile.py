@@ -1,0 +1,130 @@
+"""Compile the decode-path Triton kernels for an H100/H200 (sm_90) on a machine without a GPU: the frontend,
+the TTIR/TTGIR passes, LLVM and ptxas (bundled with triton) all run on the CPU. This catches what the interpreter
+(TRITON_INTERPRET=1, how CPU tests run kernels) does not: code that is valid Python but not valid Triton, e.g. a
+non-constexpr module global read inside a kernel (kernels/gumbel_sample, 2026-12-04). Run by
+tests/kernels/test_sm90_compile.py in a subprocess without TRITON_INTERPRET (under it ``@triton.jit`` gives
+interpreter functions that cannot be compiled). Prints one line per kernel variant; exits 1 if any failed.
+
+    python tests/kernels/sm90_compile.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from pathlib import Path
+
+assert os.environ.get("TRITON_INTERPRET") != "1", "compile with the interpreter off"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+warnings.filterwarnings("ignore")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kernels.decode_attention import kernel as attention  # noqa: E402
+from kernels.decode_linear import kernel as linear  # noqa: E402
+from kernels.gumbel_sample import kernel as sampler  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def sig(names: str, types: str) -> dict[str, str]:
+    """``"a b c"`` and ``"*fp32 i32 i32"`` -> {a: *fp32, ...}."""
+    return dict(zip(names.split(), types.split(), strict=True))
+
+
+def variants():
+    """(name, jit function, runtime-argument signature, constexprs, compile options), as the launchers call them."""
+    g_rows = sig("temp_ptr seeds_ptr steps_ptr part_f_ptr part_i_ptr", "*fp32 *i64 *i64 *fp32 *i32")
+    yield (
+        "gumbel_sample partials",
+        sampler._partials_kernel,
+        {"logits_ptr": "*fp32", **g_rows, **sig("V CHUNK S slv stt sts stp", "i32 " * 7)},
+        {"BLOCK_V": 1024},
+        {},
+    )
+    yield (
+        "gumbel_sample combine",
+        sampler._combine_kernel,
+        sig("temp_ptr part_f_ptr part_i_ptr tokens_ptr logprobs_ptr S stt", "*fp32 *fp32 *i32 *i64 *fp32 i32 i32"),
+        {"BLOCK_S": 256},
+        {},
+    )
+    for dtype, block_b, ieee in (("bf16", 16, False), ("bf16", 64, False), ("fp32", 16, True)):
+        yield (
+            f"gumbel_sample lm_head {dtype} rows {block_b}",
+            sampler._lm_head_partials_kernel,
+            {
+                "h_ptr": f"*{dtype}",
+                "w_ptr": f"*{dtype}",
+                **g_rows,
+                **sig("B V D CHUNK S shb swv stt sts stp", "i32 " * 10),
+            },
+            {"BLOCK_B": block_b, "BLOCK_V": 128, "BLOCK_D": 128, "UPCAST": False, "IEEE": ieee},
+            {"num_warps": 4, "num_stages": 3 if dtype == "bf16" else 2},
+        )
+    lin = sig(
+        "x_ptr w_ptr b_ptr nw_ptr r_ptr o_ptr ws_ptr cnt_ptr M K NO eps sxm swn srm som",
+        "*bf16 *bf16 *bf16 *bf16 *bf16 *bf16 *fp32 *i32 i32 i32 i32 fp32 i32 i32 i32 i32",
+    )
+    for split_k in (1, 4):
+        for name, silu, norm, res in (
+            ("qkv", False, True, False),
+            ("gate_up", True, True, False),
+            ("o", False, False, True),
+        ):
+            yield (
+                f"decode_linear {name} split_k {split_k}",
+                linear._decode_linear_kernel,
+                lin,
+                {
+                    "HAS_BIAS": False,
+                    "HAS_NORM": norm,
+                    "HAS_RES": res,
+                    "SILU_MUL": silu,
+                    "BLOCK_M": 16,
+                    "BLOCK_N": 32,
+                    "BLOCK_K": 256,
+                    "SPLIT_K": split_k,
+                    "UPCAST": False,
+                    "IEEE": False,
+                    "RNE_EMU": False,
+                },
+                {"num_warps": 4, "num_stages": 4},
+            )
+    heads = {"NKV": 8, "G": 2, "DH": 128, "NUM_SPLITS": 4, "SPLIT_LEN": 256, "BLOCK_G": 16, "BLOCK_DH": 128}
+    yield (
+        "decode_attention split",
+        attention._split_kernel,
+        sig(
+            "q_ptr k_ptr v_ptr lens_ptr o_ptr acc_ptr ml_ptr sq_b sq_n sk_bc sk_nkv sk_tc sv_bc sv_nkv sv_tc so_b "
+            "so_n max_len qk_scale",
+            "*bf16 *bf16 *bf16 *i64 *bf16 *fp32 *fp32 " + "i32 " * 11 + "fp32",
+        ),
+        {**heads, "BLOCK_TC": 64, "UPCAST": False, "IEEE": False},
+        {"num_warps": 4, "num_stages": 2},
+    )
+    yield ("decode_attention reduce", attention._reduce_kernel,
+           sig("acc_ptr ml_ptr lens_ptr o_ptr so_b so_n max_len", "*fp32 *fp32 *i64 *bf16 i32 i32 i32"), heads,
+           {"num_warps": 4})  # fmt: skip
+
+
+def main() -> int:
+    failed = 0
+    for name, fn, signature, constexprs, options in variants():
+        source = ASTSource(
+            fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs
+        )
+        try:
+            compiled = triton.compile(source, target=TARGET, options=options)
+            print(f"ok      {name}: {compiled.metadata.shared} B shared memory", flush=True)
+        except Exception as e:  # noqa: BLE001  every variant is tried; the failures are listed, then exit 1
+            failed += 1
+            print(f"FAILED  {name}: {type(e).__name__}: {' | '.join(str(e).splitlines())[:2000]}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
