@@ -259,6 +259,18 @@ LM_HEAD_MAX_ROWS = 64
 """Rows the fused LM-head sampler takes in one row block (so each chunk of the weight is read once)."""
 
 
+def lm_head_config(block_b: int, elsize: int) -> tuple[int, int, int, int]:
+    """(BLOCK_V, BLOCK_D, num_warps, num_stages) of ``_lm_head_partials_kernel`` for ``block_b`` rows of ``elsize``-byte
+    inputs: the widest vocab tile that compiles for sm_90 without register spills (cuobjdump of the sm_90 build,
+    tests/kernels/sm90_compile.py, 2026-12-04: 128 x 64 tiles at 8 warps use 226-248 registers for 16-64 bf16 rows; 4
+    warps or 128-wide hidden tiles spilled up to 2.3 KB; fp32 at 64 rows needs 64-wide vocab tiles). Not timed on a
+    GPU yet. Interpreter: small tiles, so tests cover ragged edges."""
+    if INTERPRET:
+        return 16, 32, 4, 1
+    block_v = 64 if elsize == 4 and block_b > 16 else 128
+    return block_v, 64, 8, 3 if elsize == 2 else 2
+
+
 def gumbel_sample_lm_head(
     hidden_BD: torch.Tensor,
     weight_VD: torch.Tensor,
@@ -273,7 +285,7 @@ def gumbel_sample_lm_head(
     V = weight_VD.shape[0]
     assert B <= LM_HEAD_MAX_ROWS, B
     block_b = max(16, triton.next_power_of_2(B))
-    block_v, block_d = (16, 32) if INTERPRET else (128, 128)
+    block_v, block_d, warps, stages = lm_head_config(block_b, hidden_BD.element_size())
     s = num_chunks(1, V, block_v, hidden_BD.device)
     chunk = triton.cdiv(triton.cdiv(V, s), block_v) * block_v
     s = triton.cdiv(V, chunk)
@@ -286,7 +298,7 @@ def gumbel_sample_lm_head(
         B, V, D, chunk, s, hidden_BD.stride(0), weight_VD.stride(0),
         temperature_B.stride(0), seeds_B.stride(0), steps_B.stride(0),
         BLOCK_B=block_b, BLOCK_V=block_v, BLOCK_D=block_d, UPCAST=INTERPRET,
-        IEEE=hidden_BD.dtype == torch.float32 and not INTERPRET, num_warps=4, num_stages=3,
+        IEEE=hidden_BD.dtype == torch.float32 and not INTERPRET, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     _combine_kernel[(B,)](
         temperature_B, part_f, part_i, tokens, logprobs, s, temperature_B.stride(0), BLOCK_S=triton.next_power_of_2(s)
