@@ -25,11 +25,19 @@ import triton.language as tl
 from kernels.gumbel_sample import reference
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# jit code may read module globals only as constexprs (a compile error on the GPU, not under the interpreter)
-MASK32 = tl.constexpr(reference.MASK32)
-NOISE_BITS = tl.constexpr(reference.NOISE_BITS)
-SEED_SALT = tl.constexpr(reference.SEED_SALT)
-VOCAB_SALT = tl.constexpr(reference.VOCAB_SALT)
+
+
+def _const(value: int):
+    """A module constant for jit code: compiled kernels may read globals only as ``tl.constexpr`` (else a compile
+    error on the GPU, which the interpreter does not raise), while the interpreter wants plain ints (``1 << c`` of
+    a constexpr c fails there)."""
+    return value if INTERPRET else tl.constexpr(value)
+
+
+MASK32 = _const(reference.MASK32)
+NOISE_BITS = _const(reference.NOISE_BITS)
+SEED_SALT = _const(reference.SEED_SALT)
+VOCAB_SALT = _const(reference.VOCAB_SALT)
 
 
 @triton.jit
