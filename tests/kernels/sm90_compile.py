@@ -1,4 +1,4 @@
-"""Compile the decode-path Triton kernels for an H100/H200 (sm_90) on a machine without a GPU: the frontend,
+"""Compile the decode-path and LM-head logprob Triton kernels for an H100/H200 (sm_90) on a machine without a GPU: the frontend,
 the TTIR/TTGIR passes, LLVM and ptxas (bundled with triton) all run on the CPU. This catches what the interpreter
 (TRITON_INTERPRET=1, how CPU tests run kernels) does not: code that is valid Python but not valid Triton, e.g. a
 non-constexpr module global read inside a kernel (kernels/gumbel_sample, 2026-12-04). Run by
@@ -29,6 +29,8 @@ from triton.compiler import ASTSource  # noqa: E402
 from kernels.decode_attention import kernel as attention  # noqa: E402
 from kernels.decode_linear import kernel as linear  # noqa: E402
 from kernels.gumbel_sample import kernel as sampler  # noqa: E402
+from kernels.lm_logprob import fused_kernel as lm_fused  # noqa: E402
+from kernels.lm_logprob import kernel as lm  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -110,6 +112,60 @@ def variants():
         {**heads, "BLOCK_TC": 64, "UPCAST": False, "IEEE": False},
         {"num_warps": 4, "num_stages": 2},
     )
+    # the LM-head logprob kernels (trainer): every autotune config, bf16 inputs, fp32 statistics
+    for i, cfg in enumerate(lm._cuda_configs()):
+        opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        yield (
+            f"lm_logprob fwd config {i}",
+            lm._fwd_kernel,
+            sig(
+                "h_ptr w_ptr tgt_ptr temp_ptr m_ptr s_ptr a_ptr zt_ptr T D V stride_ht stride_wv v_per_split",
+                "*bf16 *bf16 *i64 *fp32 *fp32 *fp32 *fp32 *fp32 " + "i32 " * 6,
+            ),
+            {**cfg.kwargs, "EVEN_D": True, "UPCAST": False, "PRECISION": "tf32"},
+            opts,
+        )
+        yield (
+            f"lm_logprob grad config {i}",
+            lm._grad_logits_kernel,
+            sig(
+                "h_ptr w_ptr tgt_ptr temp_ptr lse_ptr ent_ptr glp_ptr gent_ptr g_ptr T D V stride_ht stride_wv "
+                "stride_gt",
+                "*bf16 *bf16 *i64 *fp32 *fp32 *fp32 *fp32 *fp32 *bf16 " + "i32 " * 6,
+            ),
+            {
+                **cfg.kwargs,
+                "HAS_GLP": True,
+                "HAS_GENT": True,
+                "EVEN_D": True,
+                "GROUP_T": 8,
+                "UPCAST": False,
+                "PRECISION": "tf32",
+            },
+            opts,
+        )
+    for i, cfg in enumerate(lm_fused._stats_tuned.configs):
+        yield (
+            f"lm_logprob fused stats config {i}",
+            lm_fused._stats_kernel,
+            sig(
+                "x_ptr temp_ptr m_ptr s_ptr a_ptr C V C_BUCKET stride_xc v_per_split",
+                "*fp32 *fp32 *fp32 *fp32 *fp32 " + "i32 " * 5,
+            ),
+            dict(cfg.kwargs),
+            {"num_warps": cfg.num_warps},
+        )
+    for i, cfg in enumerate(lm_fused._grad_tuned.configs):
+        yield (
+            f"lm_logprob fused grad config {i}",
+            lm_fused._grad_kernel,
+            sig(
+                "x_ptr g_ptr tgt_ptr temp_ptr lse_ptr ez_ptr glp_ptr gent_ptr C V C_BUCKET stride_xc stride_gc",
+                "*fp32 *bf16 *i64 *fp32 *fp32 *fp32 *fp32 *fp32 " + "i32 " * 5,
+            ),
+            {**cfg.kwargs, "HAS_GLP": True, "HAS_GENT": True},
+            {"num_warps": cfg.num_warps},
+        )
     yield ("decode_attention reduce", attention._reduce_kernel,
            sig("acc_ptr ml_ptr lens_ptr o_ptr so_b so_n max_len", "*fp32 *fp32 *i64 *bf16 i32 i32 i32"), heads,
            {"num_warps": 4})  # fmt: skip
