@@ -1,7 +1,8 @@
 """Triton Gumbel-max sampling (see reference.py for the math) in two launches, split over the vocabulary.
 
-1. ``_partials_kernel``, grid (S vocab chunks, B rows): each program streams its chunk of one row's logits once
-   and keeps, in fp32: the running max and sum of exp (online softmax), the best ``x + g`` with its index and
+1. ``_partials_kernel``, grid (S vocab chunks, row blocks): each program streams its chunk of its rows' logits
+   once (one row per program for ``gumbel_sample``; for ``gumbel_sample_lm_head`` up to 64 rows whose logits it
+   computes from the LM head's input, FROM_HIDDEN) and keeps per row, in fp32: the running max and sum of exp (online softmax), the best ``x + g`` with its index and
    its x, and the best x with its index (greedy). The noise is hashed in the kernel (uint32 arithmetic, the
    reference's int64 ``& MASK32`` products wrap the same way), so it costs no memory traffic.
 2. ``_combine_kernel``, grid (B,): merges a row's S partials into the token and ``x[token] - logZ``.
@@ -77,52 +78,83 @@ def _gumbel(key, offs):
 
 @triton.jit
 def _partials_kernel(
-    logits_ptr, temp_ptr, seeds_ptr, steps_ptr, part_f_ptr, part_i_ptr,
-    V, CHUNK, S, slv, stt, sts, stp,
-    BLOCK_V: tl.constexpr,
+    src_ptr, w_ptr, temp_ptr, seeds_ptr, steps_ptr, part_f_ptr, part_i_ptr,
+    B, V, D, CHUNK, S, s_src, swv, stt, sts, stp,
+    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, FROM_HIDDEN: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
+    """One vocab chunk (axis 0) of a block of BLOCK_B rows (axis 1): per row, the running max and sum of exp of
+    x = logits / T (online softmax), the best ``x + g`` with its index and its x, and the index of the best x
+    (greedy), stored as the chunk's partials. The logits are ``src`` [B, V] (fp32), or with FROM_HIDDEN computed
+    tile by tile from the LM head's input ``src`` [B, D] and weight ``w`` [V, D] (fp32 accumulation), never
+    written to memory, each chunk of ``w`` read once for all BLOCK_B rows. Ties keep the lowest index."""
     s = tl.program_id(0)
-    b = tl.program_id(1)
-    t = tl.load(temp_ptr + b * stt)
+    pb = tl.program_id(1)
+    rows = pb * BLOCK_B + tl.arange(0, BLOCK_B)
+    mask_b = rows < B
+    t = tl.load(temp_ptr + rows * stt, mask=mask_b, other=1.0)
     t = tl.where(t <= 0, 1.0, t)
-    seed = tl.load(seeds_ptr + b * sts)
-    step = tl.load(steps_ptr + b * stp)
+    seed = tl.load(seeds_ptr + rows * sts, mask=mask_b, other=0)
+    step = tl.load(steps_ptr + rows * stp, mask=mask_b, other=0)
     key = _row_key(seed, step)
     lanes = tl.arange(0, BLOCK_V)
     neg_inf = float("-inf")
-    m_run = tl.full((), neg_inf, tl.float32)  # max of x: also the greedy candidate's value
-    l_run = tl.full((), 0.0, tl.float32)
-    top_i = tl.full((), 0, tl.int32)
-    best = tl.full((), neg_inf, tl.float32)
-    best_x = tl.full((), neg_inf, tl.float32)
-    best_i = tl.full((), 0, tl.int32)
+    m_run = tl.full([BLOCK_B], neg_inf, tl.float32)  # max of x: also the greedy candidate's value
+    l_run = tl.zeros([BLOCK_B], tl.float32)
+    top_i = tl.zeros([BLOCK_B], tl.int32)
+    best = tl.full([BLOCK_B], neg_inf, tl.float32)
+    best_x = tl.full([BLOCK_B], neg_inf, tl.float32)
+    best_i = tl.zeros([BLOCK_B], tl.int32)
     start = s * CHUNK
     stop = tl.minimum(start + CHUNK, V)
     for v0 in range(start, stop, BLOCK_V):
-        offs = v0 + lanes
-        mask = offs < stop
-        x = tl.load(logits_ptr + b * slv + offs, mask=mask, other=neg_inf).to(tl.float32) / t
-        tile_max = tl.max(x, 0)
-        if tile_max > m_run:  # strict: the earlier tile keeps a tie
-            top_i = v0 + tl.argmax(x, 0)
+        offs_v = v0 + lanes
+        mask_v = offs_v < stop
+        if FROM_HIDDEN:
+            rd = tl.arange(0, BLOCK_D)
+            acc = tl.zeros([BLOCK_B, BLOCK_V], tl.float32)
+            for d0 in range(0, D, BLOCK_D):
+                offs_d = d0 + rd
+                mask_d = offs_d < D
+                h = tl.load(
+                    src_ptr + rows[:, None] * s_src + offs_d[None, :], mask=mask_b[:, None] & mask_d[None, :], other=0.0
+                )
+                w = tl.load(
+                    w_ptr + offs_v[:, None] * swv + offs_d[None, :], mask=mask_v[:, None] & mask_d[None, :], other=0.0
+                )
+                if UPCAST:
+                    h = h.to(tl.float32)
+                    w = w.to(tl.float32)
+                if IEEE:
+                    acc = tl.dot(h, tl.trans(w), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(h, tl.trans(w), acc)
+        else:
+            acc = tl.load(
+                src_ptr + rows[:, None] * s_src + offs_v[None, :], mask=mask_b[:, None] & mask_v[None, :], other=0.0
+            ).to(tl.float32)
+        x = tl.where(mask_v[None, :], acc / t[:, None], neg_inf)
+        tile_max = tl.max(x, 1)
+        top_i = tl.where(tile_max > m_run, v0 + tl.argmax(x, 1), top_i)  # strict: an earlier tile keeps a tie
         m_new = tl.maximum(m_run, tile_max)
-        l_run = l_run * tl.exp(m_run - m_new) + tl.sum(tl.where(mask, tl.exp(x - m_new), 0.0), 0)
+        l_run = l_run * tl.exp(m_run - m_new) + tl.sum(tl.where(mask_v[None, :], tl.exp(x - m_new[:, None]), 0.0), 1)
         m_run = m_new
-        score = tl.where(mask, x + _gumbel(key, offs), neg_inf)
-        tile_best = tl.max(score, 0)
-        if tile_best > best:
-            i = tl.argmax(score, 0)
-            best = tile_best
-            best_i = v0 + i
-            best_x = tl.max(tl.where(lanes == i, x, neg_inf), 0)
-    pf = part_f_ptr + (b * S + s) * 4
-    tl.store(pf + 0, m_run)
-    tl.store(pf + 1, l_run)
-    tl.store(pf + 2, best)
-    tl.store(pf + 3, best_x)
-    pi = part_i_ptr + (b * S + s) * 2
-    tl.store(pi + 0, best_i)
-    tl.store(pi + 1, top_i)
+        score = tl.where(mask_v[None, :], x + _gumbel(key[:, None], offs_v[None, :]), neg_inf)
+        tile_best = tl.max(score, 1)
+        arg = tl.argmax(score, 1)
+        upd = tile_best > best
+        x_at = tl.sum(tl.where(lanes[None, :] == arg[:, None], x, 0.0), 1)
+        best_x = tl.where(upd, x_at, best_x)
+        best_i = tl.where(upd, v0 + arg, best_i)
+        best = tl.where(upd, tile_best, best)
+    pf = part_f_ptr + (rows * S + s) * 4
+    tl.store(pf + 0, m_run, mask=mask_b)
+    tl.store(pf + 1, l_run, mask=mask_b)
+    tl.store(pf + 2, best, mask=mask_b)
+    tl.store(pf + 3, best_x, mask=mask_b)
+    pi = part_i_ptr + (rows * S + s) * 2
+    tl.store(pi + 0, best_i, mask=mask_b)
+    tl.store(pi + 1, top_i, mask=mask_b)
 
 
 @triton.jit
@@ -156,79 +188,6 @@ def _combine_kernel(
     tl.store(logprobs_ptr + b, x_tok - log_z)
 
 
-@triton.jit
-def _lm_head_partials_kernel(
-    h_ptr, w_ptr, temp_ptr, seeds_ptr, steps_ptr, part_f_ptr, part_i_ptr,
-    B, V, D, CHUNK, S, shb, swv, stt, sts, stp,
-    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-):  # fmt: skip
-    """``_partials_kernel`` for a block of rows whose logits it computes itself, tile by tile, from the LM head's
-    input ``h`` [B, D] and weight ``w`` [V, D] (fp32 accumulation): the logits are never written to memory, and
-    each program reads its chunk of ``w`` once for all its rows."""
-    s = tl.program_id(0)
-    pb = tl.program_id(1)
-    rows = pb * BLOCK_B + tl.arange(0, BLOCK_B)
-    mask_b = rows < B
-    t = tl.load(temp_ptr + rows * stt, mask=mask_b, other=1.0)
-    t = tl.where(t <= 0, 1.0, t)
-    seed = tl.load(seeds_ptr + rows * sts, mask=mask_b, other=0)
-    step = tl.load(steps_ptr + rows * stp, mask=mask_b, other=0)
-    key = _row_key(seed, step)
-    lanes = tl.arange(0, BLOCK_V)
-    rd = tl.arange(0, BLOCK_D)
-    neg_inf = float("-inf")
-    m_run = tl.full([BLOCK_B], neg_inf, tl.float32)
-    l_run = tl.zeros([BLOCK_B], tl.float32)
-    top_i = tl.zeros([BLOCK_B], tl.int32)
-    best = tl.full([BLOCK_B], neg_inf, tl.float32)
-    best_x = tl.full([BLOCK_B], neg_inf, tl.float32)
-    best_i = tl.zeros([BLOCK_B], tl.int32)
-    start = s * CHUNK
-    stop = tl.minimum(start + CHUNK, V)
-    for v0 in range(start, stop, BLOCK_V):
-        offs_v = v0 + lanes
-        mask_v = offs_v < stop
-        acc = tl.zeros([BLOCK_B, BLOCK_V], tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            offs_d = d0 + rd
-            mask_d = offs_d < D
-            h = tl.load(
-                h_ptr + rows[:, None] * shb + offs_d[None, :], mask=mask_b[:, None] & mask_d[None, :], other=0.0
-            )
-            w = tl.load(
-                w_ptr + offs_v[:, None] * swv + offs_d[None, :], mask=mask_v[:, None] & mask_d[None, :], other=0.0
-            )
-            if UPCAST:
-                h = h.to(tl.float32)
-                w = w.to(tl.float32)
-            if IEEE:
-                acc = tl.dot(h, tl.trans(w), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(h, tl.trans(w), acc)
-        x = tl.where(mask_v[None, :], acc / t[:, None], neg_inf)
-        tile_max = tl.max(x, 1)
-        top_i = tl.where(tile_max > m_run, v0 + tl.argmax(x, 1), top_i)  # strict: an earlier tile keeps a tie
-        m_new = tl.maximum(m_run, tile_max)
-        l_run = l_run * tl.exp(m_run - m_new) + tl.sum(tl.where(mask_v[None, :], tl.exp(x - m_new[:, None]), 0.0), 1)
-        m_run = m_new
-        score = tl.where(mask_v[None, :], x + _gumbel(key[:, None], offs_v[None, :]), neg_inf)
-        tile_best = tl.max(score, 1)
-        arg = tl.argmax(score, 1)
-        upd = tile_best > best
-        x_at = tl.sum(tl.where(lanes[None, :] == arg[:, None], x, 0.0), 1)
-        best_x = tl.where(upd, x_at, best_x)
-        best_i = tl.where(upd, v0 + arg, best_i)
-        best = tl.where(upd, tile_best, best)
-    pf = part_f_ptr + (rows * S + s) * 4
-    tl.store(pf + 0, m_run, mask=mask_b)
-    tl.store(pf + 1, l_run, mask=mask_b)
-    tl.store(pf + 2, best, mask=mask_b)
-    tl.store(pf + 3, best_x, mask=mask_b)
-    pi = part_i_ptr + (rows * S + s) * 2
-    tl.store(pi + 0, best_i, mask=mask_b)
-    tl.store(pi + 1, top_i, mask=mask_b)
-
-
 def num_chunks(rows: int, vocab: int, block_v: int, device: torch.device) -> int:
     """Vocab chunks per row: enough programs to fill the GPU about twice (rows x chunks), at least one tile
     each; the interpreter takes 3 chunks at most, so tests cover the merge cheaply."""
@@ -239,23 +198,23 @@ def num_chunks(rows: int, vocab: int, block_v: int, device: torch.device) -> int
     return max(1, min(tiles, triton.cdiv(2 * sms, rows), 1024))
 
 
-def gumbel_sample(
-    logits_BV: torch.Tensor, temperature_B: torch.Tensor, seeds_B: torch.Tensor, steps_B: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens int64 [B], logprobs float32 [B]) as reference.gumbel_sample_reference; logits' last dim contiguous,
-    the [B] inputs any stride (the engine passes columns of its sampling-parameter tables)."""
-    B, V = logits_BV.shape
-    block_v = 64 if INTERPRET else 1024
-    s = num_chunks(B, V, block_v, logits_BV.device)
-    chunk = triton.cdiv(triton.cdiv(V, s), block_v) * block_v  # whole tiles per chunk
-    s = triton.cdiv(V, chunk)
-    part_f = torch.empty(B, s, 4, device=logits_BV.device, dtype=torch.float32)
-    part_i = torch.empty(B, s, 2, device=logits_BV.device, dtype=torch.int32)
-    tokens = torch.empty(B, device=logits_BV.device, dtype=torch.int64)
-    logprobs = torch.empty(B, device=logits_BV.device, dtype=torch.float32)
-    _partials_kernel[(s, B)](
-        logits_BV, temperature_B, seeds_B, steps_B, part_f, part_i, V, chunk, s, logits_BV.stride(0),
-        temperature_B.stride(0), seeds_B.stride(0), steps_B.stride(0), BLOCK_V=block_v,
+def _sample(src, weight, temperature_B, seeds_B, steps_B, vocab, chunks, block_b, block_v, block_d, warps, stages):
+    """Launch ``_partials_kernel`` over ``chunks`` vocab chunks x row blocks of ``block_b`` (``weight`` None: ``src``
+    holds the logits), then ``_combine_kernel``; (tokens, logprobs)."""
+    B, dev = src.shape[0], src.device
+    chunk = triton.cdiv(triton.cdiv(vocab, chunks), block_v) * block_v  # whole tiles per chunk
+    s = triton.cdiv(vocab, chunk)
+    part_f = torch.empty(B, s, 4, device=dev, dtype=torch.float32)
+    part_i = torch.empty(B, s, 2, device=dev, dtype=torch.int32)
+    tokens = torch.empty(B, device=dev, dtype=torch.int64)
+    logprobs = torch.empty(B, device=dev, dtype=torch.float32)
+    from_hidden = weight is not None
+    _partials_kernel[(s, triton.cdiv(B, block_b))](
+        src, weight if from_hidden else src, temperature_B, seeds_B, steps_B, part_f, part_i,
+        B, vocab, src.shape[1] if from_hidden else 0, chunk, s, src.stride(0), weight.stride(0) if from_hidden else 0,
+        temperature_B.stride(0), seeds_B.stride(0), steps_B.stride(0),
+        BLOCK_B=block_b, BLOCK_V=block_v, BLOCK_D=block_d, FROM_HIDDEN=from_hidden, UPCAST=INTERPRET,
+        IEEE=src.dtype == torch.float32 and not INTERPRET, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     _combine_kernel[(B,)](
         temperature_B, part_f, part_i, tokens, logprobs, s, temperature_B.stride(0), BLOCK_S=triton.next_power_of_2(s)
@@ -263,16 +222,29 @@ def gumbel_sample(
     return tokens, logprobs
 
 
+def gumbel_sample(
+    logits_BV: torch.Tensor, temperature_B: torch.Tensor, seeds_B: torch.Tensor, steps_B: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens int64 [B], logprobs float32 [B]) as reference.gumbel_sample_reference; logits' last dim contiguous,
+    the [B] inputs any stride (the engine passes columns of its sampling-parameter tables). One row per program."""
+    B, V = logits_BV.shape
+    block_v = 64 if INTERPRET else 1024
+    chunks = num_chunks(B, V, block_v, logits_BV.device)
+    return _sample(
+        logits_BV, None, temperature_B, seeds_B, steps_B, V, chunks, 1, block_v, 16, 4, 1 if INTERPRET else 3
+    )
+
+
 LM_HEAD_MAX_ROWS = 64
 """Rows the fused LM-head sampler takes in one row block (so each chunk of the weight is read once)."""
 
 
 def lm_head_config(block_b: int, elsize: int) -> tuple[int, int, int, int]:
-    """(BLOCK_V, BLOCK_D, num_warps, num_stages) of ``_lm_head_partials_kernel`` for ``block_b`` rows of ``elsize``-byte
-    inputs: the widest vocab tile that compiles for sm_90 without register spills (cuobjdump of the sm_90 build,
-    tests/kernels/sm90_compile.py, 2026-12-04: 128 x 64 tiles at 8 warps use 226-248 registers for 16-64 bf16 rows; 4
-    warps or 128-wide hidden tiles spilled up to 2.3 KB; fp32 at 64 rows needs 64-wide vocab tiles). Not timed on a
-    GPU yet. Interpreter: small tiles, so tests cover ragged edges."""
+    """(BLOCK_V, BLOCK_D, num_warps, num_stages) of ``_partials_kernel`` with FROM_HIDDEN for ``block_b`` rows of
+    ``elsize``-byte inputs: the widest vocab tile that compiles for sm_90 without register spills (cuobjdump of the
+    sm_90 build, tests/kernels/sm90_compile.py, 2026-12-04: 128 x 64 tiles at 8 warps use 226-248 registers for
+    16-64 bf16 rows; 4 warps or 128-wide hidden tiles spilled up to 2.3 KB; fp32 at 64 rows needs 64-wide vocab
+    tiles). Not timed on a GPU yet. Interpreter: small tiles, so tests cover ragged edges."""
     if INTERPRET:
         return 16, 32, 4, 1
     block_v = 64 if elsize == 4 and block_b > 16 else 128
@@ -288,27 +260,12 @@ def gumbel_sample_lm_head(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``gumbel_sample`` of the logits ``hidden_BD @ weight_VD.T`` (fp32 accumulation), computed tile by tile
     inside the sampling kernel instead of written out. ``hidden`` and ``weight`` in one float dtype with
-    contiguous last dims; B <= ``LM_HEAD_MAX_ROWS``."""
-    B, D = hidden_BD.shape
+    contiguous last dims; B <= ``LM_HEAD_MAX_ROWS`` (one row block)."""
+    B = hidden_BD.shape[0]
     V = weight_VD.shape[0]
     assert B <= LM_HEAD_MAX_ROWS, B
     block_b = max(16, triton.next_power_of_2(B))
     block_v, block_d, warps, stages = lm_head_config(block_b, hidden_BD.element_size())
-    s = num_chunks(1, V, block_v, hidden_BD.device)
-    chunk = triton.cdiv(triton.cdiv(V, s), block_v) * block_v
-    s = triton.cdiv(V, chunk)
-    part_f = torch.empty(B, s, 4, device=hidden_BD.device, dtype=torch.float32)
-    part_i = torch.empty(B, s, 2, device=hidden_BD.device, dtype=torch.int32)
-    tokens = torch.empty(B, device=hidden_BD.device, dtype=torch.int64)
-    logprobs = torch.empty(B, device=hidden_BD.device, dtype=torch.float32)
-    _lm_head_partials_kernel[(s, triton.cdiv(B, block_b))](
-        hidden_BD, weight_VD, temperature_B, seeds_B, steps_B, part_f, part_i,
-        B, V, D, chunk, s, hidden_BD.stride(0), weight_VD.stride(0),
-        temperature_B.stride(0), seeds_B.stride(0), steps_B.stride(0),
-        BLOCK_B=block_b, BLOCK_V=block_v, BLOCK_D=block_d, UPCAST=INTERPRET,
-        IEEE=hidden_BD.dtype == torch.float32 and not INTERPRET, num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-    _combine_kernel[(B,)](
-        temperature_B, part_f, part_i, tokens, logprobs, s, temperature_B.stride(0), BLOCK_S=triton.next_power_of_2(s)
-    )
-    return tokens, logprobs
+    chunks = num_chunks(1, V, block_v, hidden_BD.device)
+    return _sample(hidden_BD, weight_VD, temperature_B, seeds_B, steps_B, V, chunks, block_b, block_v, block_d,
+                   warps, stages)  # fmt: skip

@@ -42,13 +42,17 @@ def sig(names: str, types: str) -> dict[str, str]:
 
 def variants():
     """(name, jit function, runtime-argument signature, constexprs, compile options), as the launchers call them."""
-    g_rows = sig("temp_ptr seeds_ptr steps_ptr part_f_ptr part_i_ptr", "*fp32 *i64 *i64 *fp32 *i32")
+
+    def gumbel_sig(dtype: str) -> dict[str, str]:
+        return sig("src_ptr w_ptr temp_ptr seeds_ptr steps_ptr part_f_ptr part_i_ptr B V D CHUNK S s_src swv stt sts stp",
+                   f"*{dtype} *{dtype} *fp32 *i64 *i64 *fp32 *i32 " + "i32 " * 10)  # fmt: skip
+
     yield (
         "gumbel_sample partials",
         sampler._partials_kernel,
-        {"logits_ptr": "*fp32", **g_rows, **sig("V CHUNK S slv stt sts stp", "i32 " * 7)},
-        {"BLOCK_V": 1024},
-        {},
+        gumbel_sig("fp32"),
+        {"BLOCK_B": 1, "BLOCK_V": 1024, "BLOCK_D": 16, "FROM_HIDDEN": False, "UPCAST": False, "IEEE": False},
+        {"num_warps": 4, "num_stages": 3},
     )
     yield (
         "gumbel_sample combine",
@@ -61,16 +65,12 @@ def variants():
         block_v, block_d, warps, stages = sampler.lm_head_config(block_b, 2 if dtype == "bf16" else 4)
         yield (
             f"gumbel_sample lm_head {dtype} rows {block_b}",
-            sampler._lm_head_partials_kernel,
-            {
-                "h_ptr": f"*{dtype}",
-                "w_ptr": f"*{dtype}",
-                **g_rows,
-                **sig("B V D CHUNK S shb swv stt sts stp", "i32 " * 10),
-            },
-            {"BLOCK_B": block_b, "BLOCK_V": block_v, "BLOCK_D": block_d, "UPCAST": False, "IEEE": dtype == "fp32"},
+            sampler._partials_kernel,
+            gumbel_sig(dtype),
+            {"BLOCK_B": block_b, "BLOCK_V": block_v, "BLOCK_D": block_d, "FROM_HIDDEN": True, "UPCAST": False,
+             "IEEE": dtype == "fp32"},
             {"num_warps": warps, "num_stages": stages},
-        )
+        )  # fmt: skip
     lin = sig(
         "x_ptr w_ptr b_ptr nw_ptr r_ptr o_ptr ws_ptr cnt_ptr M K NO eps sxm swn srm som",
         "*bf16 *bf16 *bf16 *bf16 *bf16 *bf16 *fp32 *i32 i32 i32 i32 fp32 i32 i32 i32 i32",
@@ -144,28 +144,18 @@ def variants():
             },
             opts,
         )
-    for i, cfg in enumerate(lm_fused._stats_tuned.configs):
-        yield (
-            f"lm_logprob fused stats config {i}",
-            lm_fused._stats_kernel,
-            sig(
-                "x_ptr temp_ptr m_ptr s_ptr a_ptr C V C_BUCKET stride_xc v_per_split",
-                "*fp32 *fp32 *fp32 *fp32 *fp32 " + "i32 " * 5,
-            ),
-            dict(cfg.kwargs),
-            {"num_warps": cfg.num_warps},
-        )
-    for i, cfg in enumerate(lm_fused._grad_tuned.configs):
-        yield (
-            f"lm_logprob fused grad config {i}",
-            lm_fused._grad_kernel,
-            sig(
-                "x_ptr g_ptr tgt_ptr temp_ptr lse_ptr ez_ptr glp_ptr gent_ptr C V C_BUCKET stride_xc stride_gc",
-                "*fp32 *bf16 *i64 *fp32 *fp32 *fp32 *fp32 *fp32 " + "i32 " * 5,
-            ),
-            {**cfg.kwargs, "HAS_GLP": True, "HAS_GENT": True},
-            {"num_warps": cfg.num_warps},
-        )
+    fused = (
+        ("stats", lm_fused._stats_tuned, lm_fused._stats_kernel, {},
+         sig("x_ptr temp_ptr m_ptr s_ptr a_ptr C V C_BUCKET stride_xc v_per_split",
+             "*fp32 *fp32 *fp32 *fp32 *fp32 " + "i32 " * 5)),
+        ("grad", lm_fused._grad_tuned, lm_fused._grad_kernel, {"HAS_GLP": True, "HAS_GENT": True},
+         sig("x_ptr g_ptr tgt_ptr temp_ptr lse_ptr ez_ptr glp_ptr gent_ptr C V C_BUCKET stride_xc stride_gc",
+             "*fp32 *bf16 *i64 *fp32 *fp32 *fp32 *fp32 *fp32 " + "i32 " * 5)),
+    )  # fmt: skip
+    for part, tuner, fn, flags, signature in fused:
+        for i, cfg in enumerate(tuner.configs):
+            yield (f"lm_logprob fused {part} config {i}", fn, signature, {**cfg.kwargs, **flags},
+                   {"num_warps": cfg.num_warps})  # fmt: skip
     yield ("decode_attention reduce", attention._reduce_kernel,
            sig("acc_ptr ml_ptr lens_ptr o_ptr so_b so_n max_len", "*fp32 *fp32 *i64 *bf16 i32 i32 i32"), heads,
            {"num_warps": 4})  # fmt: skip
