@@ -298,7 +298,7 @@ def trl_worker(spec_path: str) -> None:
 
 
 # ---- summary and plots ---------------------------------------------------------------------------------
-def summarize(run: dict, args: argparse.Namespace, n_params: int) -> dict:
+def summarize(run: dict, args: argparse.Namespace, n_params: int, model_dir: Path) -> dict:
     """Rates over the steps from --warmup on (steady state), and over the whole run: every step (the
     warm-up included) and the subprocess's wall time (process start, model load and exit too).
 
@@ -338,7 +338,7 @@ def summarize(run: dict, args: argparse.Namespace, n_params: int) -> dict:
         if args.device == "cuda" and mean("model_tokens") is not None:
             from benchmarks.common import train_step_flops
 
-            flops = train_step_flops(args.model_dir, n_params, mean("model_tokens"), mean("forward_tokens"))
+            flops = train_step_flops(model_dir, n_params, mean("model_tokens"), mean("forward_tokens"))
             s["train_mfu_pct"] = 100 * flops / s["train_time_s"] / (args.peak_tflops * 1e12)
         s["mismatch_kl_step0"] = run["steps"][0]["mismatch_kl"]
         s["mismatch_kl_mean"] = statistics.fmean(r["mismatch_kl"] for r in run["steps"])
@@ -533,7 +533,6 @@ def main() -> None:
             raise SystemExit(f"SFT failed (see {out / 'sft.log'})")
         model = out / "sft" / "hf"
     n_params = num_params(model)
-    args.model_dir = model  # config.json for the FLOP count (summarize)
     res["meta"]["num_params"] = n_params
     sides = args.sides.split(",")
     for rep in range(args.repeats):
@@ -545,7 +544,7 @@ def main() -> None:
             else:
                 continue
             res["runs"].append(run)
-            res["summary"].append(summarize(run, args, n_params))
+            res["summary"].append(summarize(run, args, n_params, model))
             res["ratios"] = ratios(res["summary"])
             save()
     if not args.no_eval:
