@@ -36,3 +36,15 @@ def test_bad_variant_names_it(spec: str, tmp_path: Path) -> None:
     assert r.returncode != 0
     assert spec.split(":")[1].split("=")[0] in r.stderr
     assert not (tmp_path / "results.json").exists()
+
+
+def test_train_step_flops_counts_blocks_and_head_apart(tmp_path: Path) -> None:
+    # MFU's FLOP count (benchmarks/common.py): blocks x the tokens they ran + LM head x every packed token; the
+    # input embedding, a lookup, counts for nothing, and a tied one is counted once in num_params
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.common import train_step_flops
+
+    for tied, params in ((True, 1000 + 10 * 4), (False, 1000 + 2 * 10 * 4)):
+        cfg = {"vocab_size": 10, "hidden_size": 4, "tie_word_embeddings": tied}
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+        assert train_step_flops(tmp_path, params, model_tokens=7, head_tokens=20) == 6 * (1000 * 7 + 40 * 20)
