@@ -196,7 +196,8 @@ def run_variant(name: str, overrides: dict[str, str], model_dir: Path, args: arg
     batches = []  # every variant sees the same sequence of batches
     for i in range(1 if args.same_batch else args.warmup + args.steps + args.profile_steps):
         batch_args = argparse.Namespace(**{**vars(args), "seed": args.seed + i})
-        batches.append(pack(synthetic_samples(batch_args, vocab), cfg.trainer.micro_batch_tokens, 1)[0])
+        samples = synthetic_samples(batch_args, vocab)  # packed as rl.py packs them (shared prompts counted once)
+        batches.append(pack(samples, cfg.trainer.micro_batch_tokens, 1, share_prompts=parts.policy.share_prompts)[0])
     calls = {"n": 0}
 
     def step() -> dict[str, float]:
