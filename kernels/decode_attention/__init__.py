@@ -1,1 +1,1 @@
-"""Decode attention: one query token per row against its slot's cached K/V (GQA, per-row lengths, flash-decoding)."""
+"""Decode attention: one query token per row against its slot or paged K/V (GQA, per-row lengths, flash-decoding)."""

@@ -12,11 +12,20 @@ so a row reads only its own positions, not the bucket's.
 Nothing reads the lengths on the host: they are loaded by the kernels, so a launch is CUDA-graph
 capturable (its grid depends only on B, Nkv and ``max_len``).
 
+Two K/V layouts, picked by the constexpr ``SB`` of the split kernel (the reduce kernel is shared):
+- ``SB == 0``, slot cache [Bc, Nkv, Tc, Dh]: row b reads slot b (``decode_attention``);
+- ``SB > 0``, paged pool [Nb, Nkv, Sb, Dh] with Sb = ``SB`` and a block table int32 [Bc, Mb]: row b's position t
+  is in block ``table[b, t // Sb]`` at in-block position ``t % Sb`` (``paged_decode_attention``). Each tile loads
+  the block id of each of its positions (BLOCK_TC int32 beside the tile's K/V), so any Sb works, also one that does
+  not divide the tile. The slot launch passes the table pointer as None and its stride as 1, which Triton turns
+  into constexprs: the slot kernel's parameters and code are those it had before the paged form existed.
+
 Interpreter (CPU, TRITON_INTERPRET=1): K/V/q tiles are upcast to fp32 before ``tl.dot`` (bf16
 dots give garbage there); fp32 inputs use IEEE fp32 dots on GPU too (no TF32).
 
 Legend: see reference.py (B rows, N query heads, Nkv kv heads, G = N / Nkv, Dh head dim, Bc cache slots, Tc cache
-length). Kernel constexprs spell them NKV, G, DH; BLOCK_G / BLOCK_DH / BLOCK_TC tile G, Dh and positions.
+length, Nb pool blocks, Sb positions per block, Mb table entries per row). Kernel constexprs spell them NKV, G, DH,
+SB; BLOCK_G / BLOCK_DH / BLOCK_TC tile G, Dh and positions.
 """
 
 from __future__ import annotations
@@ -36,9 +45,10 @@ LOG2E = 1.4426950408889634
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, lens_ptr, o_ptr, acc_ptr, ml_ptr,
     sq_b, sq_n, sk_bc, sk_nkv, sk_tc, sv_bc, sv_nkv, sv_tc, so_b, so_n,
-    max_len, qk_scale,
+    max_len, qk_scale, table_ptr, st_b,
     NKV: tl.constexpr, G: tl.constexpr, DH: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_TC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    SB: tl.constexpr,
 ):  # fmt: skip
     pid_s = tl.program_id(0)
     pid_bnkv = tl.program_id(1)
@@ -62,14 +72,27 @@ def _split_kernel(
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     s_sum = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DH], tl.float32)
-    k_base = k_ptr + b.to(tl.int64) * sk_bc + kv * sk_nkv
-    v_base = v_ptr + b.to(tl.int64) * sv_bc + kv * sv_nkv
+    if SB == 0:
+        k_base = k_ptr + b.to(tl.int64) * sk_bc + kv * sk_nkv
+        v_base = v_ptr + b.to(tl.int64) * sv_bc + kv * sv_nkv
+    else:  # pool: sk_bc / sv_bc step blocks, sk_tc / sv_tc positions in a block
+        k_base = k_ptr + kv * sk_nkv
+        v_base = v_ptr + kv * sv_nkv
+        table_row = table_ptr + b.to(tl.int64) * st_b
     for t0 in range(start, end, BLOCK_TC):
         offs_t = t0 + tl.arange(0, BLOCK_TC)
         mask_t = offs_t < end
         kv_mask = mask_t[:, None] & mask_d[None, :]
-        k = tl.load(k_base + offs_t[:, None] * sk_tc + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_t[:, None] * sv_tc + offs_d[None, :], mask=kv_mask, other=0.0)
+        if SB == 0:
+            k = tl.load(k_base + offs_t[:, None] * sk_tc + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_base + offs_t[:, None] * sv_tc + offs_d[None, :], mask=kv_mask, other=0.0)
+        else:
+            blk = tl.load(table_row + offs_t // SB, mask=mask_t, other=0).to(tl.int64)  # [BLOCK_TC]
+            in_blk = offs_t % SB
+            k_rows = blk * sk_bc + in_blk * sk_tc
+            v_rows = blk * sv_bc + in_blk * sv_tc
+            k = tl.load(k_base + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_base + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if UPCAST:
             k, v = k.to(tl.float32), v.to(tl.float32)
         if IEEE:
@@ -171,14 +194,49 @@ def decode_attention(
     """o [B, N, Dh] like q (see reference.py); ``num_splits`` 0 picks by shape (``pick_num_splits``),
     ``tile`` 0 by ``default_block_tc`` (benchmarks/decode_attention.py sweeps tile, warps and stages).
     q, k, v: the same float dtype, last dim contiguous; lens_B int32/int64 on the same device."""
-    B, N, Dh = q_BNDh.shape
-    Nkv = k_BcNkvTcDh.shape[1]
-    G = N // Nkv
     if q_BNDh.stride(-1) != 1 or k_BcNkvTcDh.stride(-1) != 1 or v_BcNkvTcDh.stride(-1) != 1:
         raise ValueError(
             f"decode_attention: the head dim must be contiguous (strides q {q_BNDh.stride()}, "
             f"k {k_BcNkvTcDh.stride()}, v {v_BcNkvTcDh.stride()})"
         )
+    # table None and stride 1 specialize to constexprs: the slot kernel's parameter list has no table
+    return _launch(q_BNDh, k_BcNkvTcDh, v_BcNkvTcDh, lens_B, max_len, scale, num_splits, num_warps, num_stages, tile,
+                   None, 1, 0)  # fmt: skip
+
+
+def paged_decode_attention(
+    q_BNDh: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    lens_B: torch.Tensor,
+    max_len: int,
+    scale: float,
+    num_splits: int = 0,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    tile: int = 0,
+) -> torch.Tensor:
+    """``decode_attention`` over a paged cache: ``k/v_pool`` [Nb, Nkv, Sb, Dh] (any strides, head dim contiguous),
+    ``block_table`` int32 [Bc, Mb] (last dim contiguous) on q's device; row b's position t is
+    ``pool[block_table[b, t // Sb], :, t % Sb]`` (see reference.py). Only the entries of a row's first
+    ceil(min(lens_B[b], max_len) / Sb) blocks are read; every one of them must be a block id in [0, Nb)
+    (not checked: that would sync). o [B, N, Dh] like q; the other arguments as ``decode_attention``."""
+    if q_BNDh.stride(-1) != 1 or k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1 or block_table.stride(-1) != 1:
+        raise ValueError(
+            f"paged_decode_attention: the head dim and the table's last dim must be contiguous (strides q "
+            f"{q_BNDh.stride()}, k_pool {k_pool.stride()}, v_pool {v_pool.stride()}, block_table {block_table.stride()})"
+        )
+    return _launch(q_BNDh, k_pool, v_pool, lens_B, max_len, scale, num_splits, num_warps, num_stages, tile,
+                   block_table, block_table.stride(0), k_pool.shape[2])  # fmt: skip
+
+
+def _launch(q_BNDh, k, v, lens_B, max_len, scale, num_splits, num_warps, num_stages, tile, table, st_b, sb):
+    """The split kernel (and the reduce kernel for several splits); k/v a slot cache (``sb`` 0, ``table`` None)
+    or a pool of blocks of ``sb`` positions (dims: [Bc or Nb, Nkv, Tc or Sb, Dh])."""
+    B, N, Dh = q_BNDh.shape
+    Nkv = k.shape[1]
+    G = N // Nkv
     block_tc = tile or default_block_tc(Dh)
     if num_splits <= 0:
         num_splits = pick_num_splits(B, Nkv, max_len, q_BNDh.device, block_tc)
@@ -200,13 +258,13 @@ def decode_attention(
         BLOCK_DH=max(16, triton.next_power_of_2(Dh)),
     )
     _split_kernel[(num_splits, B * Nkv)](
-        q_BNDh, k_BcNkvTcDh, v_BcNkvTcDh, lens_B, o_BNDh, acc, ml,
+        q_BNDh, k, v, lens_B, o_BNDh, acc, ml,
         q_BNDh.stride(0), q_BNDh.stride(1),
-        k_BcNkvTcDh.stride(0), k_BcNkvTcDh.stride(1), k_BcNkvTcDh.stride(2),
-        v_BcNkvTcDh.stride(0), v_BcNkvTcDh.stride(1), v_BcNkvTcDh.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
         o_BNDh.stride(0), o_BNDh.stride(1),
-        max_len, scale * LOG2E,
-        BLOCK_TC=block_tc, UPCAST=INTERPRET, IEEE=q_BNDh.dtype == torch.float32 and not INTERPRET,
+        max_len, scale * LOG2E, table, st_b,
+        BLOCK_TC=block_tc, UPCAST=INTERPRET, IEEE=q_BNDh.dtype == torch.float32 and not INTERPRET, SB=sb,
         num_warps=num_warps, num_stages=num_stages, **meta,
     )  # fmt: skip
     if num_splits > 1:

@@ -1,11 +1,13 @@
-"""The entry point the native engine uses: ``decode_attention(..., impl=...)``.
+"""The entry points the native engine uses: ``decode_attention(..., impl=...)`` over a slot cache and
+``paged_decode_attention(..., impl=...)`` over a paged pool and block table.
 
 ``reference``: pure PyTorch (reference.py), any device. ``triton``: the flash-decoding kernels
-(kernel.py) as the ``torch.library`` op ``prime_spmd::decode_attention``, with a fake impl so it
-sits inside ``torch.compile(fullgraph=True)`` and CUDA-graph capture. Inference only: no backward
-is registered, so a backward through the triton op raises.
+(kernel.py) as the ``torch.library`` ops ``prime_spmd::decode_attention`` and
+``prime_spmd::paged_decode_attention``, with fake impls so they sit inside ``torch.compile(fullgraph=True)``
+and CUDA-graph capture. Inference only: no backward is registered, so a backward through a triton op raises.
 
-Legend: see reference.py (B rows, N query heads, Nkv kv heads, Dh head dim, Bc cache slots, Tc cache length).
+Legend: see reference.py (B rows, N query heads, Nkv kv heads, Dh head dim, Bc cache slots, Tc cache length,
+Nb pool blocks, Sb positions per block, Mb table entries per row).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Literal
 
 import torch
 
-from kernels.decode_attention.reference import decode_attention_reference
+from kernels.decode_attention.reference import decode_attention_reference, paged_decode_attention_reference
 
 DecodeAttentionImpl = Literal["reference", "triton"]
 
@@ -90,4 +92,103 @@ def decode_attention_op(
 
 @decode_attention_op.register_fake
 def _(q_BNDh, k_BcNkvTcDh, v_BcNkvTcDh, lens_B, max_len, scale, num_splits):
+    return torch.empty_like(q_BNDh)
+
+
+def check_paged_inputs(
+    q_BNDh: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    lens_B: torch.Tensor,
+    max_len: int,
+):
+    """ValueError naming the bad shape, dtype, device or size (host-side metadata only: no device sync, so the
+    block ids themselves are not checked)."""
+    if q_BNDh.ndim != 3 or k_pool.ndim != 4 or k_pool.shape != v_pool.shape:
+        raise ValueError(
+            f"paged_decode_attention: want q [B, N, Dh] and k_pool, v_pool [Nb, Nkv, Sb, Dh]; got q "
+            f"{tuple(q_BNDh.shape)}, k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}"
+        )
+    (B, N, Dh), (_, Nkv, Sb, Dh_k) = q_BNDh.shape, k_pool.shape
+    if Dh_k != Dh or N % Nkv:
+        raise ValueError(
+            f"paged_decode_attention: q {tuple(q_BNDh.shape)} does not fit pool {tuple(k_pool.shape)} "
+            f"(need the same Dh, N a multiple of Nkv)"
+        )
+    if block_table.ndim != 2 or block_table.dtype != torch.int32 or block_table.shape[0] < B:
+        raise ValueError(
+            f"paged_decode_attention: block_table must be int32 [Bc, Mb] with Bc >= B = {B}, got "
+            f"{block_table.dtype} {tuple(block_table.shape)}"
+        )
+    if block_table.device != q_BNDh.device or lens_B.device != q_BNDh.device:
+        raise ValueError(
+            f"paged_decode_attention: block_table ({block_table.device}) and lens_B ({lens_B.device}) must be on "
+            f"q's device ({q_BNDh.device})"
+        )
+    Mb = block_table.shape[1]
+    if not 1 <= max_len <= Mb * Sb:
+        raise ValueError(
+            f"paged_decode_attention: max_len={max_len} outside [1, {Mb * Sb}] (Mb * Sb: {Mb} table entries of "
+            f"{Sb}-position blocks)"
+        )
+    if lens_B.shape != (B,) or lens_B.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"paged_decode_attention: lens_B must be int32/int64 [{B}], got {lens_B.dtype} {tuple(lens_B.shape)}"
+        )
+    if not (q_BNDh.dtype == k_pool.dtype == v_pool.dtype):
+        raise ValueError(
+            f"paged_decode_attention: dtypes differ: q {q_BNDh.dtype}, k_pool {k_pool.dtype}, v_pool {v_pool.dtype}"
+        )
+
+
+def paged_decode_attention(
+    q_BNDh: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    lens_B: torch.Tensor,
+    max_len: int,
+    scale: float,
+    impl: DecodeAttentionImpl = "reference",
+    num_splits: int = 0,
+) -> torch.Tensor:
+    """``decode_attention`` over a paged cache: q [B, N, Dh] attends positions [0, min(lens_B[b], max_len)) of row
+    b, whose position t is ``pool[block_table[b, t // Sb], :, t % Sb]``; [B, N, Dh].
+
+    ``k/v_pool`` [Nb, Nkv, Sb, Dh] (one layer of the engine's [L, Nb, Nkv, Sb, Dh] pools: any strides, head dim
+    contiguous for triton); ``block_table`` int32 [Bc, Mb] on q's device, Bc >= B, rows may share blocks, no block
+    id is special; the entries a row reads (its first ceil(min(lens_B[b], max_len) / Sb)) must be in [0, Nb),
+    which is not checked (it would sync). ``lens_B``, ``max_len`` (<= Mb * Sb), ``num_splits`` as
+    ``decode_attention``. No side effects.
+    """
+    check_paged_inputs(q_BNDh, k_pool, v_pool, block_table, lens_B, max_len)
+    if impl == "reference":
+        return paged_decode_attention_reference(q_BNDh, k_pool, v_pool, block_table, lens_B, max_len, scale)
+    if impl == "triton":
+        return torch.ops.prime_spmd.paged_decode_attention(
+            q_BNDh, k_pool, v_pool, block_table, lens_B, max_len, scale, num_splits
+        )
+    raise ValueError(f"unknown decode attention impl {impl!r}; choose reference or triton")
+
+
+@torch.library.custom_op("prime_spmd::paged_decode_attention", mutates_args=())
+def paged_decode_attention_op(
+    q_BNDh: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    lens_B: torch.Tensor,
+    max_len: int,
+    scale: float,
+    num_splits: int,
+) -> torch.Tensor:
+    """The Triton kernels (kernel.paged_decode_attention); inputs as ``paged_decode_attention`` above."""
+    from kernels.decode_attention import kernel
+
+    return kernel.paged_decode_attention(q_BNDh, k_pool, v_pool, block_table, lens_B, max_len, scale, num_splits)
+
+
+@paged_decode_attention_op.register_fake
+def _(q_BNDh, k_pool, v_pool, block_table, lens_B, max_len, scale, num_splits):
     return torch.empty_like(q_BNDh)

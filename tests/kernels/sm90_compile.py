@@ -101,17 +101,30 @@ def variants():
                 {"num_warps": 4, "num_stages": 4},
             )
     heads = {"NKV": 8, "G": 2, "DH": 128, "NUM_SPLITS": 4, "SPLIT_LEN": 256, "BLOCK_G": 16, "BLOCK_DH": 128}
+    split_args = (
+        "q_ptr k_ptr v_ptr lens_ptr o_ptr acc_ptr ml_ptr sq_b sq_n sk_bc sk_nkv sk_tc sv_bc sv_nkv sv_tc so_b so_n "
+    )
+    split_types = "*bf16 *bf16 *bf16 *i64 *bf16 *fp32 *fp32 " + "i32 " * 10
     yield (
         "decode_attention split",
         attention._split_kernel,
-        sig(
-            "q_ptr k_ptr v_ptr lens_ptr o_ptr acc_ptr ml_ptr sq_b sq_n sk_bc sk_nkv sk_tc sv_bc sv_nkv sv_tc so_b "
-            "so_n max_len qk_scale",
-            "*bf16 *bf16 *bf16 *i64 *bf16 *fp32 *fp32 " + "i32 " * 11 + "fp32",
-        ),
-        {**heads, "BLOCK_TC": 64, "UPCAST": False, "IEEE": False},
+        sig(split_args + "max_len qk_scale", split_types + "i32 fp32"),
+        # the slot launch's table None and stride 1 are constexprs (kernel.decode_attention)
+        {**heads, "BLOCK_TC": 64, "UPCAST": False, "IEEE": False, "SB": 0, "table_ptr": None, "st_b": 1},
         {"num_warps": 4, "num_stages": 2},
     )
+    # Sb 16: the engine's default block size; 48: neither divides nor is divided by the 64-position tile. Compiled,
+    # as every variant here, without the 16-divisibility a launch's pointers and strides get, so the printed
+    # registers are not a launch's: with it the slot split takes 85 registers and these 86 and 87, no spills
+    # (without it 254 and 255, these spilling 328 and 288 bytes), 2026-12-05
+    for sb in (16, 48):
+        yield (
+            f"decode_attention split paged Sb {sb}",
+            attention._split_kernel,
+            sig(split_args + "max_len qk_scale table_ptr st_b", split_types + "i32 fp32 *i32 i32"),
+            {**heads, "BLOCK_TC": 64, "UPCAST": False, "IEEE": False, "SB": sb},
+            {"num_warps": 4, "num_stages": 2},
+        )
     # the LM-head logprob kernels (trainer): every autotune config, bf16 inputs, fp32 statistics
     for i, cfg in enumerate(lm._cuda_configs()):
         opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}

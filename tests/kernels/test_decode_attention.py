@@ -1,9 +1,10 @@
-"""Decode attention: the Triton kernels vs the PyTorch reference, opcheck, and CUDA-graph capture.
+"""Decode attention, slot and paged forms: the Triton kernels vs the PyTorch reference, opcheck, and CUDA-graph capture.
 
 CPU runs Triton under TRITON_INTERPRET=1 (tests/conftest.py) with 16-position tiles, so the small
 shapes still cover several tiles per split, ragged tails, splits that are empty for short rows,
-non-power-of-two head dims and group sizes, MHA (G = 1) and GQA. With CUDA the same tests run on
-the GPU (the interpreter is then off). ~10 s on CPU.
+non-power-of-two head dims and group sizes, MHA (G = 1) and GQA; the paged form adds blocks of 8, 16, 24 and
+32 positions (several blocks per tile, one, tiles straddling blocks, several tiles per block) under random
+block tables. With CUDA the same tests run on the GPU (the interpreter is then off). ~10 s on CPU (2 cores).
 """
 
 from __future__ import annotations
@@ -11,13 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.decode_attention.op import decode_attention
+from kernels.decode_attention.op import decode_attention, paged_decode_attention
 
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
-# fp32: measured max error 1.3e-7 of max |ref| over the grid (interpreter); on GPU the dots are IEEE fp32 (no TF32)
+# fp32: measured max error 1.3e-7 of max |ref| over the slot grid, 2.0e-7 over the paged grid (interpreter); on GPU
+# the dots are IEEE fp32 (no TF32)
 FP32_RTOL = 2e-6
 # bf16: q/k/v in bf16, output rounded to bf16, reference in fp32 on the same bf16 inputs:
-# measured 3.6e-3 of max |ref| (interpreter), about one bf16 ulp; the GPU casts p to bf16 for p @ v too
+# measured 3.6e-3 of max |ref| (slot), 3.2e-3 (paged; interpreter), about one bf16 ulp; the GPU casts p to bf16
+# for p @ v too
 BF16_RTOL = 2e-2
 
 
@@ -126,4 +129,172 @@ def test_cuda_graph_replay_reads_new_lengths_and_cache():
             k.add_(0.1)
             graph.replay()
             ref = decode_attention(q, k, v, lens, 384, 0.1, impl="reference")
+            assert _rel(out, ref) < BF16_RTOL
+
+
+# --- paged form: K/V in a pool of blocks [Nb, Nkv, Sb, Dh], row b's blocks listed in block_table[b] ---
+
+
+def _paged_case(b, h, j, d, sb, max_len, dtype, device, seed=0):
+    """q [b, h, d], K/V pools as strided views (K one layer of a 2-layer pool [2, nb, j, sb, d], like the engine's),
+    a table int32 [b + 1, mb] of random block ids (mb one entry more than max_len needs): with fewer blocks than
+    entries, rows share blocks, a row's blocks come in scrambled order and a block may recur. lens as ``_case``."""
+    gen = torch.Generator().manual_seed(seed)
+    mb = -(-max_len // sb) + 1
+    nb = max(2, b * mb // 2)
+    q = torch.randn(b, h, d, generator=gen).to(dtype)
+    k = torch.randn(2, nb, j, sb, d, generator=gen).to(dtype)[1]
+    v = torch.randn(nb, 2, j, sb, d, generator=gen).to(dtype)[:, 1]  # a block stride unlike k's
+    table = torch.randint(0, nb, (b + 1, mb), generator=gen, dtype=torch.int32)
+    lens = torch.randint(1, max_len + 6, (b,), generator=gen)
+    lens[0] = 1
+    if b > 1:
+        lens[1] = max_len + 3
+    return q.to(device), k.to(device), v.to(device), table.to(device), lens.to(device)
+
+
+def _to_paged(k, v, sb, gen, share=2):
+    """The slot cache k/v [Bc, Nkv, Tc, Dh] as pools [Nb, Nkv, Sb, Dh] (one layer of a 2-layer pool, blocks in a
+    random order) and a table int32 [Bc, Mb] that maps the same data. Row 2 takes row 0's first ``share`` blocks,
+    as GRPO samples share a prompt: its K/V there are overwritten with row 0's in k/v (in place) and its own blocks
+    are NaN, so reading them instead of row 0's shows."""
+    bc, j, tc, d = k.shape
+    mb = -(-tc // sb)
+    k[2, :, : share * sb], v[2, :, : share * sb] = k[0, :, : share * sb], v[0, :, : share * sb]
+    perm = torch.randperm(bc * mb, generator=gen).to(k.device)
+    table = perm.view(bc, mb).to(torch.int32)
+
+    def pool(x):
+        x_BcMbNkvSbDh = torch.nn.functional.pad(x, (0, 0, 0, mb * sb - tc)).view(bc, j, mb, sb, d).transpose(1, 2)
+        out = torch.full((2, bc * mb, j, sb, d), float("nan"), dtype=x.dtype, device=x.device)
+        out[1, perm] = x_BcMbNkvSbDh.reshape(bc * mb, j, sb, d)
+        out[1, table[2, :share].long()] = float("nan")
+        return out[1]
+
+    k_pool, v_pool = pool(k), pool(v)
+    table[2, :share] = table[0, :share]
+    return k_pool, v_pool, table
+
+
+PAGED_SHAPES = [
+    # b, h, j, d, sb, max_len (interpreter tile: 16 positions)
+    (3, 4, 2, 16, 16, 50),  # GQA G=2, one block per tile, ragged tail, a row beyond max_len
+    (2, 5, 5, 24, 8, 40),  # MHA, D not a power of two, two blocks per tile
+    (4, 10, 2, 32, 24, 77),  # G=5, blocks of 24: tiles straddle block boundaries
+    (1, 16, 1, 16, 32, 130),  # one row, G=16, two tiles per block, splits over 9 tiles
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", PAGED_SHAPES)
+@pytest.mark.parametrize("num_splits", [0, 1, 3])
+def test_paged_matches_reference_fp32(device, shape, num_splits):
+    q, k, v, table, lens = _paged_case(*shape, torch.float32, device)
+    scale = shape[3] ** -0.5
+    ref = paged_decode_attention(q, k, v, table, lens, shape[-1], scale, impl="reference")
+    got = paged_decode_attention(q, k, v, table, lens, shape[-1], scale, impl="triton", num_splits=num_splits)
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    assert _rel(got, ref) < FP32_RTOL, _rel(got, ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("sb", "num_splits"), [(16, 1), (24, 4)])
+def test_paged_matches_reference_bf16(device, sb, num_splits):
+    q, k, v, table, lens = _paged_case(4, 8, 2, 32, sb, 70, torch.bfloat16, device, seed=1)
+    ref = paged_decode_attention(q, k, v, table, lens, 70, 0.2, impl="reference")
+    got = paged_decode_attention(q, k, v, table, lens, 70, 0.2, impl="triton", num_splits=num_splits)
+    assert got.dtype == torch.bfloat16
+    assert _rel(got, ref) < BF16_RTOL, _rel(got, ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_equals_slot_on_the_same_data(device, dtype):
+    """A table mapping the slot cache's data (scrambled blocks, a shared prefix) gives the slot kernel's o bit for
+    bit (same tiles, same arithmetic), and the paged spec gives the slot spec's."""
+    q, k, v, lens = _case(4, 6, 2, 24, 5, 72, 70, dtype, device, seed=4)
+    gen = torch.Generator().manual_seed(4)
+    for sb in (16, 24):
+        k_pool, v_pool, table = _to_paged(k, v, sb, gen)
+        ref_slot = decode_attention(q, k, v, lens, 70, 0.3, impl="reference")
+        ref_paged = paged_decode_attention(q, k_pool, v_pool, table, lens, 70, 0.3, impl="reference")
+        assert torch.equal(ref_paged, ref_slot)
+        for ns in (1, 3):
+            slot = decode_attention(q, k, v, lens, 70, 0.3, impl="triton", num_splits=ns)
+            paged = paged_decode_attention(q, k_pool, v_pool, table, lens, 70, 0.3, impl="triton", num_splits=ns)
+            assert torch.equal(paged, slot), (sb, ns, _rel(paged, slot))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_reads_only_each_rows_positions(device):
+    """NaN in every pool position no row reads, and past each row's length in the table (entries pointing at a
+    NaN block), must not reach o."""
+    b, max_len, sb = 3, 60, 8
+    q, k, v, lens = _case(b, 4, 2, 16, b + 1, 64, max_len, torch.float32, device, seed=2)
+    k_pool, v_pool, table = _to_paged(k, v, sb, torch.Generator().manual_seed(2), share=0)
+    clean = decode_attention(q, k, v, lens, max_len, 0.25, impl="reference")
+    live = lens.clamp(max=max_len)
+    pos = torch.arange(table.shape[1] * sb, device=device)
+    kp, vp = k_pool.clone(), v_pool.clone()
+    for row in range(b):  # positions past the row's length inside its last block
+        dead = pos[(pos >= live[row]) & (pos < -(-live[row] // sb) * sb)]
+        blk = table[row, dead // sb].long()
+        kp[blk, :, dead % sb], vp[blk, :, dead % sb] = float("nan"), float("nan")
+    kp[table[b].long()], vp[table[b].long()] = float("nan"), float("nan")  # row b (not a decode row) is all NaN
+    tp = table.clone()
+    past_B = torch.arange(table.shape[1], device=device)[None, :] >= -(-live[:, None] // sb)
+    tp[:b][past_B] = table[b, 0]  # entries past a row's last block point at a NaN block
+    for ns in (1, 4):
+        got = paged_decode_attention(q, kp, vp, tp, lens, max_len, 0.25, impl="triton", num_splits=ns)
+        assert torch.isfinite(got).all()
+        assert _rel(got, clean) < FP32_RTOL
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_bad_inputs_raise(device):
+    q, k, v, table, lens = _paged_case(2, 4, 2, 16, 16, 32, torch.float32, device)  # table [3, 3]: max_len <= 48
+    with pytest.raises(ValueError, match="max_len=49"):
+        paged_decode_attention(q, k, v, table, lens, 49, 1.0, impl="triton")
+    with pytest.raises(ValueError, match="N a multiple of Nkv"):
+        paged_decode_attention(q[:, :3], k, v, table, lens, 32, 1.0, impl="triton")
+    with pytest.raises(ValueError, match="Nb, Nkv, Sb, Dh"):
+        paged_decode_attention(q, k, v[:, :, :8], table, lens, 32, 1.0, impl="triton")
+    with pytest.raises(ValueError, match="block_table must be int32"):
+        paged_decode_attention(q, k, v, table.long(), lens, 32, 1.0, impl="triton")
+    with pytest.raises(ValueError, match=r"Bc >= B = 2, got torch.int32 \(1, 3\)"):
+        paged_decode_attention(q, k, v, table[:1], lens, 32, 1.0, impl="triton")
+    with pytest.raises(ValueError, match="lens_B"):
+        paged_decode_attention(q, k, v, table, lens[:1], 32, 1.0, impl="triton")
+    with pytest.raises(ValueError, match="dtypes differ"):
+        paged_decode_attention(q, k, v.double(), table, lens, 32, 1.0, impl="triton")
+    with pytest.raises(ValueError, match="must be contiguous"):
+        paged_decode_attention(q, k, v, table.t().contiguous().t(), lens, 32, 1.0, impl="triton")
+    with pytest.raises(ValueError, match="impl"):
+        paged_decode_attention(q, k, v, table, lens, 32, 1.0, impl="bmm")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_opcheck(device):
+    q, k, v, table, lens = _paged_case(2, 4, 2, 16, 8, 40, torch.float32, device)
+    for ns in (1, 3):
+        torch.library.opcheck(torch.ops.prime_spmd.paged_decode_attention, (q, k, v, table, lens, 40, 0.25, ns))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_paged_cuda_graph_replay_reads_new_table_lengths_and_pool():
+    """Captured once; table, lengths and pool updated in place between replays, as the engine does."""
+    q, k, v, table, lens = _paged_case(4, 16, 8, 128, 16, 384, torch.bfloat16, "cuda", seed=3)
+    gen = torch.Generator().manual_seed(5)
+    for ns in (0, 1, 4):
+        paged_decode_attention(q, k, v, table, lens, 384, 0.1, impl="triton", num_splits=ns)  # compile outside capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = paged_decode_attention(q, k, v, table, lens, 384, 0.1, impl="triton", num_splits=ns)
+        for step in range(3):
+            lens.copy_(torch.tensor([1 + step, 100, 383, 384 + step], device="cuda"))
+            table.copy_(torch.randint(0, k.shape[0], table.shape, generator=gen, dtype=torch.int32))
+            k.add_(0.1)
+            graph.replay()
+            ref = paged_decode_attention(q, k, v, table, lens, 384, 0.1, impl="reference")
             assert _rel(out, ref) < BF16_RTOL
