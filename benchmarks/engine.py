@@ -84,7 +84,15 @@ def prompts(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
 
 
 def run_native(
-    model, ids, new_tokens, device, cuda_graphs: bool, attention: str = "bmm", linear: str = "torch", sampler="torch"
+    model,
+    ids,
+    new_tokens,
+    device,
+    cuda_graphs: bool,
+    attention: str = "bmm",
+    linear: str = "torch",
+    sampler="torch",
+    kv_cache: str = "slot",
 ) -> tuple[float, list]:
     """(seconds of the second ``generate``, its token ids per request)."""
     from prime_spmd.inference.engine import Request, SamplingParams
@@ -101,6 +109,7 @@ def run_native(
         decode_attention=attention,
         decode_linear=linear,
         sampler=sampler,
+        kv_cache=kv_cache,
     )
 
     def once() -> float:
@@ -243,6 +252,11 @@ def main() -> None:
         default="torch",
         help="native engines: comma list of torch, triton, fused (kernels/gumbel_sample); crossed with the two above",
     )
+    ap.add_argument(
+        "--kv-cache",
+        default="slot",
+        help="native engines: comma list of slot, paged (KV cache, 16-position blocks); crossed with the three above",
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -267,14 +281,17 @@ def main() -> None:
         for name in engines:
             if name in ("native", "native-custom"):
                 variants = itertools.product(
-                    args.decode_attention.split(","), args.decode_linear.split(","), args.sampler.split(",")
+                    args.decode_attention.split(","),
+                    args.decode_linear.split(","),
+                    args.sampler.split(","),
+                    args.kv_cache.split(","),
                 )
-                for attn, lin, smp in variants:
+                for attn, lin, smp, kv in variants:
                     m = model if name == "native" else custom
-                    secs, toks = run_native(m, ids, args.new_tokens, device, not args.no_cuda_graphs, attn, lin, smp)
-                    row = dict(
-                        engine=name, decode_attention=attn, decode_linear=lin, sampler=smp, batch=bs, seconds=secs
-                    )
+                    graphs = not args.no_cuda_graphs
+                    secs, toks = run_native(m, ids, args.new_tokens, device, graphs, attn, lin, smp, kv)
+                    row = dict(engine=name, decode_attention=attn, decode_linear=lin, sampler=smp, kv_cache=kv)
+                    row.update(batch=bs, seconds=secs)
                     row["roofline_tok_s"] = roof
                     row["tokens_per_s"] = bs * args.new_tokens / secs
                     if base_tokens is None:
@@ -283,7 +300,7 @@ def main() -> None:
                         row.update(token_agreement(base_tokens, toks))
                     rows.append(row)
                     extra = f", same tokens as the first: {row['same_tokens']:.3f}" if "same_tokens" in row else ""
-                    print(f"{name}[{attn},{lin},{smp}] batch {bs:4d}: {row['tokens_per_s']:10.1f} tok/s ({secs:.2f} s){extra}",
+                    print(f"{name}[{attn},{lin},{smp},{kv}] batch {bs:4d}: {row['tokens_per_s']:10.1f} tok/s ({secs:.2f} s){extra}",
                           file=sys.stderr, flush=True)  # fmt: skip
                 continue
             elif name in ("hf", "hf-static"):
@@ -322,7 +339,7 @@ def main() -> None:
         tok_s, roof, frac = r["tokens_per_s"], r["roofline_tok_s"], r["roofline_fraction"]
         label = r["engine"]
         if "decode_linear" in r:
-            label += f"[{r['decode_attention']},{r['decode_linear']},{r['sampler']}]"
+            label += f"[{r['decode_attention']},{r['decode_linear']},{r['sampler']},{r['kv_cache']}]"
         table.append([label, r["batch"], f"{tok_s:.0f}", vs, f"{roof:.0f}", f"{100 * frac:.1f}%"])
     common.print_markdown_table(["engine", "batch", "tokens/s", "vs hf", "decode roofline tok/s", "of roofline"], table)
     if args.out:

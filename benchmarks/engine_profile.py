@@ -8,7 +8,8 @@ the step is bound by host work or launch gaps, not by the kernels.
     python benchmarks/engine_profile.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,64 --out-dir $OUT
 
 ``--groups N``: also time the prefill of N prompts x ``--group-size`` samples (GRPO groups) with and
-without prefill sharing (max_tokens 1, median of 3).
+without prefill sharing (max_tokens ``--group-new-tokens``, default 1; median of 3), with the KV caches of ``--kv-cache`` (slot, paged): time,
+tokens through the model, and the KV memory the sequences hold.
 """
 
 from __future__ import annotations
@@ -80,54 +81,69 @@ def profile_batch(model, bs: int, args, device: torch.device, out_dir: Path | No
 
 
 def measure_prefill_sharing(model, args, device: torch.device) -> list[dict]:
-    """Prefill of ``--groups`` prompts x ``--group-size`` samples (max_tokens 1), shared vs not."""
+    """Prefill of ``--groups`` prompts x ``--group-size`` samples (max_tokens ``--group-new-tokens``), shared vs not,
+    for each KV cache of ``--kv-cache``. KV held: the slot cache holds a whole slot per sequence; the paged cache,
+    its peak blocks in use (with max_tokens 1 a prefill chunk's sequences finish and free their blocks before the
+    next chunk is admitted: give a few new tokens to hold every sequence at once)."""
     from prime_spmd.inference.engine import Request, SamplingParams
     from prime_spmd.inference.native import NativeEngine
 
     n = args.groups * args.group_size
     base = prompts(args.groups, args.group_prompt_len, model.config.vocab_size)
     rows = []
-    sp = dict(temperature=1.0, max_tokens=1, ignore_eos=True)
-    for share in (False, True):
-        eng = NativeEngine(
-            model, None, max_batch_size=n, max_model_len=args.group_prompt_len + 8, device=device, share_prefill=share
-        )
-        reqs = lambda: [  # noqa: E731
-            Request(prompt_ids=base[i // args.group_size], sampling=SamplingParams(**sp, seed=i), request_id=i)
-            for i in range(n)
-        ]
-        eng.generate(reqs())
-        eng.num_prefill_tokens = eng.num_prompt_tokens = 0
-        times = []
-        for _ in range(3):
-            common.sync(device)
-            t0 = time.perf_counter()
-            eng.generate(reqs())
-            common.sync(device)
-            times.append(time.perf_counter() - t0)
-        secs = sorted(times)[1]
-        kv_tok = eng.runner.cache.nbytes_per_token()
-        rows.append(
-            dict(
+    sp = dict(temperature=1.0, max_tokens=args.group_new_tokens, ignore_eos=True)
+    max_len = args.group_prompt_len + max(8, args.group_new_tokens)
+    for kv_cache in args.kv_cache.split(","):
+        for share in (False, True):
+            eng = NativeEngine(
+                model,
+                None,
+                max_batch_size=n,
+                max_model_len=max_len,
+                device=device,
                 share_prefill=share,
-                requests=n,
-                group_size=args.group_size,
-                prompt_len=args.group_prompt_len,
-                seconds=secs,
-                prompt_tok_s=n * args.group_prompt_len / secs,
-                model_prefill_tokens=eng.num_prefill_tokens // 3,
-                kv_written_by_prefill_GiB=eng.num_prefill_tokens // 3 * kv_tok / 2**30,
-                kv_allocated_GiB=2 * eng.runner.cache.k.numel() * eng.runner.cache.k.element_size() / 2**30,
+                kv_cache=kv_cache,
             )
-        )
-        r = rows[-1]
-        print(
-            f"prefill share={share}: {r['prompt_tok_s']:.0f} prompt tok/s ({secs * 1e3:.1f} ms), model ran "
-            f"{r['model_prefill_tokens']} tokens, KV written {r['kv_written_by_prefill_GiB']:.2f} GiB of "
-            f"{r['kv_allocated_GiB']:.2f} allocated",
-            flush=True,
-        )
-        del eng
+            reqs = lambda: [  # noqa: E731
+                Request(prompt_ids=base[i // args.group_size], sampling=SamplingParams(**sp, seed=i), request_id=i)
+                for i in range(n)
+            ]
+            eng.generate(reqs())
+            eng.num_prefill_tokens = eng.num_prompt_tokens = 0
+            times = []
+            for _ in range(3):
+                common.sync(device)
+                t0 = time.perf_counter()
+                eng.generate(reqs())
+                common.sync(device)
+                times.append(time.perf_counter() - t0)
+            secs = sorted(times)[1]
+            kv_tok = eng.runner.cache.nbytes_per_token()
+            stats = eng.kv_cache_stats()
+            held = stats.get("kv_peak_bytes_in_use", n * max_len * kv_tok)
+            rows.append(
+                dict(
+                    kv_cache=kv_cache,
+                    share_prefill=share,
+                    requests=n,
+                    group_size=args.group_size,
+                    prompt_len=args.group_prompt_len,
+                    seconds=secs,
+                    prompt_tok_s=n * args.group_prompt_len / secs,
+                    model_prefill_tokens=eng.num_prefill_tokens // 3,
+                    kv_written_by_prefill_GiB=eng.num_prefill_tokens // 3 * kv_tok / 2**30,
+                    kv_held_GiB=held / 2**30,
+                    kv_allocated_GiB=stats["kv_bytes_allocated"] / 2**30,
+                )
+            )
+            r = rows[-1]
+            print(
+                f"prefill {kv_cache} share={share}: {r['prompt_tok_s']:.0f} prompt tok/s ({secs * 1e3:.1f} ms), model "
+                f"ran {r['model_prefill_tokens']} tokens, KV written {r['kv_written_by_prefill_GiB']:.3f} GiB, held "
+                f"{r['kv_held_GiB']:.3f} GiB, allocated {r['kv_allocated_GiB']:.3f} GiB",
+                flush=True,
+            )
+            del eng
     return rows
 
 
@@ -143,6 +159,8 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=0, help="prefill-sharing measurement: prompts (0: skip)")
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--group-prompt-len", type=int, default=1024)
+    ap.add_argument("--group-new-tokens", type=int, default=1, help="prefill-sharing measurement: max_tokens")
+    ap.add_argument("--kv-cache", default="slot", help="prefill-sharing measurement: comma list of slot, paged")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -277,6 +277,12 @@ class InferenceConfig:
     """Native engine token sampler: torch (compiled on CUDA), triton (split-vocabulary Gumbel-max kernels of kernels/gumbel_sample for plain sampling; top-k/top-p/min-p steps use torch), fused (as triton, and decode steps of <= 64 rows compute the LM head inside the sampling kernel) or auto (torch until the kernels are measured on a GPU)."""
     warmup: Literal["auto", "on", "off"] = "auto"
     """Native engine: compile and capture the decode step of every (rows, length) bucket when the engine is built, not in the first steps that meet each one; costs more the longer the cache. auto: on CUDA with --inference.cuda_graphs; on: also elsewhere (runs each once)."""
+    kv_cache: Literal["slot", "paged"] = "slot"
+    """Native engine KV cache: slot (one max_model_len slot per sequence) or paged (blocks of kv_block_size positions; a sequence holds its prompt + max_tokens, a GRPO group's samples share their prompt's blocks)."""
+    kv_block_size: int = 16
+    """Native engine, paged KV cache: positions per block."""
+    kv_cache_tokens: int = 0
+    """Native engine, paged KV cache: pool size in tokens (0: max_batch_size x max_model_len, the slot cache's memory); smaller bounds KV memory, admission then waits for free blocks."""
     gpu_memory_utilization: float = 0.3
     """vLLM: fraction of GPU memory for the engine."""
     weight_bucket_mb: int = 256
@@ -286,6 +292,14 @@ class InferenceConfig:
         _check(self.max_batch_size >= 1, "inference.max_batch_size", self.max_batch_size, "must be >= 1")
         _check(self.max_model_len >= 0, "inference.max_model_len", self.max_model_len, "must be >= 0")
         _check(self.weight_bucket_mb >= 1, "inference.weight_bucket_mb", self.weight_bucket_mb, "must be >= 1")
+        _check(self.kv_block_size >= 1, "inference.kv_block_size", self.kv_block_size, "must be >= 1")
+        _check(self.kv_cache_tokens >= 0, "inference.kv_cache_tokens", self.kv_cache_tokens, "must be >= 0")
+        _check(
+            self.kv_cache == "paged" or self.kv_cache_tokens == 0,
+            "inference.kv_cache_tokens",
+            self.kv_cache_tokens,
+            "sizes the paged cache only: set --inference.kv_cache=paged",
+        )
         _check(
             0 < self.gpu_memory_utilization <= 1,
             "inference.gpu_memory_utilization",

@@ -49,6 +49,9 @@ def build_engine(
         decode_attention=inference_cfg.decode_attention,
         decode_linear=inference_cfg.decode_linear,
         sampler=inference_cfg.sampler,
+        kv_cache=inference_cfg.kv_cache,
+        kv_block_size=inference_cfg.kv_block_size,
+        kv_cache_tokens=inference_cfg.kv_cache_tokens,
     )
     warm = inference_cfg.warmup
     if warm == "on" or (warm == "auto" and engine.use_graphs):

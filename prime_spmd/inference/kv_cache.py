@@ -1,11 +1,17 @@
-"""The native engine's KV cache: fixed slots, allocated once, reused for every request.
+"""The native engine's KV caches, allocated once and reused for every request.
+
+- ``SlotKVCache`` (``--inference.kv_cache slot``): one fixed slot of Tc positions per sequence. Layout per layer
+  [Bc, Nkv, Tc, Dh] so that a decode step's read of slots [0, n) and positions [0, kv_len) is a strided view whose
+  (slot, head) batch dims collapse into one stride: batched matmuls read it in place, with no gather or copy.
+- ``PagedKVCache`` (``--inference.kv_cache paged``): a pool of blocks of Sb positions and a block table per slot.
+  A sequence holds the blocks its prompt + max_tokens can fill, not a whole slot, and a GRPO group's samples point
+  at the same blocks for their shared prompt (only the prompt's last, partial block is copied per sample), so the
+  KV memory of a group with a long prompt is about 1/group_size of the slot cache's.
 
 Legend (docs/conventions.md): Bc slots (max batch size), Tc positions per slot (max model length),
-Nkv kv heads, Dh head dim, L layers; B rows of a prefill or decode step, T prompt tokens; local letter of
-this file: R = B*Nkv (slot, kv head) rows.
-Layout per layer is [Bc, Nkv, Tc, Dh] so that a decode step's read of slots [0, n) and positions
-[0, kv_len) is a strided view whose (slot, head) batch dims collapse into one stride: batched matmuls
-read it in place, with no gather or copy.
+Nkv kv heads, Dh head dim, L layers, Nb blocks of the paged pool, Sb positions per block, Mb block-table entries
+per slot; B rows of a prefill or decode step, T prompt tokens; local letter of this file: R = B*Nkv (slot, kv head)
+rows.
 """
 
 from __future__ import annotations
@@ -55,16 +61,197 @@ class SlotKVCache:
         k_RTcDh.index_put_((rows_R, pos_R), k_BNkvDh.reshape(B * Nkv, Dh))
         v_RTcDh.index_put_((rows_R, pos_R), v_BNkvDh.reshape(B * Nkv, Dh))
 
-    def copy_prefix(self, src_B: torch.Tensor, dst_B: torch.Tensor, num_tokens: int) -> None:
-        """Copy positions [0, num_tokens) of slots ``src_B`` into slots ``dst_B`` (int [B] each), all layers
-        (prefix sharing: a GRPO group's prompt is prefilled once). Costs a copy, not a prefill; the memory
-        is still one slot per sequence (block sharing would need a paged cache)."""
+    def copy_prefix(self, src: list[int], dst: list[int], num_tokens: int) -> None:
+        """Copy positions [0, num_tokens) of slots ``src`` into slots ``dst``, all layers (prefix sharing: a GRPO
+        group's prompt is prefilled once). Costs a copy, not a prefill; the memory is still one slot per sequence
+        (``PagedKVCache`` shares it)."""
+        src_B, dst_B = torch.tensor(src, device=self.k.device), torch.tensor(dst, device=self.k.device)
         self.k[:, dst_B, :, :num_tokens] = self.k[:, src_B, :, :num_tokens]
         self.v[:, dst_B, :, :num_tokens] = self.v[:, src_B, :, :num_tokens]
+
+    # The slot cache holds a whole slot per sequence from the start: nothing to reserve, release or publish.
+    block_table = None
+
+    def reserve(self, slot: int, num_tokens: int, share_slot: int | None = None, num_shared: int = 0) -> None:
+        pass
+
+    def release(self, slot: int) -> None:
+        pass
+
+    def sync(self) -> None:
+        pass
+
+    def stats(self) -> dict[str, float]:
+        """Memory: ``kv_bytes_allocated`` (K and V, all layers)."""
+        return {"kv_bytes_allocated": 2 * self.k.numel() * self.k.element_size()}
 
     def read(self, layer: int, num_rows: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of K and V [num_rows, Nkv, kv_len, Dh] (slots 0..num_rows-1)."""
         return self.k[layer, :num_rows, :, :kv_len], self.v[layer, :num_rows, :, :kv_len]
+
+
+def paged_write(
+    pool_NbNkvSbDh: torch.Tensor, table_BcMb: torch.Tensor, pos_B: torch.Tensor, x_BNkvDh: torch.Tensor
+) -> None:
+    """Store one token per row b at position ``pos_B[b]`` of row b's blocks (row b = slot b); graph-capturable."""
+    sb = pool_NbNkvSbDh.shape[2]
+    rows_B = torch.arange(x_BNkvDh.shape[0], device=pos_B.device)
+    blk_B = table_BcMb[rows_B, pos_B // sb]
+    pool_NbNkvSbDh[blk_B, :, pos_B % sb] = x_BNkvDh
+
+
+def paged_gather(pool_NbNkvSbDh: torch.Tensor, table_BcMb: torch.Tensor, num_rows: int, kv_len: int) -> torch.Tensor:
+    """Positions [0, kv_len) of slots 0..num_rows-1 in the slot layout [B, Nkv, kv_len, Dh] (a copy)."""
+    nb, nkv, sb, dh = pool_NbNkvSbDh.shape
+    mb = -(-kv_len // sb)
+    x_BMbNkvSbDh = pool_NbNkvSbDh[table_BcMb[:num_rows, :mb]]
+    return x_BMbNkvSbDh.transpose(1, 2).reshape(num_rows, nkv, mb * sb, dh)[:, :, :kv_len]
+
+
+class PagedKVCache:
+    """K and V pools ``k``/``v`` [L, Nb, Nkv, Sb, Dh] and a block table ``block_table`` int32 [Bc, Mb] on the device.
+
+    Slot b's position t lives at ``k[layer, block_table[b, t // Sb], :, t % Sb]``. Block 0 is scratch: the table's
+    unassigned entries point at it, so the rows of free slots that a decode step still runs, prefill padding past
+    a sequence's blocks and the one extra row a sequence that stops on a token decodes all write there, and no
+    live row ever reads it. The host keeps the allocator (free list, reference counts, a copy of the table) and
+    ``sync`` publishes the table with one host->device copy: the engine calls it after ``reserve``/``release``
+    and before the next prefill or decode step, so every device read sees the table of its own step (one stream).
+    ``num_blocks`` (usable blocks, scratch excluded) defaults to Bc * Mb: the slot cache's memory, so admission
+    never waits for blocks; fewer bound the memory and make admission wait for free blocks.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_slots: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"--inference.kv_block_size={block_size}: must be >= 1")
+        self.block_size = block_size
+        self.blocks_per_slot = -(-max_len // block_size)
+        self.num_blocks = num_slots * self.blocks_per_slot if num_blocks is None else num_blocks
+        if self.num_blocks < 1:
+            raise ValueError(f"paged KV cache of {self.num_blocks} blocks: need at least one")
+        shape = (num_layers, self.num_blocks + 1, num_kv_heads, block_size, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_slots, self.max_len, self.num_kv_heads = num_slots, max_len, num_kv_heads
+        self.block_table = torch.zeros(num_slots, self.blocks_per_slot, dtype=torch.int32, device=device)
+        self._host_table = torch.zeros(num_slots, self.blocks_per_slot, dtype=torch.int32)
+        self._dirty = False
+        self._free = list(range(self.num_blocks, 0, -1))  # popped from the end: lowest ids first
+        self._refs = [0] * (self.num_blocks + 1)
+        self._owned: list[list[int]] = [[] for _ in range(num_slots)]
+        self.peak_blocks_in_use = 0
+
+    def nbytes_per_token(self) -> int:
+        """Bytes of K+V one token occupies across all layers."""
+        L, _, Nkv, _, Dh = self.k.shape
+        return 2 * L * Nkv * Dh * self.k.element_size()
+
+    # ---- allocation (host) ----------------------------------------------------------------
+    def blocks_for(self, num_tokens: int, num_shared: int = 0) -> int:
+        """Blocks a sequence of ``num_tokens`` positions takes from the pool when its first ``num_shared`` positions
+        are another sequence's (only whole blocks are shared)."""
+        return -(-num_tokens // self.block_size) - num_shared // self.block_size
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_blocks_in_use(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def reserve(self, slot: int, num_tokens: int, share_slot: int | None = None, num_shared: int = 0) -> None:
+        """Give ``slot`` the blocks for positions [0, num_tokens): with ``share_slot``, the whole blocks of its first
+        ``num_shared`` positions are ``share_slot``'s (reference-counted, written once by its prefill), the rest
+        fresh. The caller checked ``blocks_for`` against ``num_free_blocks``; publish with ``sync``."""
+        assert not self._owned[slot], f"slot {slot} still holds blocks"
+        shared = self._owned[share_slot][: num_shared // self.block_size] if num_shared else []
+        num_new = -(-num_tokens // self.block_size) - len(shared)
+        assert num_new <= len(self._free), f"{num_new} blocks wanted, {len(self._free)} free"
+        blocks = shared + [self._free.pop() for _ in range(num_new)]
+        for b in blocks:
+            self._refs[b] += 1
+        self._owned[slot] = blocks
+        self._host_table[slot, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        self._dirty = True
+        self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.num_blocks_in_use)
+
+    def release(self, slot: int) -> None:
+        """Return ``slot``'s blocks (those no other sequence shares go back to the free list); its table row points
+        at the scratch block again. Publish with ``sync`` before the next step."""
+        for b in self._owned[slot]:
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free.append(b)
+        self._owned[slot] = []
+        self._host_table[slot] = 0
+        self._dirty = True
+
+    def sync(self) -> None:
+        """Copy the host table to the device if it changed (stream-ordered after the steps already launched)."""
+        if self._dirty:
+            self.block_table.copy_(self._host_table)
+            self._dirty = False
+
+    def stats(self) -> dict[str, float]:
+        """Memory: bytes allocated (K and V, all layers, scratch block included), blocks in use now and at peak."""
+        per_block = 2 * self.k[:, 0].numel() * self.k.element_size()
+        return {
+            "kv_bytes_allocated": 2 * self.k.numel() * self.k.element_size(),
+            "kv_block_size": self.block_size,
+            "kv_blocks": self.num_blocks,
+            "kv_blocks_in_use": self.num_blocks_in_use,
+            "kv_peak_blocks_in_use": self.peak_blocks_in_use,
+            "kv_peak_bytes_in_use": self.peak_blocks_in_use * per_block,
+        }
+
+    # ---- device reads and writes ----------------------------------------------------------
+    def write_prefill(
+        self, layer: int, slots_B: torch.Tensor, k_BNkvTDh: torch.Tensor, v_BNkvTDh: torch.Tensor
+    ) -> None:
+        """Store a prefill's K/V [B, Nkv, T, Dh] at positions [0, T) of ``slots_B`` (int [B]); positions past a
+        sequence's blocks (padding) land in the scratch block."""
+        T = k_BNkvTDh.shape[2]
+        pos_T = torch.arange(T, device=slots_B.device)
+        blk_BT = self.block_table[slots_B[:, None], (pos_T // self.block_size)[None, :]]
+        off_T = pos_T % self.block_size
+        self.k[layer][blk_BT, :, off_T[None, :]] = k_BNkvTDh.transpose(1, 2)
+        self.v[layer][blk_BT, :, off_T[None, :]] = v_BNkvTDh.transpose(1, 2)
+
+    def write_decode(self, layer: int, pos_B: torch.Tensor, k_BNkvDh: torch.Tensor, v_BNkvDh: torch.Tensor) -> None:
+        """Store one token per slot 0..B-1 at position ``pos_B[b]`` (graph-capturable)."""
+        paged_write(self.k[layer], self.block_table, pos_B, k_BNkvDh)
+        paged_write(self.v[layer], self.block_table, pos_B, v_BNkvDh)
+
+    def copy_prefix(self, src: list[int], dst: list[int], num_tokens: int) -> None:
+        """Prefix sharing's copy: ``reserve(dst, ..., share_slot=src, num_shared=num_tokens)`` already pointed the
+        whole blocks of positions [0, num_tokens) at ``src``'s; copy the partial last one (all layers)."""
+        full, rest = divmod(num_tokens, self.block_size)
+        if rest == 0:
+            return
+        src_blk = self._host_table[src, full].to(self.k.device)
+        dst_blk = self._host_table[dst, full].to(self.k.device)
+        self.k[:, dst_blk, :, :rest] = self.k[:, src_blk, :, :rest]
+        self.v[:, dst_blk, :, :rest] = self.v[:, src_blk, :, :rest]
+
+    def read(self, layer: int, num_rows: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [num_rows, Nkv, kv_len, Dh] of slots 0..num_rows-1 (gathered copies)."""
+        return (
+            paged_gather(self.k[layer], self.block_table, num_rows, kv_len),
+            paged_gather(self.v[layer], self.block_table, num_rows, kv_len),
+        )
 
 
 def bucket_sizes(limit: int, first: int, growth: str) -> list[int]:

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 from prime_spmd.inference.engine import Completion, InferenceEngine, Request
-from prime_spmd.inference.kv_cache import SlotKVCache, bucket_sizes, pick_bucket
-from prime_spmd.inference.runner import DecodeAttention, DecodeLinear, build_runner
+from prime_spmd.inference.kv_cache import PagedKVCache, bucket_sizes, pick_bucket
+from prime_spmd.inference.runner import DecodeAttention, DecodeLinear, KVCacheKind, build_runner
 from prime_spmd.inference.sampling import Sampler, SamplingTensors, make_sampler
 from prime_spmd.models.registry import adapter_for
 
@@ -61,7 +61,10 @@ class NativeEngine(InferenceEngine):
     kernels, kernels/decode_linear) or "auto" (triton on CUDA for hidden size <= 1024, else torch); both
     used by the Llama-style runner. ``sampler``: "torch", "triton" (kernels/gumbel_sample for plain sampling),
     "fused" (as triton, and decode steps of <= 64 rows sample inside the LM head) or "auto" (torch;
-    ``sampling.make_sampler``). Call every method from one thread.
+    ``sampling.make_sampler``). ``kv_cache``: "slot" (a whole ``max_model_len`` slot per sequence) or "paged"
+    (blocks of ``kv_block_size`` positions from a pool of ``kv_cache_tokens`` tokens, 0: as many as the slots
+    hold; a sequence takes the blocks of its prompt + max_tokens, a group's samples share their prompt's blocks,
+    and admission waits while the pool is short). Call every method from one thread.
     """
 
     def __init__(
@@ -81,6 +84,9 @@ class NativeEngine(InferenceEngine):
         decode_attention: DecodeAttention = "auto",
         decode_linear: DecodeLinear = "auto",
         sampler: Sampler = "auto",
+        kv_cache: KVCacheKind = "slot",
+        kv_block_size: int = 16,
+        kv_cache_tokens: int = 0,
     ) -> None:
         device = torch.device(device) if device is not None else next(model.parameters()).device
         if dtype is not None:
@@ -98,6 +104,9 @@ class NativeEngine(InferenceEngine):
             compile_decode=cuda_graphs,
             attention=decode_attention,
             linear=decode_linear,
+            kv_cache=kv_cache,
+            kv_block_size=kv_block_size,
+            kv_cache_tokens=kv_cache_tokens,
         )
         self.vocab_size = self.runner.vocab_size
         self.batch_buckets = bucket_sizes(max_batch_size, 1, "pow2")
@@ -136,8 +145,9 @@ class NativeEngine(InferenceEngine):
         self._eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.num_generated_tokens = 0
         # requests admitted together with identical prompts (a GRPO group) prefill once; the other
-        # slots get a copy of the prompt's K/V (runners with a SlotKVCache only)
-        self.share_prefill = share_prefill and isinstance(self.runner.cache, SlotKVCache)
+        # slots get a copy of the prompt's K/V (slot cache) or point at its blocks (paged cache)
+        self.share_prefill = share_prefill and self.runner.cache is not None
+        self._paged = isinstance(self.runner.cache, PagedKVCache)
         self.num_prefill_tokens = 0
         """Prompt tokens run through the model (shared prompts counted once)."""
         self.num_prompt_tokens = 0
@@ -158,7 +168,23 @@ class NativeEngine(InferenceEngine):
             raise ValueError(
                 f"request {request.request_id!r}: token ids {bad[:5]} outside vocab [0, {self.vocab_size})"
             )
+        if self._paged:
+            cache = self.runner.cache
+            need = cache.blocks_for(self._reserve_len(request))
+            if need > cache.num_blocks:
+                raise ValueError(
+                    f"request {request.request_id!r}: {self._reserve_len(request)} positions (prompt + max_tokens) "
+                    f"need {need} KV blocks, the pool has {cache.num_blocks}: raise --inference.kv_cache_tokens"
+                )
         self._waiting.append(request)
+
+    def _reserve_len(self, req: Request) -> int:
+        """Cache positions a request can fill: its prompt and max_tokens, within the cache length."""
+        return min(len(req.prompt_ids) + req.sampling.max_tokens, self.max_model_len)
+
+    def kv_cache_stats(self) -> dict[str, float]:
+        """The KV cache's memory (``SlotKVCache.stats`` / ``PagedKVCache.stats``); empty without a cache."""
+        return self.runner.cache.stats() if self.runner.cache is not None else {}
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running or self._pending)
@@ -230,8 +256,19 @@ class NativeEngine(InferenceEngine):
     # ---- scheduling ------------------------------------------------------------------------
     def _admit(self, done: list[Completion]) -> None:
         admitted: list[_Seq] = []
+        budget = self.runner.cache.num_free_blocks if self._paged else 0
+        prompts: set[tuple[int, ...]] = set()  # admitted this round: a repeat shares their whole prompt blocks
         while self._waiting and self._free:
-            req = self._waiting.popleft()
+            req = self._waiting[0]
+            if self._paged:  # wait (FIFO) while the pool is short of this request's blocks
+                key = tuple(req.prompt_ids)
+                shared = len(key) if self.share_prefill and key in prompts else 0
+                need = self.runner.cache.blocks_for(self._reserve_len(req), shared)
+                if need > budget:
+                    break
+                budget -= need
+                prompts.add(key)
+            self._waiting.popleft()
             self._free.sort()
             slot = self._free.pop(0)
             s = req.sampling
@@ -266,6 +303,12 @@ class NativeEngine(InferenceEngine):
         ids = torch.zeros(len(leaders), t, dtype=torch.long)
         for i, q in enumerate(leaders):
             ids[i, : len(q.req.prompt_ids)] = torch.tensor(q.req.prompt_ids)
+        cache = self.runner.cache
+        if cache is not None:
+            for q, r in zip(seqs, row):  # a leader precedes the seqs that share its prompt
+                shared = 0 if q is leaders[r] else len(q.req.prompt_ids)
+                cache.reserve(q.slot, self._reserve_len(q.req), leaders[r].slot, shared)
+            cache.sync()
         self.num_prefill_tokens += sum(len(q.req.prompt_ids) for q in leaders)
         self.num_prompt_tokens += sum(len(q.req.prompt_ids) for q in seqs)
         lead_slots = torch.tensor([q.slot for q in leaders]).to(self.device)
@@ -291,7 +334,8 @@ class NativeEngine(InferenceEngine):
         self._record(seqs, both[0].long().tolist(), both[1].tolist(), done)
 
     def _copy_shared_prompts(self, seqs: list[_Seq], leader_of: list[_Seq]) -> None:
-        """Copy each leader's prompt K/V (all layers) into the slots of the seqs that share it."""
+        """Copy each leader's prompt K/V (all layers) into the slots of the seqs that share it (paged: only the
+        prompt's partial last block; the whole ones are already the leader's)."""
         by_len: dict[int, tuple[list[int], list[int]]] = {}
         for q, lead in zip(seqs, leader_of):
             if q is not lead:
@@ -299,9 +343,7 @@ class NativeEngine(InferenceEngine):
                 src.append(lead.slot)
                 dst.append(q.slot)
         for t, (src, dst) in by_len.items():
-            self.runner.cache.copy_prefix(
-                torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device), t
-            )
+            self.runner.cache.copy_prefix(src, dst, t)
 
     @staticmethod
     def _flat(st: SamplingTensors) -> tuple:
@@ -326,6 +368,8 @@ class NativeEngine(InferenceEngine):
         seqs = [q for q in self._running.values() if self._needs_more(q)]
         if not seqs:
             return None
+        if self.runner.cache is not None:
+            self.runner.cache.sync()  # released slots' table rows back to scratch before their rows decode again
         nb = pick_bucket(self.batch_buckets, max(q.slot for q in seqs) + 1)
         max_pos = max(len(q.req.prompt_ids) + q.num_launched - 1 for q in seqs)
         kv_len = pick_bucket(self.len_buckets, max_pos + 1)
@@ -429,6 +473,8 @@ class NativeEngine(InferenceEngine):
             if reason is not None:
                 q.finished = True
                 del self._running[q.slot]
+                if self.runner.cache is not None:
+                    self.runner.cache.release(q.slot)
                 self._free.append(q.slot)
                 done.append(self._completion(q, reason))
 

@@ -25,11 +25,12 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from prime_spmd.inference.kv_cache import SlotKVCache
+from prime_spmd.inference.kv_cache import PagedKVCache, SlotKVCache, paged_gather, paged_write
 from prime_spmd.models.registry import adapter_for
 
 DecodeAttention = Literal["auto", "bmm", "triton"]
 DecodeLinear = Literal["auto", "torch", "triton"]
+KVCacheKind = Literal["slot", "paged"]
 # Rows up to which the fused decode linears (kernels/decode_linear) replace F.linear: the norm-prologue ones
 # (qkv, gate_up + SiLU-gate) up to DECODE_LINEAR_MAX_ROWS, the residual-epilogue ones (o, down) up to
 # DECODE_LINEAR_MAX_ROWS_RESIDUAL. From the H200 sweep at the Qwen3-0.6B shape (docs/benchmarks.md): at 64 rows
@@ -114,8 +115,9 @@ def make_decode_layer(
 
     Args per call: ``x_BD`` residual [B, D], the layer's weights (aliases of the model's
     parameters: ``qkv_w`` [(N + 2 Nkv) Dh, D], ``gate_up_w`` [2 * intermediate, D]), the layer's cache
-    ``k_BcNkvTcDh`` / ``v_BcNkvTcDh`` [Bc, Nkv, Tc, Dh] (written in place at ``pos_B``), ``cos_BDh``/``sin_BDh``
-    at ``pos_B``, then what ``attention`` reads: "bmm": ``mask_BTkv`` additive float32 [B, Tkv] (the two
+    (written in place at ``pos_B``): slot layout ``k_BcNkvTcDh`` / ``v_BcNkvTcDh`` [Bc, Nkv, Tc, Dh] with
+    ``table_BcMb`` None, or a paged pool [Nb, Nkv, Sb, Dh] and its block table int32 [Bc, Mb] (``PagedKVCache``),
+    ``cos_BDh``/``sin_BDh`` at ``pos_B``, then what ``attention`` reads: "bmm": ``mask_BTkv`` additive float32 [B, Tkv] (the two
     matmuls read all Tkv positions of every row); "triton": ``lens_B`` int [B] (row b attends
     positions [0, lens_B[b])) and ``kv_len`` = Tkv, a static bound sizing the kernel's grid
     (kernels/decode_attention). ``linear``: "torch" (F.linear, separate norms, SiLU and residual adds) or
@@ -131,7 +133,7 @@ def make_decode_layer(
         return x * cos + _rotate_half(x) * sin
 
     def layer(x_BD, ln1_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, o_b, ln2_w, gate_up_w, down_w,
-              k_BcNkvTcDh, v_BcNkvTcDh, cos_BDh, sin_BDh, pos_B, mask_BTkv, lens_B, kv_len):  # fmt: skip
+              k_BcNkvTcDh, v_BcNkvTcDh, table_BcMb, cos_BDh, sin_BDh, pos_B, mask_BTkv, lens_B, kv_len):  # fmt: skip
         b = x_BD.shape[0]
         # guards when compiled: one graph per side of each bound
         fused = linear == "triton" and b <= DECODE_LINEAR_MAX_ROWS
@@ -146,17 +148,22 @@ def make_decode_layer(
         if q_norm_w is not None:
             q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
         q, k = rope(q, cos_BDh[:, None], sin_BDh[:, None]), rope(k, cos_BDh[:, None], sin_BDh[:, None])
-        rows_B = torch.arange(b, device=x_BD.device)
-        k_BcNkvTcDh[rows_B, :, pos_B] = k  # [B, Nkv, Dh] at (slot b, position pos_B[b])
-        v_BcNkvTcDh[rows_B, :, pos_B] = v
+        if table_BcMb is None:
+            rows_B = torch.arange(b, device=x_BD.device)
+            k_BcNkvTcDh[rows_B, :, pos_B] = k  # [B, Nkv, Dh] at (slot b, position pos_B[b])
+            v_BcNkvTcDh[rows_B, :, pos_B] = v
+        else:
+            paged_write(k_BcNkvTcDh, table_BcMb, pos_B, k)
+            paged_write(v_BcNkvTcDh, table_BcMb, pos_B, v)
         if attention == "triton":
-            o = torch.ops.prime_spmd.decode_attention(
-                q.contiguous(), k_BcNkvTcDh, v_BcNkvTcDh, lens_B, kv_len, scale, 0
-            )
+            o = attend_triton(q.contiguous(), k_BcNkvTcDh, v_BcNkvTcDh, table_BcMb, lens_B, kv_len, scale)
             o = o.reshape(b, nq)
         else:
             tkv = mask_BTkv.shape[1]
-            kc, vc = k_BcNkvTcDh[:b, :, :tkv], v_BcNkvTcDh[:b, :, :tkv]  # [B, Nkv, Tkv, Dh] views
+            if table_BcMb is None:
+                kc, vc = k_BcNkvTcDh[:b, :, :tkv], v_BcNkvTcDh[:b, :, :tkv]  # [B, Nkv, Tkv, Dh] views
+            else:
+                kc, vc = paged_gather(k_BcNkvTcDh, table_BcMb, b, tkv), paged_gather(v_BcNkvTcDh, table_BcMb, b, tkv)
             scores = torch.matmul(q.view(b, num_kv_heads, g, head_dim), kc.transpose(-1, -2)).float() * scale
             p = torch.softmax(scores + mask_BTkv[:, None, None], dim=-1).to(vc.dtype)
             o = torch.matmul(p, vc).reshape(b, nq)  # [B, Nkv, G, Dh] -> [B, N Dh]
@@ -175,6 +182,13 @@ def make_decode_layer(
         return x_BD + F.linear(h, down_w)
 
     return layer
+
+
+def attend_triton(q_BNDh, k_cache, v_cache, table_BcMb, lens_B, kv_len: int, scale: float) -> torch.Tensor:
+    """The Triton decode attention over either cache layout (``make_decode_layer``'s cache arguments)."""
+    if table_BcMb is None:
+        return torch.ops.prime_spmd.decode_attention(q_BNDh, k_cache, v_cache, lens_B, kv_len, scale, 0)
+    return torch.ops.prime_spmd.paged_decode_attention(q_BNDh, k_cache, v_cache, table_BcMb, lens_B, kv_len, scale, 0)
 
 
 def fuse_linears(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -206,7 +220,9 @@ class LlamaStyleRunner:
     flash-decoding kernel of kernels/decode_attention, which reads each row's own positions only) or
     "auto" (``resolve_decode_attention``: triton on CUDA, bmm elsewhere); ``self.attention`` holds the
     resolved name. ``linear`` picks the fused path's linears (``resolve_decode_linear``; held in
-    ``self.linear``; the model's own submodules, used otherwise, ignore it).
+    ``self.linear``; the model's own submodules, used otherwise, ignore it). ``kv_cache`` picks the cache
+    (``build_kv_cache``): "slot" (a whole slot per sequence) or "paged" (blocks of ``kv_block_size`` positions
+    from a pool of ``kv_cache_tokens`` tokens; shared prompt blocks), read by both decode paths and both attentions.
     """
 
     def __init__(
@@ -218,6 +234,9 @@ class LlamaStyleRunner:
         compile_decode: bool = True,
         attention: DecodeAttention = "auto",
         linear: DecodeLinear = "auto",
+        kv_cache: KVCacheKind = "slot",
+        kv_block_size: int = 16,
+        kv_cache_tokens: int = 0,
     ) -> None:
         attention = resolve_decode_attention(attention, device)
         if attention == "triton":
@@ -237,7 +256,8 @@ class LlamaStyleRunner:
         self.scale, self.qk_norm, self.eps = dims.attn_scale, dims.qk_norm, dims.rms_norm_eps
         self.dtype = next(model.parameters()).dtype
         self.device = device
-        self.cache = SlotKVCache(
+        self.cache = build_kv_cache(
+            kv_cache,
             num_layers=self.num_layers,
             num_slots=num_slots,
             max_len=max_len,
@@ -245,6 +265,8 @@ class LlamaStyleRunner:
             head_dim=self.head_dim,
             dtype=self.dtype,
             device=device,
+            block_size=kv_block_size,
+            num_tokens=kv_cache_tokens,
         )
         self.rebuild_rope()
         self.layer_args: list[tuple] | None = None
@@ -358,9 +380,8 @@ class LlamaStyleRunner:
             k = k * cos + _rotate_half(k) * sin
             self.cache.write_decode(li, pos_B, k, v)
             if self.attention == "triton":
-                o = torch.ops.prime_spmd.decode_attention(
-                    q.contiguous(), self.cache.k[li], self.cache.v[li], lens_B, kv_len, self.scale, 0
-                )
+                kc, vc, table = self.cache.k[li], self.cache.v[li], self.cache.block_table
+                o = attend_triton(q.contiguous(), kc, vc, table, lens_B, kv_len, self.scale)
             else:
                 kc, vc = self.cache.read(li, b, kv_len)  # [B, Nkv, Tkv, Dh]
                 q = q.view(b, self.num_kv_heads, g, self.head_dim)
@@ -382,8 +403,9 @@ class LlamaStyleRunner:
             visible = torch.arange(kv_len, device=ids_B.device)[None, :] <= pos_B[:, None]
             mask_BTkv = torch.zeros(visible.shape, device=ids_B.device).masked_fill(~visible, float("-inf"))
             lens_B, tkv = None, 0  # a constant: the bmm path reads Tkv from the mask's shape
+        k, v, table = self.cache.k, self.cache.v, self.cache.block_table
         for li, args in enumerate(self.layer_args):
-            x = self.decode_layer(x, *args, self.cache.k[li], self.cache.v[li], cos, sin, pos_B, mask_BTkv, lens_B, tkv)
+            x = self.decode_layer(x, *args, k[li], v[li], table, cos, sin, pos_B, mask_BTkv, lens_B, tkv)
         h = self.inner.norm(x)
         return self._lm_head(h) if head else h
 
@@ -423,6 +445,21 @@ class GenericRunner:
         return self._last_logits(self.seqs[: ids_B.shape[0]])
 
 
+def build_kv_cache(kind: KVCacheKind, *, block_size: int, num_tokens: int, **dims) -> SlotKVCache | PagedKVCache:
+    """The ``kind`` KV cache (``dims``: the keyword arguments of ``SlotKVCache``). ``block_size`` and ``num_tokens``
+    (pool capacity in tokens, 0: slots x max length) size the paged cache; the slot cache takes neither."""
+    if kind == "slot":
+        if num_tokens:
+            raise ValueError(f"--inference.kv_cache_tokens={num_tokens} needs --inference.kv_cache=paged")
+        return SlotKVCache(**dims)
+    if kind == "paged":
+        if num_tokens < 0:
+            raise ValueError(f"--inference.kv_cache_tokens={num_tokens}: must be >= 0 (0: slots x max length)")
+        num_blocks = -(-num_tokens // block_size) if num_tokens and block_size > 0 else None
+        return PagedKVCache(**dims, block_size=block_size, num_blocks=num_blocks)
+    raise ValueError(f"KV cache {kind!r}: choose slot or paged")
+
+
 def build_runner(
     model: torch.nn.Module,
     num_slots: int,
@@ -431,9 +468,23 @@ def build_runner(
     compile_decode: bool = True,
     attention: DecodeAttention = "auto",
     linear: DecodeLinear = "auto",
+    kv_cache: KVCacheKind = "slot",
+    kv_block_size: int = 16,
+    kv_cache_tokens: int = 0,
 ):
-    """The fastest runner that supports ``model`` (``attention``, ``linear``: see ``LlamaStyleRunner``; the
-    other runners have their own and ignore them)."""
+    """The fastest runner that supports ``model`` (``attention``, ``linear``, ``kv_cache``: see ``LlamaStyleRunner``;
+    the generic runner keeps token ids, no KV cache, and ignores them)."""
     if adapter_for(model).supports_slot_cache():
-        return LlamaStyleRunner(model, num_slots, max_len, device, compile_decode, attention, linear)
+        return LlamaStyleRunner(
+            model,
+            num_slots,
+            max_len,
+            device,
+            compile_decode,
+            attention,
+            linear,
+            kv_cache,
+            kv_block_size,
+            kv_cache_tokens,
+        )
     return GenericRunner(model, num_slots, max_len, device)

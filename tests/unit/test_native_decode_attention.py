@@ -2,7 +2,8 @@
 
 A tiny random Qwen3 (fp32), prompts of different lengths and more requests than slots, so rows in a
 step have different lengths and slots are reused; both the fused decode layer (HF model, our dense
-Qwen3) and the submodule path (what MoE models take; here our Qwen3 with the fused path switched off) are covered. CPU: Triton under the interpreter (~15 s); with a GPU
+Qwen3) and the submodule path (what MoE models take; here our Qwen3 with the fused path switched off) are covered,
+each over the slot and the paged KV cache. CPU: Triton under the interpreter (~15 s); with a GPU
 the same test runs on CUDA (compiled decode layer, CUDA graphs, IEEE fp32 dots in the kernel).
 """
 
@@ -40,17 +41,21 @@ def _hf_model():
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
 
 
-def _generate(model, attention: str):
-    eng = NativeEngine(model, None, max_batch_size=3, max_model_len=64, device=DEVICE, decode_attention=attention)
+def _generate(model, attention: str, kv_cache: str = "slot"):
+    eng = NativeEngine(
+        model, None, max_batch_size=3, max_model_len=64, device=DEVICE, decode_attention=attention, kv_cache=kv_cache,
+        kv_block_size=5,  # paged: blocks straddle the kernel's position tiles (16 under the interpreter)
+    )  # fmt: skip
     assert isinstance(eng.runner, runner_mod.LlamaStyleRunner) and eng.runner.attention == attention
     outs = sorted(eng.generate(_requests(eng.vocab_size)), key=lambda o: o.request_id)
     return eng, outs
 
 
-def _compare(model) -> tuple[NativeEngine, float]:
-    """(the triton engine, max |logprob diff|) after asserting equal tokens."""
+def _compare(model, kv_cache: str) -> tuple[NativeEngine, float]:
+    """(the triton engine over ``kv_cache``, max |logprob diff| vs the bmm engine over the slot cache) after asserting
+    equal tokens."""
     _, ref = _generate(model, "bmm")
-    eng, got = _generate(model, "triton")
+    eng, got = _generate(model, "triton", kv_cache)
     worst = 0.0
     for a, b in zip(got, ref):
         assert a.token_ids == b.token_ids, a.request_id
@@ -59,13 +64,15 @@ def _compare(model) -> tuple[NativeEngine, float]:
     return eng, worst
 
 
-def test_fused_decode_layer_triton_matches_bmm(record_property):
-    eng, worst = _compare(_hf_model())
+@pytest.mark.parametrize("kv_cache", ["slot", "paged"])
+def test_fused_decode_layer_triton_matches_bmm(record_property, kv_cache):
+    eng, worst = _compare(_hf_model(), kv_cache)
     assert eng.runner.layer_args is not None  # the fused path
     record_property("max_logprob_diff", worst)
 
 
-def test_submodule_decode_triton_matches_bmm(tmp_path, monkeypatch, record_property):
+@pytest.mark.parametrize("kv_cache", ["slot", "paged"])
+def test_submodule_decode_triton_matches_bmm(tmp_path, monkeypatch, record_property, kv_cache):
     from prime_spmd.config.sections import ModelConfig
     from prime_spmd.models.loading import load_model
     from prime_spmd.models.qwen3.adapter import Qwen3Adapter
@@ -73,7 +80,7 @@ def test_submodule_decode_triton_matches_bmm(tmp_path, monkeypatch, record_prope
     path = build_tiny_model(tmp_path / "m", "qwen3-nano", seed=0, initializer_range=0.3)
     custom = load_model(ModelConfig(path=str(path), impl="custom"), DEVICE, dtype=torch.float32)
     monkeypatch.setattr(Qwen3Adapter, "supports_fused_decode", lambda self: False)  # the MoE models' path
-    eng, worst = _compare(custom)
+    eng, worst = _compare(custom, kv_cache)
     assert eng.runner.layer_args is None  # the submodule path
     record_property("max_logprob_diff", worst)
 
