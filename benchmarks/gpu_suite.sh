@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU runs recorded in docs/benchmarks.md, in parts that fit one device call each.
-#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | engine_profile | sampler | decode_attn | decode_linear_sweep | decode_linear_splitk | decode_linear_engine | loss | moe | trainer | train_step | lora | env_bridge | engine_warmup | rl_e2e | sample_parity | rl
+#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | engine_profile | sampler | paged | decode_attn | decode_linear_sweep | decode_linear_splitk | decode_linear_engine | loss | moe | trainer | train_step | lora | env_bridge | engine_warmup | rl_e2e | sample_parity | rl
 # Each step has its own time limit so that one slow step does not lose the others' results.
 set -uo pipefail
 PART=$1; OUT=${2:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -28,6 +28,14 @@ case $PART in
     run decode_attn_tests 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_attention.py tests/unit/test_native_decode_attention.py
     run decode_attn_kernel 100 python3 benchmarks/decode_attention.py --batch-sizes 1,64,256 --out "$OUT/decode_attention.json"
     run decode_attn_engine 270 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,64,256 --prompt-len 128 --new-tokens 256 --engine native --decode-attention bmm,triton --out "$OUT/engine_decode_attn.json" ;;
+  paged)  # issue 17: the paged KV cache on CUDA: tests, the paged decode attention alone vs slot, engine rows slot vs paged, group KV memory; ~6 min
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
+    export PYTHONPATH=/tmp/site:$PWD
+    run paged_tests 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_attention.py tests/unit/test_paged_kv_cache.py tests/unit/test_native_decode_attention.py
+    run paged_kernel 90 python3 benchmarks/decode_attention.py --batch-sizes 1,64,256 --block-size 16 --sweep default --out "$OUT/decode_attention_paged.json"
+    run paged_engine 240 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,64,256 --prompt-len 128 --new-tokens 256 --engine native --kv-cache slot,paged --out "$OUT/engine_paged.json"
+    mkdir -p "$OUT/paged_groups"
+    run paged_groups 120 python3 benchmarks/engine_profile.py --device cuda --model-shape qwen3-0.6b --batch-sizes "" --groups 8 --group-size 8 --group-prompt-len 1024 --group-new-tokens 16 --kv-cache slot,paged --out-dir "$OUT/paged_groups" ;;
   decode_linear_sweep)  # issue 17: the fused decode linears alone (sweep, 0.6B layer shapes, 1 and 64 rows); ~2.5 min
     run decode_linear_kernel_06b 240 python3 benchmarks/decode_linear.py --model-shape qwen3-0.6b --rows 1,64 --out "$OUT/decode_linear_06b.json"
     run decode_linear_kernel_8b 240 python3 benchmarks/decode_linear.py --model-shape qwen3-8b --rows 1,64 --out "$OUT/decode_linear_8b.json" ;;
