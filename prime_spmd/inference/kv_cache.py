@@ -200,9 +200,13 @@ class PagedKVCache:
         self._dirty = True
 
     def sync(self) -> None:
-        """Copy the host table to the device if it changed (stream-ordered after the steps already launched)."""
+        """Copy the host table to the device if it changed, stream-ordered after the steps already launched and
+        without waiting for them: a blocking host->device copy would synchronize the stream and cost the engine its
+        one-step lead. From a pinned snapshot, which torch's host allocator keeps until the copy has run, so later
+        ``reserve``/``release`` calls cannot change what this copy sends."""
         if self._dirty:
-            self.block_table.copy_(self._host_table)
+            src = self._host_table.pin_memory() if self.block_table.is_cuda else self._host_table
+            self.block_table.copy_(src, non_blocking=True)
             self._dirty = False
 
     def stats(self) -> dict[str, float]:
@@ -241,8 +245,8 @@ class PagedKVCache:
         full, rest = divmod(num_tokens, self.block_size)
         if rest == 0:
             return
-        src_blk = self._host_table[src, full].to(self.k.device)
-        dst_blk = self._host_table[dst, full].to(self.k.device)
+        src_blk = self._host_table[src, full].to(self.k.device, non_blocking=True)  # fresh tensors: no one mutates them
+        dst_blk = self._host_table[dst, full].to(self.k.device, non_blocking=True)
         self.k[:, dst_blk, :, :rest] = self.k[:, src_blk, :, :rest]
         self.v[:, dst_blk, :, :rest] = self.v[:, src_blk, :, :rest]
 
