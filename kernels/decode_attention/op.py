@@ -21,31 +21,38 @@ from kernels.decode_attention.reference import decode_attention_reference, paged
 DecodeAttentionImpl = Literal["reference", "triton"]
 
 
+def _check_common(
+    name: str, q_BNDh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens_B: torch.Tensor, max_len: int, layout: str
+) -> None:
+    """The checks both layouts share: q [B, N, Dh] against a 4-d k/v (``layout`` names its dims), lens, dtypes."""
+    if q_BNDh.ndim != 3 or k.ndim != 4 or k.shape != v.shape:
+        raise ValueError(
+            f"{name}: want q [B, N, Dh] and k, v {layout}; got q {tuple(q_BNDh.shape)}, k {tuple(k.shape)}, "
+            f"v {tuple(v.shape)}"
+        )
+    (B, N, Dh), (_, Nkv, _, Dh_k) = q_BNDh.shape, k.shape
+    if Dh_k != Dh or N % Nkv:
+        raise ValueError(
+            f"{name}: q {tuple(q_BNDh.shape)} does not fit k/v {tuple(k.shape)} (need the same Dh, N a multiple of Nkv)"
+        )
+    if max_len < 1:
+        raise ValueError(f"{name}: max_len={max_len} must be >= 1")
+    if lens_B.shape != (B,) or lens_B.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: lens_B must be int32/int64 [{B}], got {lens_B.dtype} {tuple(lens_B.shape)}")
+    if not (q_BNDh.dtype == k.dtype == v.dtype):
+        raise ValueError(f"{name}: dtypes differ: q {q_BNDh.dtype}, k {k.dtype}, v {v.dtype}")
+
+
 def check_inputs(
     q_BNDh: torch.Tensor, k_BcNkvTcDh: torch.Tensor, v_BcNkvTcDh: torch.Tensor, lens_B: torch.Tensor, max_len: int
 ):
     """ValueError naming the bad shape, dtype or size (host-side metadata only: no device sync)."""
-    if q_BNDh.ndim != 3 or k_BcNkvTcDh.ndim != 4 or k_BcNkvTcDh.shape != v_BcNkvTcDh.shape:
-        raise ValueError(
-            f"decode_attention: want q [B, N, Dh] and k, v [Bc, Nkv, Tc, Dh]; got q {tuple(q_BNDh.shape)}, "
-            f"k {tuple(k_BcNkvTcDh.shape)}, v {tuple(v_BcNkvTcDh.shape)}"
-        )
-    (B, N, Dh), (Bc, Nkv, Tc, Dh_k) = q_BNDh.shape, k_BcNkvTcDh.shape
-    if Dh_k != Dh or N % Nkv or B > Bc:
-        raise ValueError(
-            f"decode_attention: q {tuple(q_BNDh.shape)} does not fit cache {tuple(k_BcNkvTcDh.shape)} "
-            f"(need the same Dh, N a multiple of Nkv, B <= Bc)"
-        )
-    if not 1 <= max_len <= Tc:
+    _check_common("decode_attention", q_BNDh, k_BcNkvTcDh, v_BcNkvTcDh, lens_B, max_len, "[Bc, Nkv, Tc, Dh]")
+    B, (Bc, _, Tc, _) = q_BNDh.shape[0], k_BcNkvTcDh.shape
+    if B > Bc:
+        raise ValueError(f"decode_attention: {B} rows, more than the cache's {Bc} slots")
+    if max_len > Tc:
         raise ValueError(f"decode_attention: max_len={max_len} outside [1, {Tc}] (the cache length)")
-    if lens_B.shape != (B,) or lens_B.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"decode_attention: lens_B must be int32/int64 [{B}], got {lens_B.dtype} {tuple(lens_B.shape)}"
-        )
-    if not (q_BNDh.dtype == k_BcNkvTcDh.dtype == v_BcNkvTcDh.dtype):
-        raise ValueError(
-            f"decode_attention: dtypes differ: q {q_BNDh.dtype}, k {k_BcNkvTcDh.dtype}, v {v_BcNkvTcDh.dtype}"
-        )
 
 
 def decode_attention(
@@ -105,17 +112,8 @@ def check_paged_inputs(
 ):
     """ValueError naming the bad shape, dtype, device or size (host-side metadata only: no device sync, so the
     block ids themselves are not checked)."""
-    if q_BNDh.ndim != 3 or k_pool.ndim != 4 or k_pool.shape != v_pool.shape:
-        raise ValueError(
-            f"paged_decode_attention: want q [B, N, Dh] and k_pool, v_pool [Nb, Nkv, Sb, Dh]; got q "
-            f"{tuple(q_BNDh.shape)}, k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}"
-        )
-    (B, N, Dh), (_, Nkv, Sb, Dh_k) = q_BNDh.shape, k_pool.shape
-    if Dh_k != Dh or N % Nkv:
-        raise ValueError(
-            f"paged_decode_attention: q {tuple(q_BNDh.shape)} does not fit pool {tuple(k_pool.shape)} "
-            f"(need the same Dh, N a multiple of Nkv)"
-        )
+    _check_common("paged_decode_attention", q_BNDh, k_pool, v_pool, lens_B, max_len, "[Nb, Nkv, Sb, Dh]")
+    B, Sb = q_BNDh.shape[0], k_pool.shape[2]
     if block_table.ndim != 2 or block_table.dtype != torch.int32 or block_table.shape[0] < B:
         raise ValueError(
             f"paged_decode_attention: block_table must be int32 [Bc, Mb] with Bc >= B = {B}, got "
@@ -127,18 +125,10 @@ def check_paged_inputs(
             f"q's device ({q_BNDh.device})"
         )
     Mb = block_table.shape[1]
-    if not 1 <= max_len <= Mb * Sb:
+    if max_len > Mb * Sb:
         raise ValueError(
             f"paged_decode_attention: max_len={max_len} outside [1, {Mb * Sb}] (Mb * Sb: {Mb} table entries of "
             f"{Sb}-position blocks)"
-        )
-    if lens_B.shape != (B,) or lens_B.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"paged_decode_attention: lens_B must be int32/int64 [{B}], got {lens_B.dtype} {tuple(lens_B.shape)}"
-        )
-    if not (q_BNDh.dtype == k_pool.dtype == v_pool.dtype):
-        raise ValueError(
-            f"paged_decode_attention: dtypes differ: q {q_BNDh.dtype}, k_pool {k_pool.dtype}, v_pool {v_pool.dtype}"
         )
 
 

@@ -19,7 +19,20 @@ from __future__ import annotations
 import torch
 
 
-class SlotKVCache:
+class _KVPair:
+    """K and V tensors ``k``, ``v`` of one shape, zeroed, [L, slots or blocks, Nkv, positions, Dh]."""
+
+    def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def nbytes_per_token(self) -> int:
+        """Bytes of K+V one token occupies across all layers."""
+        L, _, Nkv, _, Dh = self.k.shape
+        return 2 * L * Nkv * Dh * self.k.element_size()
+
+
+class SlotKVCache(_KVPair):
     """Preallocated K and V ``k/v_LBcNkvTcDh`` [L, Bc, Nkv, Tc, Dh] in ``dtype`` (attributes ``k``, ``v``)."""
 
     def __init__(
@@ -33,15 +46,8 @@ class SlotKVCache:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._allocate((num_layers, num_slots, num_kv_heads, max_len, head_dim), dtype, device)
         self.num_slots, self.max_len, self.num_kv_heads = num_slots, max_len, num_kv_heads
-
-    def nbytes_per_token(self) -> int:
-        """Bytes of K+V one token occupies across all layers."""
-        L, _, Nkv, _, Dh = self.k.shape
-        return 2 * L * Nkv * Dh * self.k.element_size()
 
     def write_prefill(
         self, layer: int, slots_B: torch.Tensor, k_BNkvTDh: torch.Tensor, v_BNkvTDh: torch.Tensor
@@ -108,7 +114,7 @@ def paged_gather(pool_NbNkvSbDh: torch.Tensor, table_BcMb: torch.Tensor, num_row
     return x_BMbNkvSbDh.transpose(1, 2).reshape(num_rows, nkv, mb * sb, dh)[:, :, :kv_len]
 
 
-class PagedKVCache:
+class PagedKVCache(_KVPair):
     """K and V pools ``k``/``v`` [L, Nb, Nkv, Sb, Dh] and a block table ``block_table`` int32 [Bc, Mb] on the device.
 
     Slot b's position t lives at ``k[layer, block_table[b, t // Sb], :, t % Sb]``. Block 0 is scratch: the table's
@@ -141,9 +147,7 @@ class PagedKVCache:
         self.num_blocks = num_slots * self.blocks_per_slot if num_blocks is None else num_blocks
         if self.num_blocks < 1:
             raise ValueError(f"paged KV cache of {self.num_blocks} blocks: need at least one")
-        shape = (num_layers, self.num_blocks + 1, num_kv_heads, block_size, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._allocate((num_layers, self.num_blocks + 1, num_kv_heads, block_size, head_dim), dtype, device)
         self.num_slots, self.max_len, self.num_kv_heads = num_slots, max_len, num_kv_heads
         self.block_table = torch.zeros(num_slots, self.blocks_per_slot, dtype=torch.int32, device=device)
         self._host_table = torch.zeros(num_slots, self.blocks_per_slot, dtype=torch.int32)
@@ -152,11 +156,6 @@ class PagedKVCache:
         self._refs = [0] * (self.num_blocks + 1)
         self._owned: list[list[int]] = [[] for _ in range(num_slots)]
         self.peak_blocks_in_use = 0
-
-    def nbytes_per_token(self) -> int:
-        """Bytes of K+V one token occupies across all layers."""
-        L, _, Nkv, _, Dh = self.k.shape
-        return 2 * L * Nkv * Dh * self.k.element_size()
 
     # ---- allocation (host) ----------------------------------------------------------------
     def blocks_for(self, num_tokens: int, num_shared: int = 0) -> int:
