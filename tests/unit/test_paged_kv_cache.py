@@ -33,6 +33,15 @@ def _outputs(eng: NativeEngine, tok, sp: SamplingParams, texts: list[str]) -> tu
 GROUPS = [TEXTS[0]] * 4 + [TEXTS[2]] * 3 + [TEXTS[4]] + TEXTS
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """On CUDA every engine compiles the same decode-layer code object; several engines (slot, paged at three block
+    sizes) pass Dynamo's per-code-object recompile limit (8) together (test_native_decode_linear.py does the same)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("path", ["fused", "submodules"])
 def test_paged_engine_samples_the_slot_engines_tokens(model_dir, device, monkeypatch, path):
     if path == "submodules":  # the MoE models' path: the model's own modules around our attention
@@ -42,6 +51,7 @@ def test_paged_engine_samples_the_slot_engines_tokens(model_dir, device, monkeyp
     want = _outputs(slot, tok, sp, GROUPS)
     # block sizes: 4 (several blocks a prompt, partial last blocks), 5 (not a power of two), 64 (one block a slot)
     for block_size in (4, 5, 64):
+        torch._dynamo.reset()
         paged, _, _ = _engine(model_dir, device, max_batch_size=4, kv_cache="paged", kv_block_size=block_size)
         assert (paged.runner.layer_args is not None) == (path == "fused")
         got = _outputs(paged, tok, sp, GROUPS)
