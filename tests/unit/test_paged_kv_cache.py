@@ -1,9 +1,8 @@
 """The paged KV cache (``--inference.kv_cache paged``): the native engine samples the slot cache's tokens and
 logprobs through it, GRPO groups share their prompt's blocks (memory counted), a small pool makes admission wait
 and frees every block at the end, the allocator's bookkeeping, and the fused layer over the pool through
-torch.compile. Tiny fp32 Qwen3 on CPU (bmm attention, the
-fused decode layer uncompiled; the submodule path by monkeypatch); with a GPU the engine tests run there.
-About 25 s on 2 cores."""
+torch.compile. Tiny fp32 Qwen3 on CPU (bmm attention, the fused decode layer uncompiled; the submodule path by
+monkeypatch); with a GPU the engine tests run there. About 20 s on 2 cores with a cold compile cache."""
 
 from __future__ import annotations
 
