@@ -12,6 +12,14 @@ from prime_spmd.inference.native import NativeEngine
 from prime_spmd.log import logger
 from prime_spmd.models.loading import load_model, load_tokenizer, resolve_dtype
 
+NATIVE_ONLY = ("decode_attention", "decode_linear", "sampler", "warmup", "kv_cache", "kv_block_size", "kv_cache_tokens")
+
+
+def native_only_settings(inference_cfg: InferenceConfig) -> dict[str, object]:
+    """The native-engine-only fields of ``inference_cfg`` set away from their defaults (vLLM ignores them)."""
+    default = InferenceConfig()
+    return {f: getattr(inference_cfg, f) for f in NATIVE_ONLY if getattr(inference_cfg, f) != getattr(default, f)}
+
 
 def build_engine(
     inference_cfg: InferenceConfig,
@@ -33,6 +41,10 @@ def build_engine(
     max_len = inference_cfg.max_model_len or seq_len
     if inference_cfg.engine == "vllm":
         from prime_spmd.inference.vllm_engine import build_vllm_engine
+
+        ignored = native_only_settings(inference_cfg)
+        if ignored:
+            logger.warning(f"--inference.engine=vllm ignores the native engine's settings {ignored}")
 
         return build_vllm_engine(model_cfg, inference_cfg, device=device, tp=tp, seed=seed, max_model_len=max_len)
     if tp != 1:

@@ -129,6 +129,14 @@ def test_kv_cache_options_are_checked():
         InferenceConfig(kv_cache_tokens=64)  # a pool size for the slot cache
     with pytest.raises(ValueError, match="kv_block_size"):
         InferenceConfig(kv_cache="paged", kv_block_size=0)
+    from prime_spmd.inference.factory import native_only_settings
+
+    # what build_engine warns that vLLM ignores
+    assert native_only_settings(InferenceConfig(engine="vllm", kv_cache="paged", kv_cache_tokens=64)) == {
+        "kv_cache": "paged",
+        "kv_cache_tokens": 64,
+    }
+    assert native_only_settings(InferenceConfig(engine="vllm")) == {}
 
 
 def test_compiled_fused_layer_reads_and_writes_the_paged_cache():
