@@ -51,6 +51,10 @@ def main() -> None:
     ap.add_argument(
         "--sampler", default="auto", choices=["auto", "torch", "triton", "fused"], help="the engine's sampler"
     )
+    ap.add_argument(
+        "--decode-attention", default="auto", choices=["auto", "bmm", "triton", "fused"], help="the engine's attention"
+    )
+    ap.add_argument("--kv-cache", default="slot", choices=["slot", "paged"], help="the engine's KV cache")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
 
@@ -77,6 +81,8 @@ def main() -> None:
             device=device,
             decode_linear=args.decode_linear,
             sampler=args.sampler,
+            decode_attention=args.decode_attention,
+            kv_cache=args.kv_cache,
         )
         trainer_lm = load_model(mcfg, device, dtype).eval()
     vocab = engine.vocab_size
@@ -110,6 +116,7 @@ def main() -> None:
         "model_shape": args.model_shape,
         "init_std": shape["overrides"].get("initializer_range", 0.02),
         "loss_impl": policy.loss_impl,
+        "engine": {k: getattr(args, k) for k in ("decode_attention", "decode_linear", "sampler", "kv_cache")},
         "tokens": d.numel(),
         "mean_abs_diff": d.abs().mean().item(),
         "max_abs_diff": d.abs().max().item(),

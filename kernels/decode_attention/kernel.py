@@ -42,13 +42,31 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _norm_rope(row_ptr, cols, offs_d, offs_r, sign, mask2, w_ptr, cs, sn, eps, DH: tl.constexpr, QK_NORM: tl.constexpr):
+    """Heads starting at columns ``cols`` [R] of one qkv row: RMSNorm over Dh (weight ``w_ptr``; QK_NORM), then RoPE
+    (``cs``/``sn`` [BLOCK_DH] at the row's position; rotate-half through the permuted columns ``offs_r`` with
+    ``sign``); fp32 [R, BLOCK_DH]."""
+    x = tl.load(row_ptr + cols[:, None] + offs_d[None, :], mask=mask2, other=0.0).to(tl.float32)
+    xr = tl.load(row_ptr + cols[:, None] + offs_r[None, :], mask=mask2, other=0.0).to(tl.float32)
+    if QK_NORM:
+        rstd = tl.rsqrt(tl.sum(x * x, 1) / DH + eps)
+        mask_d = offs_d < DH
+        w = tl.load(w_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        wr = tl.load(w_ptr + offs_r, mask=mask_d, other=0.0).to(tl.float32)
+        x = x * rstd[:, None] * w[None, :]
+        xr = xr * rstd[:, None] * wr[None, :]
+    return x * cs[None, :] + sign[None, :] * xr * sn[None, :]
+
+
+@triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, lens_ptr, o_ptr, acc_ptr, ml_ptr,
     sq_b, sq_n, sk_bc, sk_nkv, sk_tc, sv_bc, sv_nkv, sv_tc, so_b, so_n,
     max_len, qk_scale, table_ptr, st_b,
+    qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, s_cs, eps,
     NKV: tl.constexpr, G: tl.constexpr, DH: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_TC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-    SB: tl.constexpr,
+    SB: tl.constexpr, FUSE: tl.constexpr, QK_NORM: tl.constexpr,
 ):  # fmt: skip
     pid_s = tl.program_id(0)
     pid_bnkv = tl.program_id(1)
@@ -63,9 +81,38 @@ def _split_kernel(
     mask_g = offs_g < G
     mask_d = offs_d < DH
     heads = kv * G + offs_g
-    q = tl.load(
-        q_ptr + b * sq_b + heads[:, None] * sq_n + offs_d[None, :], mask=mask_g[:, None] & mask_d[None, :], other=0.0
-    )
+    if FUSE:  # q_ptr is the QKV projection [B, (N + 2 Nkv) Dh]: q/k norm, RoPE and the cache write happen here
+        offs_r = tl.where(offs_d < DH // 2, offs_d + DH // 2, offs_d - DH // 2)  # rotate-half's source column
+        sign = tl.where(offs_d < DH // 2, -1.0, 1.0)
+        cs = tl.load(cos_ptr + b * s_cs + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        sn = tl.load(sin_ptr + b * s_cs + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        qkv_row = q_ptr + b.to(tl.int64) * sq_b
+        gd = mask_g[:, None] & mask_d[None, :]
+        q = _norm_rope(qkv_row, heads * DH, offs_d, offs_r, sign, gd, qn_ptr, cs, sn, eps, DH, QK_NORM)
+        q = q.to(k_ptr.dtype.element_ty)
+        # the new token (position pos): every program of the row's kv head computes its k, v; the one whose split
+        # holds pos writes them to the cache and uses them in place of that position's (not yet written) entry
+        pos = tl.load(pos_ptr + b).to(tl.int32)
+        k2 = _norm_rope(qkv_row, (NKV * G + kv) * DH + 0 * offs_g, offs_d, offs_r, sign, gd, kn_ptr, cs, sn, eps, DH,
+                        QK_NORM)  # fmt: skip
+        k_new = tl.sum(tl.where(offs_g[:, None] == 0, k2, 0.0), 0).to(k_ptr.dtype.element_ty)  # [BLOCK_DH]
+        v_new = tl.load(qkv_row + (NKV * G + NKV + kv) * DH + offs_d, mask=mask_d, other=0.0)
+        pos_d = offs_d * 0 + pos  # the write mask as a vector (a scalar term gives the interpreter a bad mask)
+        writes = mask_d & (pos_d >= start) & (pos_d < end)
+        if SB == 0:
+            k_at = k_ptr + b.to(tl.int64) * sk_bc + kv * sk_nkv + pos * sk_tc
+            v_at = v_ptr + b.to(tl.int64) * sv_bc + kv * sv_nkv + pos * sv_tc
+        else:
+            blk_new = tl.load(table_ptr + b.to(tl.int64) * st_b + pos // SB).to(tl.int64)
+            k_at = k_ptr + blk_new * sk_bc + kv * sk_nkv + (pos % SB) * sk_tc
+            v_at = v_ptr + blk_new * sv_bc + kv * sv_nkv + (pos % SB) * sv_tc
+        tl.store(k_at + offs_d, k_new, mask=writes)
+        tl.store(v_at + offs_d, v_new.to(v_ptr.dtype.element_ty), mask=writes)
+    else:
+        q = tl.load(
+            q_ptr + b * sq_b + heads[:, None] * sq_n + offs_d[None, :], mask=mask_g[:, None] & mask_d[None, :],
+            other=0.0,
+        )  # fmt: skip
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -93,6 +140,10 @@ def _split_kernel(
             v_rows = blk * sv_bc + in_blk * sv_tc
             k = tl.load(k_base + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_base + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if FUSE:
+            is_new = (offs_t == pos)[:, None]
+            k = tl.where(is_new, k_new[None, :], k)
+            v = tl.where(is_new, v_new[None, :].to(v.dtype), v)
         if UPCAST:
             k, v = k.to(tl.float32), v.to(tl.float32)
         if IEEE:
@@ -200,8 +251,8 @@ def decode_attention(
             f"k {k_BcNkvTcDh.stride()}, v {v_BcNkvTcDh.stride()})"
         )
     # table None and stride 1 specialize to constexprs: the slot kernel's parameter list has no table
-    return _launch(q_BNDh, k_BcNkvTcDh, v_BcNkvTcDh, lens_B, max_len, scale, num_splits, num_warps, num_stages, tile,
-                   None, 1, 0)  # fmt: skip
+    return _launch(q_BNDh, q_BNDh.shape, q_BNDh.stride()[:2], k_BcNkvTcDh, v_BcNkvTcDh, lens_B, max_len, scale,
+                   num_splits, num_warps, num_stages, tile, None, 1, 0, None)  # fmt: skip
 
 
 def paged_decode_attention(
@@ -227,25 +278,76 @@ def paged_decode_attention(
             f"paged_decode_attention: the head dim and the table's last dim must be contiguous (strides q "
             f"{q_BNDh.stride()}, k_pool {k_pool.stride()}, v_pool {v_pool.stride()}, block_table {block_table.stride()})"
         )
-    return _launch(q_BNDh, k_pool, v_pool, lens_B, max_len, scale, num_splits, num_warps, num_stages, tile,
-                   block_table, block_table.stride(0), k_pool.shape[2])  # fmt: skip
+    return _launch(q_BNDh, q_BNDh.shape, q_BNDh.stride()[:2], k_pool, v_pool, lens_B, max_len, scale, num_splits,
+                   num_warps, num_stages, tile, block_table, block_table.stride(0), k_pool.shape[2], None)  # fmt: skip
 
 
-def _launch(q_BNDh, k, v, lens_B, max_len, scale, num_splits, num_warps, num_stages, tile, table, st_b, sb):
+def fused_decode_attention(
+    qkv_BP: torch.Tensor,
+    num_heads: int,
+    q_norm_w: torch.Tensor | None,
+    k_norm_w: torch.Tensor | None,
+    cos_BDh: torch.Tensor,
+    sin_BDh: torch.Tensor,
+    pos_B: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor | None,
+    lens_B: torch.Tensor,
+    max_len: int,
+    scale: float,
+    eps: float,
+    num_splits: int = 0,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    tile: int = 0,
+) -> torch.Tensor:
+    """Decode attention from the QKV projection: q/k RMSNorm (``q_norm_w``/``k_norm_w``, both or neither), RoPE
+    (``cos/sin_BDh`` at ``pos_B``), the new token's k/v written at ``pos_B[b]`` of row b's cache (slot layout with
+    ``block_table`` None, else paged), then attention over positions [0, min(lens_B[b], max_len)), which must
+    include pos_B[b] for a row whose new token is to be written (lens_B = pos_B + 1, as the engine passes it).
+    ``qkv_BP`` [B, (N + 2 Nkv) Dh] (P: the packed q|k|v columns), head dim contiguous. o [B, N, Dh]; mutates the
+    caches (see reference.fused_decode_attention_reference)."""
+    B, Nkv, Dh = qkv_BP.shape[0], k_cache.shape[1], k_cache.shape[3]
+    if qkv_BP.stride(-1) != 1 or qkv_BP.shape[1] != (num_heads + 2 * Nkv) * Dh or Dh % 2:
+        raise ValueError(
+            f"fused_decode_attention: qkv {tuple(qkv_BP.shape)} (stride {qkv_BP.stride()}) is not [B, (N + 2 Nkv) Dh] "
+            f"with contiguous columns for N={num_heads}, Nkv={Nkv}, even Dh={Dh}"
+        )
+    if (q_norm_w is None) != (k_norm_w is None):
+        raise ValueError("fused_decode_attention: pass both q_norm_w and k_norm_w, or neither")
+    fused = dict(
+        qn_ptr=q_norm_w, kn_ptr=k_norm_w, cos_ptr=cos_BDh, sin_ptr=sin_BDh, pos_ptr=pos_B, s_cs=cos_BDh.stride(0),
+        eps=eps, FUSE=True, QK_NORM=q_norm_w is not None,
+    )  # fmt: skip
+    sb = 0 if block_table is None else k_cache.shape[2]
+    st_b = 1 if block_table is None else block_table.stride(0)
+    return _launch(qkv_BP, (B, num_heads, Dh), (qkv_BP.stride(0), Dh), k_cache, v_cache, lens_B, max_len, scale,
+                   num_splits, num_warps, num_stages, tile, block_table, st_b, sb, fused)  # fmt: skip
+
+
+UNFUSED = dict(qn_ptr=None, kn_ptr=None, cos_ptr=None, sin_ptr=None, pos_ptr=None, s_cs=None, eps=None, FUSE=False,
+               QK_NORM=False)  # fmt: skip
+"""The fused form's arguments when it is off: None constexprs, so the unfused kernels compile as they did."""
+
+
+def _launch(q, q_shape, q_strides, k, v, lens_B, max_len, scale, num_splits, num_warps, num_stages, tile, table, st_b,
+            sb, fused):  # fmt: skip
     """The split kernel (and the reduce kernel for several splits); k/v a slot cache (``sb`` 0, ``table`` None)
-    or a pool of blocks of ``sb`` positions (dims: [Bc or Nb, Nkv, Tc or Sb, Dh])."""
-    B, N, Dh = q_BNDh.shape
+    or a pool of blocks of ``sb`` positions (dims: [Bc or Nb, Nkv, Tc or Sb, Dh]); ``q`` [B, N, Dh] (``q_shape``,
+    row and head strides ``q_strides``) or, with ``fused``, the QKV projection."""
+    B, N, Dh = q_shape
     Nkv = k.shape[1]
     G = N // Nkv
     block_tc = tile or default_block_tc(Dh)
     if num_splits <= 0:
-        num_splits = pick_num_splits(B, Nkv, max_len, q_BNDh.device, block_tc)
+        num_splits = pick_num_splits(B, Nkv, max_len, q.device, block_tc)
     split_len = triton.cdiv(triton.cdiv(max_len, num_splits), block_tc) * block_tc  # a multiple of the tile
     num_splits = triton.cdiv(max_len, split_len)
-    o_BNDh = torch.empty_like(q_BNDh)
+    o_BNDh = torch.empty(B, N, Dh, device=q.device, dtype=q.dtype)
     if num_splits > 1:
-        acc = torch.empty(B, Nkv, num_splits, G, Dh, device=q_BNDh.device, dtype=torch.float32)
-        ml = torch.empty(B, Nkv, num_splits, G, 2, device=q_BNDh.device, dtype=torch.float32)
+        acc = torch.empty(B, Nkv, num_splits, G, Dh, device=q.device, dtype=torch.float32)
+        ml = torch.empty(B, Nkv, num_splits, G, 2, device=q.device, dtype=torch.float32)
     else:
         acc = ml = o_BNDh  # unused
     meta = dict(
@@ -258,14 +360,14 @@ def _launch(q_BNDh, k, v, lens_B, max_len, scale, num_splits, num_warps, num_sta
         BLOCK_DH=max(16, triton.next_power_of_2(Dh)),
     )
     _split_kernel[(num_splits, B * Nkv)](
-        q_BNDh, k, v, lens_B, o_BNDh, acc, ml,
-        q_BNDh.stride(0), q_BNDh.stride(1),
+        q, k, v, lens_B, o_BNDh, acc, ml,
+        q_strides[0], q_strides[1],
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         o_BNDh.stride(0), o_BNDh.stride(1),
         max_len, scale * LOG2E, table, st_b,
-        BLOCK_TC=block_tc, UPCAST=INTERPRET, IEEE=q_BNDh.dtype == torch.float32 and not INTERPRET, SB=sb,
-        num_warps=num_warps, num_stages=num_stages, **meta,
+        BLOCK_TC=block_tc, UPCAST=INTERPRET, IEEE=q.dtype == torch.float32 and not INTERPRET, SB=sb,
+        num_warps=num_warps, num_stages=num_stages, **meta, **(fused or UNFUSED),
     )  # fmt: skip
     if num_splits > 1:
         _reduce_kernel[(B * Nkv,)](

@@ -16,7 +16,11 @@ from typing import Literal
 
 import torch
 
-from kernels.decode_attention.reference import decode_attention_reference, paged_decode_attention_reference
+from kernels.decode_attention.reference import (
+    decode_attention_reference,
+    fused_decode_attention_reference,
+    paged_decode_attention_reference,
+)
 
 DecodeAttentionImpl = Literal["reference", "triton"]
 
@@ -182,3 +186,72 @@ def paged_decode_attention_op(
 @paged_decode_attention_op.register_fake
 def _(q_BNDh, k_pool, v_pool, block_table, lens_B, max_len, scale, num_splits):
     return torch.empty_like(q_BNDh)
+
+
+def fused_decode_attention(
+    qkv_BP: torch.Tensor,
+    num_heads: int,
+    q_norm_w: torch.Tensor | None,
+    k_norm_w: torch.Tensor | None,
+    cos_BDh: torch.Tensor,
+    sin_BDh: torch.Tensor,
+    pos_B: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor | None,
+    lens_B: torch.Tensor,
+    max_len: int,
+    scale: float,
+    eps: float,
+    impl: DecodeAttentionImpl = "reference",
+    num_splits: int = 0,
+) -> torch.Tensor:
+    """The decode layer's attention from its QKV projection (q/k norm, RoPE, the new token's cache write, attention:
+    reference.fused_decode_attention_reference is the spec); o [B, N, Dh], mutates the caches. The cache layouts
+    are checked as ``decode_attention`` / ``paged_decode_attention`` check them."""
+    B, Dh = qkv_BP.shape[0], k_cache.shape[-1]
+    q_view = qkv_BP.new_empty(()).expand(B, num_heads, Dh)  # shape-only stand-in for q: the checks read metadata
+    if block_table is None:
+        check_inputs(q_view, k_cache, v_cache, lens_B, max_len)
+    else:
+        check_paged_inputs(q_view, k_cache, v_cache, block_table, lens_B, max_len)
+    args = (qkv_BP, num_heads, q_norm_w, k_norm_w, cos_BDh, sin_BDh, pos_B, k_cache, v_cache, block_table, lens_B,
+            max_len, scale, eps)  # fmt: skip
+    if impl == "reference":
+        return fused_decode_attention_reference(*args)
+    if impl == "triton":
+        return torch.ops.prime_spmd.fused_decode_attention(*args, num_splits)
+    raise ValueError(f"unknown decode attention impl {impl!r}; choose reference or triton")
+
+
+@torch.library.custom_op("prime_spmd::fused_decode_attention", mutates_args=("k_cache", "v_cache"))
+def fused_decode_attention_op(
+    qkv_BP: torch.Tensor,
+    num_heads: int,
+    q_norm_w: torch.Tensor | None,
+    k_norm_w: torch.Tensor | None,
+    cos_BDh: torch.Tensor,
+    sin_BDh: torch.Tensor,
+    pos_B: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor | None,
+    lens_B: torch.Tensor,
+    max_len: int,
+    scale: float,
+    eps: float,
+    num_splits: int,
+) -> torch.Tensor:
+    """The Triton kernels (kernel.fused_decode_attention); inputs as ``fused_decode_attention`` above."""
+    from kernels.decode_attention import kernel
+
+    return kernel.fused_decode_attention(
+        qkv_BP, num_heads, q_norm_w, k_norm_w, cos_BDh, sin_BDh, pos_B, k_cache, v_cache, block_table, lens_B,
+        max_len, scale, eps, num_splits,
+    )  # fmt: skip
+
+
+@fused_decode_attention_op.register_fake
+def _(qkv_BP, num_heads, q_norm_w, k_norm_w, cos_BDh, sin_BDh, pos_B, k_cache, v_cache, block_table, lens_B, max_len,
+      scale, eps, num_splits):  # fmt: skip
+    return qkv_BP.new_empty(qkv_BP.shape[0], num_heads, k_cache.shape[-1])

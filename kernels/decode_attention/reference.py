@@ -64,3 +64,59 @@ def paged_decode_attention_reference(
         return x_BMrNkvSbDh.transpose(1, 2).reshape(B, Nkv, Mr * Sb, Dh)
 
     return decode_attention_reference(q_BNDh, to_slots(k_pool), to_slots(v_pool), lens_B, max_len, scale)
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's Llama/Qwen RMSNorm: fp32 statistics, cast back, then scale by ``w``."""
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rope(x_BHDh: torch.Tensor, cos_BDh: torch.Tensor, sin_BDh: torch.Tensor) -> torch.Tensor:
+    half = x_BHDh.shape[-1] // 2
+    rotated = torch.cat((-x_BHDh[..., half:], x_BHDh[..., :half]), dim=-1)
+    return x_BHDh * cos_BDh[:, None] + rotated * sin_BDh[:, None]
+
+
+def fused_decode_attention_reference(
+    qkv_BP: torch.Tensor,
+    num_heads: int,
+    q_norm_w: torch.Tensor | None,
+    k_norm_w: torch.Tensor | None,
+    cos_BDh: torch.Tensor,
+    sin_BDh: torch.Tensor,
+    pos_B: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor | None,
+    lens_B: torch.Tensor,
+    max_len: int,
+    scale: float,
+    eps: float,
+) -> torch.Tensor:
+    """The decode layer's attention from its QKV projection ``qkv_BP`` [B, (N + 2 Nkv) Dh] (local letter P: the
+    packed q | k | v columns, N = ``num_heads``): q and k get RMSNorm (``q_norm_w``, ``k_norm_w`` [Dh]; both None:
+    none, e.g. Llama) then RoPE (rotate-half, ``cos/sin_BDh`` the tables' rows at ``pos_B``); row b's new k and v
+    are written at position ``pos_B[b]`` of its cache when that position is one it attends (pos_B[b] <
+    min(lens_B[b], max_len)); then attention as ``decode_attention_reference`` (slot cache [Bc, Nkv, Tc, Dh],
+    ``block_table`` None) or ``paged_decode_attention_reference`` (pool [Nb, Nkv, Sb, Dh] and its table). Returns
+    o [B, N, Dh] in qkv's dtype; mutates ``k_cache`` and ``v_cache``."""
+    B = qkv_BP.shape[0]
+    Nkv, Dh = k_cache.shape[1], k_cache.shape[3]
+    nq, nk = num_heads * Dh, Nkv * Dh
+    q = qkv_BP[:, :nq].reshape(B, num_heads, Dh)
+    k = qkv_BP[:, nq : nq + nk].reshape(B, Nkv, Dh)
+    v = qkv_BP[:, nq + nk :].reshape(B, Nkv, Dh)
+    if q_norm_w is not None:
+        q, k = _rms_norm(q, q_norm_w, eps), _rms_norm(k, k_norm_w, eps)
+    q, k = _rope(q, cos_BDh, sin_BDh), _rope(k, cos_BDh, sin_BDh)
+    for b in torch.nonzero(pos_B < lens_B.clamp(max=max_len)).flatten().tolist():
+        p = int(pos_B[b])
+        if block_table is None:
+            k_cache[b, :, p], v_cache[b, :, p] = k[b], v[b]
+        else:
+            blk = int(block_table[b, p // k_cache.shape[2]])
+            k_cache[blk, :, p % k_cache.shape[2]], v_cache[blk, :, p % k_cache.shape[2]] = k[b], v[b]
+    if block_table is None:
+        return decode_attention_reference(q, k_cache, v_cache, lens_B, max_len, scale)
+    return paged_decode_attention_reference(q, k_cache, v_cache, block_table, lens_B, max_len, scale)

@@ -269,8 +269,8 @@ class InferenceConfig:
     """KV-cache length per sequence in tokens (0: --trainer.seq_len, or the model's limit for eval)."""
     cuda_graphs: bool = True
     """Capture the decode step in CUDA graphs (CUDA only)."""
-    decode_attention: Literal["auto", "bmm", "triton"] = "auto"
-    """Native engine decode attention: auto (triton on CUDA, bmm elsewhere), bmm (batched matmuls over the length bucket) or triton (flash-decoding kernel)."""
+    decode_attention: Literal["auto", "bmm", "triton", "fused"] = "auto"
+    """Native engine decode attention: auto (triton on CUDA, bmm elsewhere), bmm (batched matmuls over the length bucket), triton (flash-decoding kernel) or fused (that kernel with the q/k norm, RoPE and KV-cache write folded in; dense models' fused decode layer, else triton)."""
     decode_linear: Literal["auto", "torch", "triton"] = "auto"
     """Native engine decode linears: auto (triton on CUDA for hidden size <= 1024, torch otherwise), torch (F.linear + separate norm/SiLU/residual ops) or triton (fused kernels of kernels/decode_linear for decode steps of <= 16 / 64 rows)."""
     sampler: Literal["auto", "torch", "triton", "fused"] = "auto"

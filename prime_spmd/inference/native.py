@@ -56,8 +56,8 @@ class NativeEngine(InferenceEngine):
 
     ``model`` is used in place (its parameters are read at every forward). ``dtype`` casts the
     model once at construction (None keeps it). ``decode_attention``: "bmm" (batched matmuls over
-    the length bucket), "triton" (the flash-decoding kernel, kernels/decode_attention) or "auto"
-    (triton on CUDA, bmm elsewhere); ``decode_linear``: "torch", "triton" (fused norm / GEMM / epilogue
+    the length bucket), "triton" (the flash-decoding kernel, kernels/decode_attention), "fused"
+    (that kernel with the q/k norm, RoPE and cache write folded in) or "auto" (triton on CUDA, bmm elsewhere); ``decode_linear``: "torch", "triton" (fused norm / GEMM / epilogue
     kernels, kernels/decode_linear) or "auto" (triton on CUDA for hidden size <= 1024, else torch); both
     used by the Llama-style runner. ``sampler``: "torch", "triton" (kernels/gumbel_sample for plain sampling),
     "fused" (as triton, and decode steps of <= 64 rows sample inside the LM head) or "auto" (torch;

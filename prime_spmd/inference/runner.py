@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from prime_spmd.inference.kv_cache import PagedKVCache, SlotKVCache, paged_gather, paged_write
 from prime_spmd.models.registry import adapter_for
 
-DecodeAttention = Literal["auto", "bmm", "triton"]
+DecodeAttention = Literal["auto", "bmm", "triton", "fused"]
 DecodeLinear = Literal["auto", "torch", "triton"]
 KVCacheKind = Literal["slot", "paged"]
 # Rows up to which the fused decode linears (kernels/decode_linear) replace F.linear: the norm-prologue ones
@@ -43,9 +43,10 @@ DECODE_LINEAR_MAX_ROWS_RESIDUAL = 64
 def resolve_decode_attention(attention: str, device: torch.device) -> str:
     """The decode attention to run on ``device``: "auto" is "triton" on CUDA (faster than bmm on an
     H200 at batch 1/64/256, docs/benchmarks.md) and "bmm" elsewhere (Triton on CPU runs only under
-    the interpreter); "bmm" and "triton" are kept. ValueError for any other name."""
-    if attention not in ("auto", "bmm", "triton"):
-        raise ValueError(f"decode attention {attention!r}: choose auto, bmm or triton")
+    the interpreter); "bmm", "triton" and "fused" (the Triton kernel with the q/k norm, RoPE and the new token's
+    cache write folded in; the fused decode layer only, elsewhere "triton") are kept. ValueError for any other name."""
+    if attention not in ("auto", "bmm", "triton", "fused"):
+        raise ValueError(f"decode attention {attention!r}: choose auto, bmm, triton or fused")
     if attention == "auto":
         return "triton" if device.type == "cuda" else "bmm"
     return attention
@@ -132,6 +133,34 @@ def make_decode_layer(
     def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return x * cos + _rotate_half(x) * sin
 
+    def attend(qkv, q_norm_w, k_norm_w, k_cache, v_cache, table_BcMb, cos_BDh, sin_BDh, pos_B, mask_BTkv, lens_B,
+               kv_len):  # fmt: skip
+        """Split the QKV projection, q/k norm, RoPE, write the new k/v, attend ("bmm" or "triton"): o [B, N Dh]."""
+        b = qkv.shape[0]
+        q = qkv[:, :nq].view(b, num_heads, head_dim)
+        k = qkv[:, nq : nq + nk].view(b, num_kv_heads, head_dim)
+        v = qkv[:, nq + nk :].view(b, num_kv_heads, head_dim)
+        if q_norm_w is not None:
+            q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
+        q, k = rope(q, cos_BDh[:, None], sin_BDh[:, None]), rope(k, cos_BDh[:, None], sin_BDh[:, None])
+        if table_BcMb is None:
+            rows_B = torch.arange(b, device=qkv.device)
+            k_cache[rows_B, :, pos_B] = k  # [B, Nkv, Dh] at (slot b, position pos_B[b])
+            v_cache[rows_B, :, pos_B] = v
+        else:
+            paged_write(k_cache, table_BcMb, pos_B, k)
+            paged_write(v_cache, table_BcMb, pos_B, v)
+        if attention == "triton":
+            return attend_triton(q.contiguous(), k_cache, v_cache, table_BcMb, lens_B, kv_len, scale).reshape(b, nq)
+        tkv = mask_BTkv.shape[1]
+        if table_BcMb is None:
+            kc, vc = k_cache[:b, :, :tkv], v_cache[:b, :, :tkv]  # [B, Nkv, Tkv, Dh] views
+        else:
+            kc, vc = paged_gather(k_cache, table_BcMb, b, tkv), paged_gather(v_cache, table_BcMb, b, tkv)
+        scores = torch.matmul(q.view(b, num_kv_heads, g, head_dim), kc.transpose(-1, -2)).float() * scale
+        p = torch.softmax(scores + mask_BTkv[:, None, None], dim=-1).to(vc.dtype)
+        return torch.matmul(p, vc).reshape(b, nq)  # [B, Nkv, G, Dh] -> [B, N Dh]
+
     def layer(x_BD, ln1_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, o_b, ln2_w, gate_up_w, down_w,
               k_BcNkvTcDh, v_BcNkvTcDh, table_BcMb, cos_BDh, sin_BDh, pos_B, mask_BTkv, lens_B, kv_len):  # fmt: skip
         b = x_BD.shape[0]
@@ -142,31 +171,14 @@ def make_decode_layer(
             qkv = torch.ops.prime_spmd.decode_linear(x_BD, qkv_w, qkv_b, ln1_w, eps, None, False)
         else:
             qkv = F.linear(rms_norm(x_BD, ln1_w, eps), qkv_w, qkv_b)
-        q = qkv[:, :nq].view(b, num_heads, head_dim)
-        k = qkv[:, nq : nq + nk].view(b, num_kv_heads, head_dim)
-        v = qkv[:, nq + nk :].view(b, num_kv_heads, head_dim)
-        if q_norm_w is not None:
-            q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
-        q, k = rope(q, cos_BDh[:, None], sin_BDh[:, None]), rope(k, cos_BDh[:, None], sin_BDh[:, None])
-        if table_BcMb is None:
-            rows_B = torch.arange(b, device=x_BD.device)
-            k_BcNkvTcDh[rows_B, :, pos_B] = k  # [B, Nkv, Dh] at (slot b, position pos_B[b])
-            v_BcNkvTcDh[rows_B, :, pos_B] = v
+        if attention == "fused":  # q/k norm, RoPE, the cache write and attention in one kernel
+            o = torch.ops.prime_spmd.fused_decode_attention(
+                qkv, num_heads, q_norm_w, k_norm_w, cos_BDh, sin_BDh, pos_B, k_BcNkvTcDh, v_BcNkvTcDh, table_BcMb,
+                lens_B, kv_len, scale, eps, 0,
+            ).reshape(b, nq)  # fmt: skip
         else:
-            paged_write(k_BcNkvTcDh, table_BcMb, pos_B, k)
-            paged_write(v_BcNkvTcDh, table_BcMb, pos_B, v)
-        if attention == "triton":
-            o = attend_triton(q.contiguous(), k_BcNkvTcDh, v_BcNkvTcDh, table_BcMb, lens_B, kv_len, scale)
-            o = o.reshape(b, nq)
-        else:
-            tkv = mask_BTkv.shape[1]
-            if table_BcMb is None:
-                kc, vc = k_BcNkvTcDh[:b, :, :tkv], v_BcNkvTcDh[:b, :, :tkv]  # [B, Nkv, Tkv, Dh] views
-            else:
-                kc, vc = paged_gather(k_BcNkvTcDh, table_BcMb, b, tkv), paged_gather(v_BcNkvTcDh, table_BcMb, b, tkv)
-            scores = torch.matmul(q.view(b, num_kv_heads, g, head_dim), kc.transpose(-1, -2)).float() * scale
-            p = torch.softmax(scores + mask_BTkv[:, None, None], dim=-1).to(vc.dtype)
-            o = torch.matmul(p, vc).reshape(b, nq)  # [B, Nkv, G, Dh] -> [B, N Dh]
+            o = attend(qkv, q_norm_w, k_norm_w, k_BcNkvTcDh, v_BcNkvTcDh, table_BcMb, cos_BDh, sin_BDh, pos_B,
+                       mask_BTkv, lens_B, kv_len)  # fmt: skip
         if fused_res:
             x_BD = torch.ops.prime_spmd.decode_linear(o, o_w, o_b, None, eps, x_BD, False)
         else:
@@ -217,9 +229,10 @@ class LlamaStyleRunner:
     Qwen3) decode through ``make_decode_layer`` with fused QKV and gate/up weights, compiled on CUDA
     (``compile_decode``); others (MoE) decode through the model's own submodules. ``attention`` picks the decode attention of both
     paths: "bmm" (two batched matmuls + softmax over the whole length bucket), "triton" (the
-    flash-decoding kernel of kernels/decode_attention, which reads each row's own positions only) or
-    "auto" (``resolve_decode_attention``: triton on CUDA, bmm elsewhere); ``self.attention`` holds the
-    resolved name. ``linear`` picks the fused path's linears (``resolve_decode_linear``; held in
+    flash-decoding kernel of kernels/decode_attention, which reads each row's own positions only), "fused" (that
+    kernel taking the QKV projection: q/k norm, RoPE and the new token's cache write inside it; fused decode layer
+    only, the submodule path runs "triton") or "auto" (``resolve_decode_attention``: triton on CUDA, bmm elsewhere);
+    ``self.attention`` holds the resolved name. ``linear`` picks the fused path's linears (``resolve_decode_linear``; held in
     ``self.linear``; the model's own submodules, used otherwise, ignore it). ``kv_cache`` picks the cache
     (``build_kv_cache``): "slot" (a whole slot per sequence) or "paged" (blocks of ``kv_block_size`` positions
     from a pool of ``kv_cache_tokens`` tokens; shared prompt blocks), read by both decode paths and both attentions.
@@ -239,8 +252,8 @@ class LlamaStyleRunner:
         kv_cache_tokens: int = 0,
     ) -> None:
         attention = resolve_decode_attention(attention, device)
-        if attention == "triton":
-            import kernels.decode_attention.op  # noqa: F401  registers torch.ops.prime_spmd.decode_attention
+        if attention in ("triton", "fused"):
+            import kernels.decode_attention.op  # noqa: F401  registers torch.ops.prime_spmd.*decode_attention
         self.attention = attention
         self.adapter = adapter_for(model)
         dims = self.adapter.dims()
@@ -272,6 +285,8 @@ class LlamaStyleRunner:
         self.layer_args: list[tuple] | None = None
         if self.adapter.supports_fused_decode():
             self._setup_fused_decode(model, compile_decode and device.type == "cuda")
+        elif self.attention == "fused":  # the models' own modules compute q/k: the kernel cannot take them over
+            self.attention = "triton"
 
     def _setup_fused_decode(self, model: torch.nn.Module, compile_decode: bool) -> None:
         layers = model.model.layers
@@ -396,7 +411,7 @@ class LlamaStyleRunner:
     def _decode_fused(self, ids_B: torch.Tensor, pos_B: torch.Tensor, kv_len: int, head: bool) -> torch.Tensor:
         x = self.inner.embed_tokens(ids_B)  # [B, D]
         cos, sin = self.cos_TcDh[pos_B], self.sin_TcDh[pos_B]  # [B, Dh]
-        if self.attention == "triton":
+        if self.attention in ("triton", "fused"):
             # row b attends positions <= pos_B[b]; rows past the bucket (free slots) are clamped to it
             mask_BTkv, lens_B, tkv = None, (pos_B + 1).clamp(max=kv_len), kv_len
         else:

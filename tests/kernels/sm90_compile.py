@@ -110,7 +110,16 @@ def variants():
         attention._split_kernel,
         sig(split_args + "max_len qk_scale", split_types + "i32 fp32"),
         # the slot launch's table None and stride 1 are constexprs (kernel.decode_attention)
-        {**heads, "BLOCK_TC": 64, "UPCAST": False, "IEEE": False, "SB": 0, "table_ptr": None, "st_b": 1},
+        {
+            **heads,
+            "BLOCK_TC": 64,
+            "UPCAST": False,
+            "IEEE": False,
+            "SB": 0,
+            "table_ptr": None,
+            "st_b": 1,
+            **attention.UNFUSED,
+        },  # fmt: skip
         {"num_warps": 4, "num_stages": 2},
     )
     # Sb 16: the engine's default block size; 48: neither divides nor is divided by the 64-position tile. Compiled,
@@ -122,7 +131,32 @@ def variants():
             f"decode_attention split paged Sb {sb}",
             attention._split_kernel,
             sig(split_args + "max_len qk_scale table_ptr st_b", split_types + "i32 fp32 *i32 i32"),
-            {**heads, "BLOCK_TC": 64, "UPCAST": False, "IEEE": False, "SB": sb},
+            {**heads, "BLOCK_TC": 64, "UPCAST": False, "IEEE": False, "SB": sb, **attention.UNFUSED},
+            {"num_warps": 4, "num_stages": 2},
+        )
+    # the fused form (q/k norm, RoPE and the new token's cache write in the kernel), slot and paged cache
+    fused_args = "qn_ptr kn_ptr cos_ptr sin_ptr pos_ptr s_cs eps"
+    fused_types = "*bf16 *bf16 *bf16 *bf16 *i64 i32 fp32"
+    for sb in (0, 16):
+        table = {"table_ptr": None, "st_b": 1} if sb == 0 else {}
+        table_sig = "" if sb == 0 else " table_ptr st_b"
+        yield (
+            f"decode_attention split fused{' paged Sb 16' if sb else ''}",
+            attention._split_kernel,
+            sig(
+                split_args + "max_len qk_scale" + table_sig + " " + fused_args,
+                split_types + "i32 fp32" + ("" if sb == 0 else " *i32 i32") + " " + fused_types,
+            ),  # fmt: skip
+            {
+                **heads,
+                "BLOCK_TC": 64,
+                "UPCAST": False,
+                "IEEE": False,
+                "SB": sb,
+                **table,
+                "FUSE": True,
+                "QK_NORM": True,
+            },  # fmt: skip
             {"num_warps": 4, "num_stages": 2},
         )
     # the LM-head logprob kernels (trainer): every autotune config, bf16 inputs, fp32 statistics

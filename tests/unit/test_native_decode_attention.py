@@ -46,16 +46,20 @@ def _generate(model, attention: str, kv_cache: str = "slot"):
         model, None, max_batch_size=3, max_model_len=64, device=DEVICE, decode_attention=attention, kv_cache=kv_cache,
         kv_block_size=5,  # paged: blocks straddle the kernel's position tiles (16 under the interpreter)
     )  # fmt: skip
-    assert isinstance(eng.runner, runner_mod.LlamaStyleRunner) and eng.runner.attention == attention
+    assert isinstance(eng.runner, runner_mod.LlamaStyleRunner)
+    # "fused" needs the fused decode layer; the submodule path runs "triton" for it
+    assert eng.runner.attention == (
+        attention if eng.runner.layer_args is not None else attention.replace("fused", "triton")
+    )
     outs = sorted(eng.generate(_requests(eng.vocab_size)), key=lambda o: o.request_id)
     return eng, outs
 
 
-def _compare(model, kv_cache: str) -> tuple[NativeEngine, float]:
-    """(the triton engine over ``kv_cache``, max |logprob diff| vs the bmm engine over the slot cache) after asserting
-    equal tokens."""
+def _compare(model, kv_cache: str, attention: str = "triton") -> tuple[NativeEngine, float]:
+    """(the ``attention`` engine over ``kv_cache``, max |logprob diff| vs the bmm engine over the slot cache) after
+    asserting equal tokens."""
     _, ref = _generate(model, "bmm")
-    eng, got = _generate(model, "triton", kv_cache)
+    eng, got = _generate(model, attention, kv_cache)
     worst = 0.0
     for a, b in zip(got, ref):
         assert a.token_ids == b.token_ids, a.request_id
@@ -64,9 +68,10 @@ def _compare(model, kv_cache: str) -> tuple[NativeEngine, float]:
     return eng, worst
 
 
-@pytest.mark.parametrize("kv_cache", ["slot", "paged"])
-def test_fused_decode_layer_triton_matches_bmm(record_property, kv_cache):
-    eng, worst = _compare(_hf_model(), kv_cache)
+@pytest.mark.parametrize(("attention", "kv_cache"), [("triton", "slot"), ("triton", "paged"), ("fused", "slot"),
+                                                      ("fused", "paged")])  # fmt: skip
+def test_fused_decode_layer_triton_matches_bmm(record_property, attention, kv_cache):
+    eng, worst = _compare(_hf_model(), kv_cache, attention)
     assert eng.runner.layer_args is not None  # the fused path
     record_property("max_logprob_diff", worst)
 

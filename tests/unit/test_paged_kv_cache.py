@@ -139,7 +139,8 @@ def test_kv_cache_options_are_checked():
     assert native_only_settings(InferenceConfig(engine="vllm")) == {}
 
 
-def test_compiled_fused_layer_reads_and_writes_the_paged_cache():
+@pytest.mark.parametrize("attention", ["bmm", "fused"])
+def test_compiled_fused_layer_reads_and_writes_the_paged_cache(attention):
     """The fused decode layer over a paged pool, through torch.compile (inductor; on CPU here, so that a tracing
     problem of the paged writes and gathers shows before a GPU run) equals the eager layer: output and the pool.
     About 6 s on 2 cores."""
@@ -160,10 +161,16 @@ def test_compiled_fused_layer_reads_and_writes_the_paged_cache():
     pools = [(rand(Nb, Nkv, Sb, Dh), rand(Nb, Nkv, Sb, Dh))] * 2
     pools[1] = (pools[0][0].clone(), pools[0][1].clone())
     before = pools[0][0].clone()
-    layer = make_decode_layer(N, Nkv, Dh, 1e-6, Dh**-0.5, "bmm", "torch")
+    layer = make_decode_layer(N, Nkv, Dh, 1e-6, Dh**-0.5, attention, "torch")
+    if attention == "fused":  # the Triton kernel (interpreter) as an opaque, cache-mutating op inside the graph
+        import kernels.decode_attention.op  # noqa: F401
+
+        mask, lens, kv_len = None, pos + 1, 32
+    else:
+        lens, kv_len = None, 0
     x = rand(B, D)
     outs = [
-        fn(x, *weights, k, v, table, cos, sin, pos, mask, None, 0)
+        fn(x, *weights, k, v, table, cos, sin, pos, mask, lens, kv_len)
         for fn, (k, v) in zip((layer, torch.compile(layer, fullgraph=True)), pools)
     ]
     # measured: outputs 3.6e-7 apart, pools 1.8e-7 (inductor's fused norm / RoPE round differently)
