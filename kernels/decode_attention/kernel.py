@@ -63,7 +63,7 @@ def _split_kernel(
     q_ptr, k_ptr, v_ptr, lens_ptr, o_ptr, acc_ptr, ml_ptr,
     sq_b, sq_n, sk_bc, sk_nkv, sk_tc, sv_bc, sv_nkv, sv_tc, so_b, so_n,
     max_len, qk_scale, table_ptr, st_b,
-    qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, s_cs, eps,
+    qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, s_cs, eps, cnt_ptr,
     NKV: tl.constexpr, G: tl.constexpr, DH: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_TC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     SB: tl.constexpr, FUSE: tl.constexpr, QK_NORM: tl.constexpr,
@@ -172,6 +172,12 @@ def _split_kernel(
         tl.store(acc_ptr + (row + offs_g[:, None]) * DH + offs_d[None, :], acc, mask=gd_mask)
         tl.store(ml_ptr + (row + offs_g) * 2, m, mask=mask_g)
         tl.store(ml_ptr + (row + offs_g) * 2 + 1, s_sum, mask=mask_g)
+        if FUSE:  # the last split of the (row, kv head) to finish combines them: no reduce launch
+            last = tl.atomic_add(cnt_ptr + pid_bnkv, 1) == NUM_SPLITS - 1  # acq_rel: the others' partials visible
+            if last:
+                _combine_splits(acc_ptr, ml_ptr, o_ptr, so_b, so_n, pid_bnkv, length, NKV, G, DH, NUM_SPLITS,
+                                SPLIT_LEN, BLOCK_G, BLOCK_DH)  # fmt: skip
+                tl.store(cnt_ptr + pid_bnkv, 0)  # left zeroed for the next launch (and CUDA-graph replays)
 
 
 @triton.jit
@@ -181,9 +187,20 @@ def _reduce_kernel(
     BLOCK_G: tl.constexpr, BLOCK_DH: tl.constexpr,
 ):  # fmt: skip
     pid_bnkv = tl.program_id(0)
+    length = tl.minimum(tl.load(lens_ptr + pid_bnkv // NKV).to(tl.int32), max_len)
+    _combine_splits(acc_ptr, ml_ptr, o_ptr, so_b, so_n, pid_bnkv, length, NKV, G, DH, NUM_SPLITS, SPLIT_LEN, BLOCK_G,
+                    BLOCK_DH)  # fmt: skip
+
+
+@triton.jit
+def _combine_splits(
+    acc_ptr, ml_ptr, o_ptr, so_b, so_n, pid_bnkv, length,
+    NKV: tl.constexpr, G: tl.constexpr, DH: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_DH: tl.constexpr,
+):  # fmt: skip
+    """o of one (row, kv head) from its live splits' partials (in split order)."""
     b = pid_bnkv // NKV
     kv = pid_bnkv % NKV
-    length = tl.minimum(tl.load(lens_ptr + b).to(tl.int32), max_len)
     num_live = tl.cdiv(length, SPLIT_LEN)  # splits that saw at least one position
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_DH)
@@ -326,8 +343,8 @@ def fused_decode_attention(
                    num_splits, num_warps, num_stages, tile, block_table, st_b, sb, fused)  # fmt: skip
 
 
-UNFUSED = dict(qn_ptr=None, kn_ptr=None, cos_ptr=None, sin_ptr=None, pos_ptr=None, s_cs=None, eps=None, FUSE=False,
-               QK_NORM=False)  # fmt: skip
+UNFUSED = dict(qn_ptr=None, kn_ptr=None, cos_ptr=None, sin_ptr=None, pos_ptr=None, s_cs=None, eps=None, cnt_ptr=None,
+               FUSE=False, QK_NORM=False)  # fmt: skip
 """The fused form's arguments when it is off: None constexprs, so the unfused kernels compile as they did."""
 
 
@@ -359,6 +376,8 @@ def _launch(q, q_shape, q_strides, k, v, lens_B, max_len, scale, num_splits, num
         BLOCK_G=max(16, triton.next_power_of_2(G)),
         BLOCK_DH=max(16, triton.next_power_of_2(Dh)),
     )
+    if fused is not None:  # the split kernel combines the splits itself (an atomic counter per row and kv head)
+        fused = {**fused, "cnt_ptr": _split_counters(q.device, B * Nkv)}
     _split_kernel[(num_splits, B * Nkv)](
         q, k, v, lens_B, o_BNDh, acc, ml,
         q_strides[0], q_strides[1],
@@ -369,8 +388,25 @@ def _launch(q, q_shape, q_strides, k, v, lens_B, max_len, scale, num_splits, num
         BLOCK_TC=block_tc, UPCAST=INTERPRET, IEEE=q.dtype == torch.float32 and not INTERPRET, SB=sb,
         num_warps=num_warps, num_stages=num_stages, **meta, **(fused or UNFUSED),
     )  # fmt: skip
-    if num_splits > 1:
+    if num_splits > 1 and fused is None:
         _reduce_kernel[(B * Nkv,)](
             acc, ml, lens_B, o_BNDh, o_BNDh.stride(0), o_BNDh.stride(1), max_len, num_warps=4, **meta
         )
     return o_BNDh
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []
+
+
+def _split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """int32 zeros, one per (row, kv head), kept per device: the fused split kernel's last program of a (row, kv
+    head) resets its counter, so no launch needs a memset and a captured CUDA graph reads the same buffer at every
+    replay. Launches on one stream only (two in flight at once would share counters)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if buf is not None:  # a graph captured earlier may still read it: keep it alive
+            _RETIRED.append(buf)
+        buf = torch.zeros(max(n, 4096), device=device, dtype=torch.int32)
+        _COUNTERS[device] = buf
+    return buf

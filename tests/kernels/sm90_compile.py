@@ -135,8 +135,8 @@ def variants():
             {"num_warps": 4, "num_stages": 2},
         )
     # the fused form (q/k norm, RoPE and the new token's cache write in the kernel), slot and paged cache
-    fused_args = "qn_ptr kn_ptr cos_ptr sin_ptr pos_ptr s_cs eps"
-    fused_types = "*bf16 *bf16 *bf16 *bf16 *i64 i32 fp32"
+    fused_args = "qn_ptr kn_ptr cos_ptr sin_ptr pos_ptr s_cs eps cnt_ptr"
+    fused_types = "*bf16 *bf16 *bf16 *bf16 *i64 i32 fp32 *i32"
     for sb in (0, 16):
         table = {"table_ptr": None, "st_b": 1} if sb == 0 else {}
         table_sig = "" if sb == 0 else " table_ptr st_b"
