@@ -93,6 +93,7 @@ def run_native(
     linear: str = "torch",
     sampler="torch",
     kv_cache: str = "slot",
+    pdl: bool = False,
 ) -> tuple[float, list]:
     """(seconds of the second ``generate``, its token ids per request)."""
     from prime_spmd.inference.engine import Request, SamplingParams
@@ -110,6 +111,7 @@ def run_native(
         decode_linear=linear,
         sampler=sampler,
         kv_cache=kv_cache,
+        pdl=pdl,
     )
 
     def once() -> float:
@@ -257,6 +259,7 @@ def main() -> None:
         default="slot",
         help="native engines: comma list of slot, paged (KV cache, 16-position blocks); crossed with the three above",
     )
+    ap.add_argument("--pdl", action="store_true", help="native engines: programmatic dependent launch (kernels/pdl)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -289,8 +292,10 @@ def main() -> None:
                 for attn, lin, smp, kv in variants:
                     m = model if name == "native" else custom
                     graphs = not args.no_cuda_graphs
-                    secs, toks = run_native(m, ids, args.new_tokens, device, graphs, attn, lin, smp, kv)
-                    row = dict(engine=name, decode_attention=attn, decode_linear=lin, sampler=smp, kv_cache=kv)
+                    secs, toks = run_native(m, ids, args.new_tokens, device, graphs, attn, lin, smp, kv, args.pdl)
+                    row = dict(
+                        engine=name, decode_attention=attn, decode_linear=lin, sampler=smp, kv_cache=kv, pdl=args.pdl
+                    )
                     row.update(batch=bs, seconds=secs)
                     row["roofline_tok_s"] = roof
                     row["tokens_per_s"] = bs * args.new_tokens / secs

@@ -36,12 +36,12 @@ case $PART in
     run paged_engine 240 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,64,256 --prompt-len 128 --new-tokens 256 --engine native --kv-cache slot,paged --out "$OUT/engine_paged.json"
     mkdir -p "$OUT/paged_groups"
     run paged_groups 120 python3 benchmarks/engine_profile.py --device cuda --model-shape qwen3-0.6b --batch-sizes "" --groups 8 --group-size 8 --group-prompt-len 1024 --group-new-tokens 16 --kv-cache slot,paged --out-dir "$OUT/paged_groups" ;;
-  fused_attn)  # issue 17: --inference.decode_attention fused (q/k norm, RoPE, cache write inside the attention kernel) vs triton: CUDA tests, engine rows, paged rows, mismatch KL; ~8 min
+  fused_attn)  # issue 17: --inference.decode_attention fused (q/k norm, RoPE, cache write inside the attention kernel) vs triton, then with --inference.pdl: CUDA tests, engine rows, mismatch KL; ~8 min
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
     export PYTHONPATH=/tmp/site:$PWD
     run fused_attn_tests 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_attention.py tests/unit/test_native_decode_attention.py
     run fused_attn_engine 180 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,64,256 --prompt-len 128 --new-tokens 256 --engine native --decode-attention triton,fused --out "$OUT/engine_fused_attn.json"
-    run fused_attn_engine_paged 150 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,64,256 --prompt-len 128 --new-tokens 256 --engine native --decode-attention fused --kv-cache paged --out "$OUT/engine_fused_attn_paged.json"
+    run fused_attn_engine_pdl 150 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,16,64 --prompt-len 128 --new-tokens 256 --engine native --decode-attention fused --pdl --out "$OUT/engine_fused_attn_pdl.json"
     run mismatch_fused_attn 90 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --decode-attention fused --out "$OUT/mismatch_fused_attn.json" ;;
   decode_linear_sweep)  # issue 17: the fused decode linears alone (sweep, 0.6B layer shapes, 1 and 64 rows); ~2.5 min
     run decode_linear_kernel_06b 240 python3 benchmarks/decode_linear.py --model-shape qwen3-0.6b --rows 1,64 --out "$OUT/decode_linear_06b.json"

@@ -37,6 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch as pdl
+from kernels.pdl.launch import pdl_enter
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2E = 1.4426950408889634
 
@@ -66,8 +69,9 @@ def _split_kernel(
     qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, s_cs, eps, cnt_ptr,
     NKV: tl.constexpr, G: tl.constexpr, DH: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_TC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-    SB: tl.constexpr, FUSE: tl.constexpr, QK_NORM: tl.constexpr,
+    SB: tl.constexpr, FUSE: tl.constexpr, QK_NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(USE_PDL)  # kernels/pdl (the fused form only): a no-op unless launched with programmatic dependent launch
     pid_s = tl.program_id(0)
     pid_bnkv = tl.program_id(1)
     b = pid_bnkv // NKV
@@ -344,7 +348,7 @@ def fused_decode_attention(
 
 
 UNFUSED = dict(qn_ptr=None, kn_ptr=None, cos_ptr=None, sin_ptr=None, pos_ptr=None, s_cs=None, eps=None, cnt_ptr=None,
-               FUSE=False, QK_NORM=False)  # fmt: skip
+               FUSE=False, QK_NORM=False, USE_PDL=False)  # fmt: skip
 """The fused form's arguments when it is off: None constexprs, so the unfused kernels compile as they did."""
 
 
@@ -377,7 +381,7 @@ def _launch(q, q_shape, q_strides, k, v, lens_B, max_len, scale, num_splits, num
         BLOCK_DH=max(16, triton.next_power_of_2(Dh)),
     )
     if fused is not None:  # the split kernel combines the splits itself (an atomic counter per row and kv head)
-        fused = {**fused, "cnt_ptr": _split_counters(q.device, B * Nkv)}
+        fused = {**fused, "cnt_ptr": _split_counters(q.device, B * Nkv), "USE_PDL": pdl.enabled()}
     _split_kernel[(num_splits, B * Nkv)](
         q, k, v, lens_B, o_BNDh, acc, ml,
         q_strides[0], q_strides[1],
@@ -387,6 +391,7 @@ def _launch(q, q_shape, q_strides, k, v, lens_B, max_len, scale, num_splits, num
         max_len, scale * LOG2E, table, st_b,
         BLOCK_TC=block_tc, UPCAST=INTERPRET, IEEE=q.dtype == torch.float32 and not INTERPRET, SB=sb,
         num_warps=num_warps, num_stages=num_stages, **meta, **(fused or UNFUSED),
+        **(pdl.launch_options() if fused else {}),
     )  # fmt: skip
     if num_splits > 1 and fused is None:
         _reduce_kernel[(B * Nkv,)](

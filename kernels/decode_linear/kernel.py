@@ -24,6 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch as pdl
+from kernels.pdl.launch import pdl_enter
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -62,8 +65,9 @@ def _decode_linear_kernel(
     sxm, swn, srm, som,
     HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr, RNE_EMU: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, RNE_EMU: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(USE_PDL)  # kernels/pdl: a no-op unless launched with programmatic dependent launch
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -218,8 +222,8 @@ def decode_linear(
         HAS_BIAS=bias_N is not None, HAS_NORM=norm_w_K is not None, HAS_RES=residual_MNo is not None,
         SILU_MUL=silu_mul, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
         UPCAST=INTERPRET, IEEE=x_MK.dtype == torch.float32 and not INTERPRET,
-        RNE_EMU=INTERPRET and x_MK.dtype == torch.bfloat16,
-        num_warps=num_warps, num_stages=num_stages,
+        RNE_EMU=INTERPRET and x_MK.dtype == torch.bfloat16, USE_PDL=pdl.enabled(),
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(),
     )  # fmt: skip
     return out
 

@@ -283,6 +283,8 @@ class InferenceConfig:
     """Native engine, paged KV cache: positions per block."""
     kv_cache_tokens: int = 0
     """Native engine, paged KV cache: pool size in tokens (0: max_batch_size x max_model_len, the slot cache's memory); smaller bounds KV memory, admission then waits for free blocks."""
+    pdl: bool = False
+    """Native engine on CUDA: launch the decode chain's Triton kernels (decode linears, fused attention) with programmatic dependent launch, so each one's launch overlaps the previous one's tail (kernels/pdl; not yet measured)."""
     gpu_memory_utilization: float = 0.3
     """vLLM: fraction of GPU memory for the engine."""
     weight_bucket_mb: int = 256

@@ -12,7 +12,16 @@ from prime_spmd.inference.native import NativeEngine
 from prime_spmd.log import logger
 from prime_spmd.models.loading import load_model, load_tokenizer, resolve_dtype
 
-NATIVE_ONLY = ("decode_attention", "decode_linear", "sampler", "warmup", "kv_cache", "kv_block_size", "kv_cache_tokens")
+NATIVE_ONLY = (
+    "decode_attention",
+    "decode_linear",
+    "sampler",
+    "warmup",
+    "kv_cache",
+    "kv_block_size",
+    "kv_cache_tokens",
+    "pdl",
+)
 
 
 def native_only_settings(inference_cfg: InferenceConfig) -> dict[str, object]:
@@ -64,6 +73,7 @@ def build_engine(
         kv_cache=inference_cfg.kv_cache,
         kv_block_size=inference_cfg.kv_block_size,
         kv_cache_tokens=inference_cfg.kv_cache_tokens,
+        pdl=inference_cfg.pdl,
     )
     warm = inference_cfg.warmup
     if warm == "on" or (warm == "auto" and engine.use_graphs):

@@ -64,7 +64,9 @@ class NativeEngine(InferenceEngine):
     ``sampling.make_sampler``). ``kv_cache``: "slot" (a whole ``max_model_len`` slot per sequence) or "paged"
     (blocks of ``kv_block_size`` positions from a pool of ``kv_cache_tokens`` tokens, 0: as many as the slots
     hold; a sequence takes the blocks of its prompt + max_tokens, a group's samples share their prompt's blocks,
-    and admission waits while the pool is short). Call every method from one thread.
+    and admission waits while the pool is short). ``pdl``: launch the decode chain's Triton kernels (decode linears,
+    the fused attention) with programmatic dependent launch (kernels/pdl; CUDA, process-wide; ``self.pdl`` says
+    whether it is on). Call every method from one thread.
     """
 
     def __init__(
@@ -87,8 +89,13 @@ class NativeEngine(InferenceEngine):
         kv_cache: KVCacheKind = "slot",
         kv_block_size: int = 16,
         kv_cache_tokens: int = 0,
+        pdl: bool = False,
     ) -> None:
         device = torch.device(device) if device is not None else next(model.parameters()).device
+        from kernels.pdl import launch as pdl_launch
+
+        # process-wide: the last engine built decides (one engine per process in rl / eval)
+        self.pdl = pdl_launch.set_enabled(pdl and device.type == "cuda")
         if dtype is not None:
             model.to(dtype=dtype)
         self.model = model.to(device).eval()

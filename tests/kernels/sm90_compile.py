@@ -75,14 +75,16 @@ def variants():
         "x_ptr w_ptr b_ptr nw_ptr r_ptr o_ptr ws_ptr cnt_ptr M K NO eps sxm swn srm som",
         "*bf16 *bf16 *bf16 *bf16 *bf16 *bf16 *fp32 *i32 i32 i32 i32 fp32 i32 i32 i32 i32",
     )
-    for split_k in (1, 4):
+    for split_k, use_pdl in ((1, False), (4, False), (1, True)):
         for name, silu, norm, res in (
             ("qkv", False, True, False),
             ("gate_up", True, True, False),
             ("o", False, False, True),
         ):
+            if use_pdl and name != "qkv":
+                continue
             yield (
-                f"decode_linear {name} split_k {split_k}",
+                f"decode_linear {name} split_k {split_k}{' pdl' if use_pdl else ''}",
                 linear._decode_linear_kernel,
                 lin,
                 {
@@ -97,6 +99,7 @@ def variants():
                     "UPCAST": False,
                     "IEEE": False,
                     "RNE_EMU": False,
+                    "USE_PDL": use_pdl,
                 },
                 {"num_warps": 4, "num_stages": 4},
             )
@@ -137,11 +140,11 @@ def variants():
     # the fused form (q/k norm, RoPE and the new token's cache write in the kernel), slot and paged cache
     fused_args = "qn_ptr kn_ptr cos_ptr sin_ptr pos_ptr s_cs eps cnt_ptr"
     fused_types = "*bf16 *bf16 *bf16 *bf16 *i64 i32 fp32 *i32"
-    for sb in (0, 16):
+    for sb, use_pdl in ((0, False), (16, False), (0, True)):
         table = {"table_ptr": None, "st_b": 1} if sb == 0 else {}
         table_sig = "" if sb == 0 else " table_ptr st_b"
         yield (
-            f"decode_attention split fused{' paged Sb 16' if sb else ''}",
+            f"decode_attention split fused{' paged Sb 16' if sb else ''}{' pdl' if use_pdl else ''}",
             attention._split_kernel,
             sig(
                 split_args + "max_len qk_scale" + table_sig + " " + fused_args,
@@ -156,6 +159,7 @@ def variants():
                 **table,
                 "FUSE": True,
                 "QK_NORM": True,
+                "USE_PDL": use_pdl,
             },  # fmt: skip
             {"num_warps": 4, "num_stages": 2},
         )
@@ -209,6 +213,8 @@ def variants():
 
 
 NO_SPILLS = ("gumbel_sample",)
+PDL_INSTRUCTIONS = ("wait", "launch_dependents")
+"""What a `` pdl`` variant (kernels/pdl: USE_PDL) must contain."""
 """Kernels whose configs were chosen to compile without register spills: a spill fails them."""
 
 
@@ -237,6 +243,10 @@ def main() -> int:
             print(f"FAILED  {name}: {type(e).__name__}: {' | '.join(str(e).splitlines())[:2000]}", flush=True)
             continue
         usage = resource_usage(compiled.asm["cubin"])  # e.g. "REG:226 STACK:0 SHARED:1024 ..."
+        if name.endswith(" pdl") and not all(f"griddepcontrol.{i}" in compiled.asm["ptx"] for i in PDL_INSTRUCTIONS):
+            failed += 1
+            print(f"FAILED  {name}: no griddepcontrol instructions in the PTX", flush=True)
+            continue
         if name.startswith(NO_SPILLS) and usage and "STACK:0 " not in usage + " ":
             failed += 1
             print(f"FAILED  {name}: register spills ({usage})", flush=True)

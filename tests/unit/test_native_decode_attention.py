@@ -41,10 +41,11 @@ def _hf_model():
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
 
 
-def _generate(model, attention: str, kv_cache: str = "slot"):
+def _generate(model, attention: str, kv_cache: str = "slot", **kw):
     eng = NativeEngine(
         model, None, max_batch_size=3, max_model_len=64, device=DEVICE, decode_attention=attention, kv_cache=kv_cache,
         kv_block_size=5,  # paged: blocks straddle the kernel's position tiles (16 under the interpreter)
+        **kw,
     )  # fmt: skip
     assert isinstance(eng.runner, runner_mod.LlamaStyleRunner)
     # "fused" needs the fused decode layer; the submodule path runs "triton" for it
@@ -101,3 +102,23 @@ def test_auto_is_triton_on_cuda_bmm_elsewhere():
     assert runner_mod.resolve_decode_attention("bmm", torch.device("cuda")) == "bmm"
     eng = NativeEngine(_hf_model(), None, max_batch_size=1, max_model_len=16, device="cpu")  # default: auto
     assert eng.runner.attention == "bmm"
+
+
+def test_pdl_samples_the_same_tokens():
+    """Programmatic dependent launch (kernels/pdl) changes when kernels start, not what they compute: the fused
+    chain (decode linears, fused attention) samples the same tokens with it. CPU: it stays off (the interpreter
+    cannot run it), which is all this checks there."""
+    from kernels.pdl import launch as pdl
+
+    model = _hf_model()
+    if DEVICE.type != "cuda":
+        eng = NativeEngine(model, None, max_batch_size=3, max_model_len=64, device=DEVICE, pdl=True)
+        assert not eng.pdl and not pdl.enabled()
+        return
+    _, ref = _generate(model, "fused", decode_linear="triton")
+    try:
+        eng, got = _generate(model, "fused", decode_linear="triton", pdl=True)
+        assert eng.pdl and pdl.enabled()
+        assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    finally:
+        pdl.set_enabled(False)  # process-wide: later tests launch without it
