@@ -122,3 +122,19 @@ def test_pdl_samples_the_same_tokens():
         assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     finally:
         pdl.set_enabled(False)  # process-wide: later tests launch without it
+
+
+def test_fused_attention_on_a_model_without_qk_norm():
+    """Llama has no q/k norm: the fused attention's QK_NORM=False path (RoPE only) gives the bmm path's tokens."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.3)  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    _, ref = _generate(model, "bmm")
+    eng, got = _generate(model, "fused")
+    assert eng.runner.layer_args is not None and not eng.runner.qk_norm
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    worst = max(abs(x - y) for a, b in zip(got, ref) for x, y in zip(a.logprobs, b.logprobs))
+    assert worst < LOGPROB_ATOL, worst
