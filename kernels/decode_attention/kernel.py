@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.counters import zeroed_counters
 from kernels.pdl import launch as pdl
 from kernels.pdl.launch import pdl_enter
 
@@ -381,7 +382,7 @@ def _launch(q, q_shape, q_strides, k, v, lens_B, max_len, scale, num_splits, num
         BLOCK_DH=max(16, triton.next_power_of_2(Dh)),
     )
     if fused is not None:  # the split kernel combines the splits itself (an atomic counter per row and kv head)
-        fused = {**fused, "cnt_ptr": _split_counters(q.device, B * Nkv), "USE_PDL": pdl.enabled()}
+        fused = {**fused, "cnt_ptr": zeroed_counters(q.device, B * Nkv, "decode_attention"), "USE_PDL": pdl.enabled()}
     _split_kernel[(num_splits, B * Nkv)](
         q, k, v, lens_B, o_BNDh, acc, ml,
         q_strides[0], q_strides[1],
@@ -398,20 +399,3 @@ def _launch(q, q_shape, q_strides, k, v, lens_B, max_len, scale, num_splits, num
             acc, ml, lens_B, o_BNDh, o_BNDh.stride(0), o_BNDh.stride(1), max_len, num_warps=4, **meta
         )
     return o_BNDh
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []
-
-
-def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """int32 zeros, one per (row, kv head), kept per device: the fused split kernel's last program of a (row, kv
-    head) resets its counter, so no launch needs a memset and a captured CUDA graph reads the same buffer at every
-    replay. Launches on one stream only (two in flight at once would share counters)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        if buf is not None:  # a graph captured earlier may still read it: keep it alive
-            _RETIRED.append(buf)
-        buf = torch.zeros(max(n, 4096), device=device, dtype=torch.int32)
-        _COUNTERS[device] = buf
-    return buf

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.counters import zeroed_counters
 from kernels.pdl import launch as pdl
 from kernels.pdl.launch import pdl_enter
 
@@ -209,7 +210,7 @@ def decode_linear(
     ws, counters = dummy, dummy
     if split_k > 1:
         ws = torch.empty((2 if silu_mul else 1) * split_k * M * no, device=x_MK.device, dtype=torch.float32)
-        counters = _tile_counters(x_MK.device, grid[0] * grid[1])
+        counters = zeroed_counters(x_MK.device, grid[0] * grid[1], "decode_linear")
     _decode_linear_kernel[grid](
         x_MK, w_NK,
         bias_N if bias_N is not None else dummy,
@@ -226,20 +227,3 @@ def decode_linear(
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(),
     )  # fmt: skip
     return out
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []
-
-
-def _tile_counters(device: torch.device, num_tiles: int) -> torch.Tensor:
-    """int32 zeros, one per output tile, kept per device: each split-K launch leaves them zero again (the last
-    program of a tile resets its counter), so no launch needs a memset, and a CUDA graph that captured one reads
-    the same buffer at every replay. Launches on one stream only (two in flight at once would share counters)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < num_tiles:
-        if buf is not None:  # a graph captured earlier may still read it: keep it alive
-            _RETIRED.append(buf)
-        buf = torch.zeros(max(num_tiles, 4096), device=device, dtype=torch.int32)
-        _COUNTERS[device] = buf
-    return buf

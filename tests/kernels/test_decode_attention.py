@@ -386,6 +386,9 @@ def test_fused_opcheck_and_bad_inputs(device):
     args = (qkv, 4, qn, kn, cos, sin, pos, k, v, table, lens, 40, 0.25, 1e-6)
     for ns in (1, 3):
         torch.library.opcheck(torch.ops.prime_spmd.fused_decode_attention, (*args, ns))
+    from kernels.counters import zeroed_counters
+
+    assert int(zeroed_counters(qkv.device, 1, "decode_attention").abs().sum()) == 0  # left zeroed for the next call
     with pytest.raises(ValueError, match="not \\[B, \\(N \\+ 2 Nkv\\) Dh\\]"):
         fused_decode_attention(qkv[:, :-16], *args[1:], impl="triton")
     with pytest.raises(ValueError, match="both"):

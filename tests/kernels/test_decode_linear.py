@@ -12,6 +12,7 @@ import itertools
 import pytest
 import torch
 
+from kernels.counters import zeroed_counters
 from kernels.decode_linear.op import decode_linear
 from kernels.decode_linear.reference import decode_linear_reference
 
@@ -163,7 +164,8 @@ def test_split_k_matches_reference_and_is_deterministic(device, split_k):
         err = ((got - ref).abs().max() / ref.abs().max()).item()
         assert err < FP32_RTOL, (m, k, n, act, err)
         assert torch.equal(kernel.decode_linear(*args, act == "silu_mul", config=cfg), got)  # same sums, same order
-        assert int(kernel._COUNTERS[got.device].abs().sum()) == 0  # every tile's counter reset for the next call
+        counters = zeroed_counters(got.device, 1, "decode_linear")
+        assert int(counters.abs().sum()) == 0  # every tile's counter reset for the next call
     case = _case(5, 160, 96, "silu_mul", torch.bfloat16, device, seed=1, bias=True, norm=True, residual=True)
     ref = decode_linear_reference(**case)
     cfg = (*kernel.default_config(5, 48, 160, True, 2)[:5], split_k)
