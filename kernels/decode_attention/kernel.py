@@ -108,7 +108,8 @@ def _split_kernel(
             k_at = k_ptr + b.to(tl.int64) * sk_bc + kv * sk_nkv + pos * sk_tc
             v_at = v_ptr + b.to(tl.int64) * sv_bc + kv * sv_nkv + pos * sv_tc
         else:
-            blk_new = tl.load(table_ptr + b.to(tl.int64) * st_b + pos // SB).to(tl.int64)
+            pos_in = tl.minimum(tl.maximum(pos, 0), max_len - 1)  # a row that writes nothing reads no stray entry
+            blk_new = tl.load(table_ptr + b.to(tl.int64) * st_b + pos_in // SB).to(tl.int64)
             k_at = k_ptr + blk_new * sk_bc + kv * sk_nkv + (pos % SB) * sk_tc
             v_at = v_ptr + blk_new * sv_bc + kv * sv_nkv + (pos % SB) * sv_tc
         tl.store(k_at + offs_d, k_new, mask=writes)
@@ -338,6 +339,23 @@ def fused_decode_attention(
         )
     if (q_norm_w is None) != (k_norm_w is None):
         raise ValueError("fused_decode_attention: pass both q_norm_w and k_norm_w, or neither")
+    if q_norm_w is not None and not (q_norm_w.shape == k_norm_w.shape == (Dh,)):
+        raise ValueError(f"fused_decode_attention: norm weights {tuple(q_norm_w.shape)}, {tuple(k_norm_w.shape)}, "
+                         f"want [{Dh}]")  # fmt: skip
+    if (
+        not (cos_BDh.shape == sin_BDh.shape == (B, Dh))
+        or cos_BDh.stride() != sin_BDh.stride()
+        or cos_BDh.stride(1) != 1
+    ):
+        raise ValueError(
+            f"fused_decode_attention: cos/sin must be [B, Dh] = [{B}, {Dh}] with one stride and a contiguous last dim "
+            f"(the kernel reads both with cos's); got {tuple(cos_BDh.shape)} {cos_BDh.stride()}, "
+            f"{tuple(sin_BDh.shape)} {sin_BDh.stride()}"
+        )
+    if pos_B.shape != (B,) or pos_B.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"fused_decode_attention: pos_B must be int32/int64 [{B}], got {pos_B.dtype} {tuple(pos_B.shape)}"
+        )
     fused = dict(
         qn_ptr=q_norm_w, kn_ptr=k_norm_w, cos_ptr=cos_BDh, sin_ptr=sin_BDh, pos_ptr=pos_B, s_cs=cos_BDh.stride(0),
         eps=eps, FUSE=True, QK_NORM=q_norm_w is not None,

@@ -97,7 +97,7 @@ def fused_decode_attention_reference(
     """The decode layer's attention from its QKV projection ``qkv_BP`` [B, (N + 2 Nkv) Dh] (local letter P: the
     packed q | k | v columns, N = ``num_heads``): q and k get RMSNorm (``q_norm_w``, ``k_norm_w`` [Dh]; both None:
     none, e.g. Llama) then RoPE (rotate-half, ``cos/sin_BDh`` the tables' rows at ``pos_B``); row b's new k and v
-    are written at position ``pos_B[b]`` of its cache when that position is one it attends (pos_B[b] <
+    are written at position ``pos_B[b]`` of its cache when that position is one it attends (0 <= pos_B[b] <
     min(lens_B[b], max_len)); then attention as ``decode_attention_reference`` (slot cache [Bc, Nkv, Tc, Dh],
     ``block_table`` None) or ``paged_decode_attention_reference`` (pool [Nb, Nkv, Sb, Dh] and its table). Returns
     o [B, N, Dh] in qkv's dtype; mutates ``k_cache`` and ``v_cache``."""
@@ -110,7 +110,7 @@ def fused_decode_attention_reference(
     if q_norm_w is not None:
         q, k = _rms_norm(q, q_norm_w, eps), _rms_norm(k, k_norm_w, eps)
     q, k = _rope(q, cos_BDh, sin_BDh), _rope(k, cos_BDh, sin_BDh)
-    for b in torch.nonzero(pos_B < lens_B.clamp(max=max_len)).flatten().tolist():
+    for b in torch.nonzero((pos_B >= 0) & (pos_B < lens_B.clamp(max=max_len))).flatten().tolist():
         p = int(pos_B[b])
         if block_table is None:
             k_cache[b, :, p], v_cache[b, :, p] = k[b], v[b]

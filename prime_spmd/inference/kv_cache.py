@@ -118,9 +118,10 @@ class PagedKVCache(_KVPair):
     """K and V pools ``k``/``v`` [L, Nb, Nkv, Sb, Dh] and a block table ``block_table`` int32 [Bc, Mb] on the device.
 
     Slot b's position t lives at ``k[layer, block_table[b, t // Sb], :, t % Sb]``. Block 0 is scratch: the table's
-    unassigned entries point at it, so the rows of free slots that a decode step still runs, prefill padding past
-    a sequence's blocks and the one extra row a sequence that stops on a token decodes all write there, and no
-    live row ever reads it. The host keeps the allocator (free list, reference counts, a copy of the table) and
+    unassigned entries point at it, so the rows of free slots that a decode step still runs and prefill padding
+    past a sequence's blocks write there, and no live row ever reads it. (The one extra row a sequence that stops
+    on a token decodes was launched before its release: it writes inside the sequence's own blocks, at a position
+    whoever gets the blocks next writes before reading, after that step on the stream.) The host keeps the allocator (free list, reference counts, a copy of the table) and
     ``sync`` publishes the table with one host->device copy: the engine calls it after ``reserve``/``release``
     and before the next prefill or decode step, so every device read sees the table of its own step (one stream).
     ``num_blocks`` (usable blocks, scratch excluded) defaults to Bc * Mb: the slot cache's memory, so admission

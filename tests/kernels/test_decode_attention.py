@@ -393,3 +393,25 @@ def test_fused_opcheck_and_bad_inputs(device):
         fused_decode_attention(qkv[:, :-16], *args[1:], impl="triton")
     with pytest.raises(ValueError, match="both"):
         fused_decode_attention(qkv, 4, qn, None, *args[4:], impl="triton")
+    wide_sin = torch.randn(sin.shape[0], 2 * sin.shape[1], device=device)[:, : sin.shape[1]]  # another row stride
+    with pytest.raises(ValueError, match="cos/sin"):
+        fused_decode_attention(qkv, 4, qn, kn, cos, wide_sin, *args[6:], impl="triton")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_rows_outside_their_length_write_nothing(device):
+    """Positions outside [0, min(lens, max_len)): negative, and far past the table (Mb * Sb), write nothing and read
+    no table entry out of bounds (the kernel clamps the lookup; the store is masked); row 2 writes as usual."""
+    qkv, qn, kn, cos, sin, pos, lens, k, v, table = _fused_case(3, 4, 2, 16, 40, 8, True, torch.float32, device)
+    pos = torch.tensor([-1, 10**8, 5], device=device)
+    lens = torch.tensor([4, 5, 6], device=device)
+    caches = {impl: (k.clone(), v.clone()) for impl in ("reference", "triton")}
+    outs = {
+        impl: fused_decode_attention(qkv, 4, qn, kn, cos, sin, pos, kc, vc, table, lens, 40, 0.25, 1e-6, impl)
+        for impl, (kc, vc) in caches.items()
+    }
+    assert _rel(outs["triton"], outs["reference"]) < FP32_RTOL
+    written = (caches["reference"][0] != k).any(dim=(1, 2, 3)).nonzero().flatten().tolist()
+    assert written == [int(table[2, 5 // 8])]  # only row 2's block, in the reference
+    torch.testing.assert_close(caches["triton"][0], caches["reference"][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(caches["triton"][1], caches["reference"][1], atol=0, rtol=0)
