@@ -178,3 +178,19 @@ def test_compiled_fused_layer_reads_and_writes_the_paged_cache(attention):
     torch.testing.assert_close(pools[1][0], pools[0][0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pools[1][1], pools[0][1], atol=1e-5, rtol=1e-5)
     assert not torch.equal(pools[0][0], before)  # the layer wrote the pool (else the pool checks prove nothing)
+
+
+def test_warmup_writes_only_the_scratch_block(model_dir, device):
+    """Warm-up decodes every bucket with every slot free: with the paged cache all of it lands in block 0, the pool's
+    blocks stay untouched and free, and the warmed engine samples the cold slot engine's tokens."""
+    sp = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    slot, _, tok = _engine(model_dir, device, max_batch_size=4)
+    want = _outputs(slot, tok, sp, GROUPS)
+    paged, _, _ = _engine(model_dir, device, max_batch_size=4, kv_cache="paged", kv_block_size=4)
+    cache = paged.runner.cache
+    before = cache.k[:, 1:].clone(), cache.v[:, 1:].clone()
+    assert paged.warmup() > 0
+    assert torch.equal(cache.k[:, 1:], before[0]) and torch.equal(cache.v[:, 1:], before[1])
+    assert not torch.equal(cache.k[:, 0], torch.zeros_like(cache.k[:, 0]))  # the warm-up did write (to scratch)
+    assert paged.kv_cache_stats()["kv_blocks_in_use"] == 0
+    assert _outputs(paged, tok, sp, GROUPS)[0] == want[0]
