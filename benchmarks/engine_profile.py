@@ -35,7 +35,17 @@ def profile_batch(model, bs: int, args, device: torch.device, out_dir: Path | No
     from prime_spmd.inference.native import NativeEngine
 
     ids = prompts(bs, args.prompt_len, model.config.vocab_size)
-    eng = NativeEngine(model, None, max_batch_size=bs, max_model_len=args.prompt_len + args.new_tokens, device=device)
+    eng = NativeEngine(
+        model,
+        None,
+        max_batch_size=bs,
+        max_model_len=args.prompt_len + args.new_tokens,
+        device=device,
+        decode_attention=args.decode_attention,
+        sampler=args.sampler,
+        kv_cache=args.profile_kv_cache,
+        pdl=args.pdl,
+    )
 
     def requests():
         sp = dict(temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True)
@@ -156,6 +166,10 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out-dir", default="")
+    ap.add_argument("--decode-attention", default="auto", help="decode profile: the engine's attention")
+    ap.add_argument("--sampler", default="auto", help="decode profile: the engine's sampler")
+    ap.add_argument("--profile-kv-cache", default="slot", help="decode profile: the engine's KV cache")
+    ap.add_argument("--pdl", action="store_true", help="decode profile: programmatic dependent launch")
     ap.add_argument("--groups", type=int, default=0, help="prefill-sharing measurement: prompts (0: skip)")
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--group-prompt-len", type=int, default=1024)

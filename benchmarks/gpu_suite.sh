@@ -31,9 +31,10 @@ case $PART in
   issue17)  # issue 17, the untimed levers in one call: CUDA tests of their kernels and engine, then one engine process (recompile limit raised) with attention triton / fused x sampler torch / fused at batch 1 / 64 / 256, mismatch KL of the fused pair; ~9 min
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
     export PYTHONPATH=/tmp/site:$PWD
-    run issue17_tests 170 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_attention.py tests/kernels/test_gumbel_sample.py tests/unit/test_native_decode_attention.py tests/unit/test_paged_kv_cache.py
-    run issue17_engine 330 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,64,256 --prompt-len 128 --new-tokens 256 --engine native --decode-attention triton,fused --sampler torch,fused --out "$OUT/engine_issue17.json"
-    run issue17_mismatch 90 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --decode-attention fused --sampler fused --out "$OUT/mismatch_issue17.json" ;;
+    run issue17_tests 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_attention.py tests/kernels/test_gumbel_sample.py tests/unit/test_native_decode_attention.py tests/unit/test_paged_kv_cache.py
+    run issue17_engine 280 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,64,256 --prompt-len 128 --new-tokens 256 --engine native --decode-attention triton,fused --sampler torch,fused --out "$OUT/engine_issue17.json"
+    run issue17_profile 100 python3 benchmarks/engine_profile.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,64 --decode-attention fused --sampler fused --out-dir "$OUT"
+    run issue17_mismatch 80 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --decode-attention fused --sampler fused --out "$OUT/mismatch_issue17.json" ;;
   paged)  # issue 17: the paged KV cache on CUDA: tests, the paged decode attention alone vs slot, engine rows slot vs paged, group KV memory; ~6 min
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
     export PYTHONPATH=/tmp/site:$PWD
