@@ -140,23 +140,25 @@ def test_kv_cache_options_are_checked():
 
 
 @pytest.mark.parametrize("attention", ["bmm", "fused"])
-def test_compiled_fused_layer_reads_and_writes_the_paged_cache(attention):
-    """The fused decode layer over a paged pool, through torch.compile (inductor; on CPU here, so that a tracing
-    problem of the paged writes and gathers shows before a GPU run) equals the eager layer: output and the pool.
-    About 6 s on 2 cores."""
+def test_compiled_fused_layer_reads_and_writes_the_paged_cache(attention, device):
+    """The fused decode layer over a paged pool, through torch.compile (inductor; on CPU in CI, so that a tracing
+    problem of the paged writes and gathers shows before a GPU run; on the GPU there) equals the eager layer: output
+    and the pool. About 6 s on 2 cores."""
     from prime_spmd.inference.runner import make_decode_layer
 
     g = torch.Generator().manual_seed(0)
     N, Nkv, Dh, D, inter, B, Sb, Nb, Mb = 4, 2, 16, 64, 96, 3, 4, 32, 8
 
     def rand(*shape, scale=1.0):
-        return torch.randn(*shape, generator=g) * scale
+        return (torch.randn(*shape, generator=g) * scale).to(device)
 
     weights = (rand(D), rand((N + 2 * Nkv) * Dh, D, scale=0.1), None, rand(Dh), rand(Dh), rand(D, N * Dh, scale=0.1),
                None, rand(D), rand(2 * inter, D, scale=0.1), rand(D, inter, scale=0.1))  # fmt: skip
-    table = (torch.randperm(Nb - 1, generator=g)[: B * Mb].view(B, Mb) + 1).int()  # scrambled, block 0 unused
-    pos = torch.tensor([3, 9, 30])
-    mask = torch.zeros(B, 32).masked_fill(torch.arange(32)[None, :] > pos[:, None], float("-inf"))
+    table = (torch.randperm(Nb - 1, generator=g)[: B * Mb].view(B, Mb) + 1).int().to(device)  # scrambled, no block 0
+    pos = torch.tensor([3, 9, 30], device=device)
+    mask = torch.zeros(B, 32, device=device).masked_fill(
+        torch.arange(32, device=device)[None, :] > pos[:, None], float("-inf")
+    )
     cos, sin = rand(B, Dh), rand(B, Dh)
     pools = [(rand(Nb, Nkv, Sb, Dh), rand(Nb, Nkv, Sb, Dh))] * 2
     pools[1] = (pools[0][0].clone(), pools[0][1].clone())
