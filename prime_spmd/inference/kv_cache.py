@@ -19,8 +19,37 @@ from __future__ import annotations
 import torch
 
 
+def write_token(
+    cache_layer: torch.Tensor, table_BcMb: torch.Tensor | None, pos_B: torch.Tensor, x_BNkvDh: torch.Tensor
+) -> None:
+    """Store one token per row b at position ``pos_B[b]`` of row b (row b = slot b); graph-capturable. One layer of
+    either cache: slots [Bc, Nkv, Tc, Dh] (``table_BcMb`` None) or a paged pool [Nb, Nkv, Sb, Dh] and its table."""
+    rows_B = torch.arange(x_BNkvDh.shape[0], device=pos_B.device)
+    if table_BcMb is None:
+        cache_layer[rows_B, :, pos_B] = x_BNkvDh
+        return
+    sb = cache_layer.shape[2]
+    cache_layer[table_BcMb[rows_B, pos_B // sb], :, pos_B % sb] = x_BNkvDh
+
+
+def read_positions(
+    cache_layer: torch.Tensor, table_BcMb: torch.Tensor | None, num_rows: int, kv_len: int
+) -> torch.Tensor:
+    """Positions [0, kv_len) of slots 0..num_rows-1, [B, Nkv, kv_len, Dh]: a view of slots (``table_BcMb`` None) or
+    a paged pool's blocks gathered into that layout (a copy)."""
+    if table_BcMb is None:
+        return cache_layer[:num_rows, :, :kv_len]
+    _, nkv, sb, dh = cache_layer.shape
+    mb = -(-kv_len // sb)
+    x_BMbNkvSbDh = cache_layer[table_BcMb[:num_rows, :mb]]
+    return x_BMbNkvSbDh.transpose(1, 2).reshape(num_rows, nkv, mb * sb, dh)[:, :, :kv_len]
+
+
 class _KVPair:
-    """K and V tensors ``k``, ``v`` of one shape, zeroed, [L, slots or blocks, Nkv, positions, Dh]."""
+    """K and V tensors ``k``, ``v`` of one shape, zeroed, [L, slots or blocks, Nkv, positions, Dh], and what both
+    caches do the same way through ``block_table`` (None for slots)."""
+
+    block_table: torch.Tensor | None = None
 
     def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
@@ -30,6 +59,22 @@ class _KVPair:
         """Bytes of K+V one token occupies across all layers."""
         L, _, Nkv, _, Dh = self.k.shape
         return 2 * L * Nkv * Dh * self.k.element_size()
+
+    def nbytes_allocated(self) -> int:
+        """Bytes of K and V, all layers."""
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def write_decode(self, layer: int, pos_B: torch.Tensor, k_BNkvDh: torch.Tensor, v_BNkvDh: torch.Tensor) -> None:
+        """Store one token per slot 0..B-1 at position ``pos_B[b]`` (graph-capturable)."""
+        write_token(self.k[layer], self.block_table, pos_B, k_BNkvDh)
+        write_token(self.v[layer], self.block_table, pos_B, v_BNkvDh)
+
+    def read(self, layer: int, num_rows: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [num_rows, Nkv, kv_len, Dh] of slots 0..num_rows-1 (views of slots, gathered copies of blocks)."""
+        return (
+            read_positions(self.k[layer], self.block_table, num_rows, kv_len),
+            read_positions(self.v[layer], self.block_table, num_rows, kv_len),
+        )
 
 
 class SlotKVCache(_KVPair):
@@ -57,16 +102,6 @@ class SlotKVCache(_KVPair):
         self.k[layer, slots_B, :, :T] = k_BNkvTDh
         self.v[layer, slots_B, :, :T] = v_BNkvTDh
 
-    def write_decode(self, layer: int, pos_B: torch.Tensor, k_BNkvDh: torch.Tensor, v_BNkvDh: torch.Tensor) -> None:
-        """Store one token per slot 0..B-1 at position ``pos_B[b]`` (graph-capturable index_put_)."""
-        B, Nkv, Dh = k_BNkvDh.shape
-        rows_R = torch.arange(B * Nkv, device=pos_B.device)
-        pos_R = pos_B[:, None].expand(B, Nkv).reshape(-1)  # no host sync, unlike repeat_interleave
-        k_RTcDh = self.k[layer, :B].reshape(B * Nkv, self.max_len, Dh)
-        v_RTcDh = self.v[layer, :B].reshape(B * Nkv, self.max_len, Dh)
-        k_RTcDh.index_put_((rows_R, pos_R), k_BNkvDh.reshape(B * Nkv, Dh))
-        v_RTcDh.index_put_((rows_R, pos_R), v_BNkvDh.reshape(B * Nkv, Dh))
-
     def copy_prefix(self, src: list[int], dst: list[int], num_tokens: int) -> None:
         """Copy positions [0, num_tokens) of slots ``src`` into slots ``dst``, all layers (prefix sharing: a GRPO
         group's prompt is prefilled once). Costs a copy, not a prefill; the memory is still one slot per sequence
@@ -76,8 +111,6 @@ class SlotKVCache(_KVPair):
         self.v[:, dst_B, :, :num_tokens] = self.v[:, src_B, :, :num_tokens]
 
     # The slot cache holds a whole slot per sequence from the start: nothing to reserve, release or publish.
-    block_table = None
-
     def reserve(self, slot: int, num_tokens: int, share_slot: int | None = None, num_shared: int = 0) -> None:
         pass
 
@@ -89,29 +122,7 @@ class SlotKVCache(_KVPair):
 
     def stats(self) -> dict[str, float]:
         """Memory: ``kv_bytes_allocated`` (K and V, all layers)."""
-        return {"kv_bytes_allocated": 2 * self.k.numel() * self.k.element_size()}
-
-    def read(self, layer: int, num_rows: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of K and V [num_rows, Nkv, kv_len, Dh] (slots 0..num_rows-1)."""
-        return self.k[layer, :num_rows, :, :kv_len], self.v[layer, :num_rows, :, :kv_len]
-
-
-def paged_write(
-    pool_NbNkvSbDh: torch.Tensor, table_BcMb: torch.Tensor, pos_B: torch.Tensor, x_BNkvDh: torch.Tensor
-) -> None:
-    """Store one token per row b at position ``pos_B[b]`` of row b's blocks (row b = slot b); graph-capturable."""
-    sb = pool_NbNkvSbDh.shape[2]
-    rows_B = torch.arange(x_BNkvDh.shape[0], device=pos_B.device)
-    blk_B = table_BcMb[rows_B, pos_B // sb]
-    pool_NbNkvSbDh[blk_B, :, pos_B % sb] = x_BNkvDh
-
-
-def paged_gather(pool_NbNkvSbDh: torch.Tensor, table_BcMb: torch.Tensor, num_rows: int, kv_len: int) -> torch.Tensor:
-    """Positions [0, kv_len) of slots 0..num_rows-1 in the slot layout [B, Nkv, kv_len, Dh] (a copy)."""
-    nb, nkv, sb, dh = pool_NbNkvSbDh.shape
-    mb = -(-kv_len // sb)
-    x_BMbNkvSbDh = pool_NbNkvSbDh[table_BcMb[:num_rows, :mb]]
-    return x_BMbNkvSbDh.transpose(1, 2).reshape(num_rows, nkv, mb * sb, dh)[:, :, :kv_len]
+        return {"kv_bytes_allocated": self.nbytes_allocated()}
 
 
 class PagedKVCache(_KVPair):
@@ -124,8 +135,8 @@ class PagedKVCache(_KVPair):
     whoever gets the blocks next writes before reading, after that step on the stream.) The host keeps the allocator (free list, reference counts, a copy of the table) and
     ``sync`` publishes the table with one host->device copy: the engine calls it after ``reserve``/``release``
     and before the next prefill or decode step, so every device read sees the table of its own step (one stream).
-    ``num_blocks`` (usable blocks, scratch excluded) defaults to Bc * Mb: the slot cache's memory, so admission
-    never waits for blocks; fewer bound the memory and make admission wait for free blocks.
+    ``num_tokens`` sizes the pool (usable blocks, scratch excluded: ceil(num_tokens / Sb)); 0 gives Bc * Mb blocks,
+    the slot cache's memory, so admission never waits for blocks; fewer bound the memory and make admission wait.
     """
 
     def __init__(
@@ -139,15 +150,15 @@ class PagedKVCache(_KVPair):
         dtype: torch.dtype,
         device: torch.device,
         block_size: int = 16,
-        num_blocks: int | None = None,
+        num_tokens: int = 0,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"--inference.kv_block_size={block_size}: must be >= 1")
+        if num_tokens < 0:
+            raise ValueError(f"--inference.kv_cache_tokens={num_tokens}: must be >= 0 (0: slots x max length)")
         self.block_size = block_size
         self.blocks_per_slot = -(-max_len // block_size)
-        self.num_blocks = num_slots * self.blocks_per_slot if num_blocks is None else num_blocks
-        if self.num_blocks < 1:
-            raise ValueError(f"paged KV cache of {self.num_blocks} blocks: need at least one")
+        self.num_blocks = -(-num_tokens // block_size) if num_tokens else num_slots * self.blocks_per_slot
         self._allocate((num_layers, self.num_blocks + 1, num_kv_heads, block_size, head_dim), dtype, device)
         self.num_slots, self.max_len, self.num_kv_heads = num_slots, max_len, num_kv_heads
         self.block_table = torch.zeros(num_slots, self.blocks_per_slot, dtype=torch.int32, device=device)
@@ -213,7 +224,7 @@ class PagedKVCache(_KVPair):
         """Memory: bytes allocated (K and V, all layers, scratch block included), blocks in use now and at peak."""
         per_block = 2 * self.k[:, 0].numel() * self.k.element_size()
         return {
-            "kv_bytes_allocated": 2 * self.k.numel() * self.k.element_size(),
+            "kv_bytes_allocated": self.nbytes_allocated(),
             "kv_block_size": self.block_size,
             "kv_blocks": self.num_blocks,
             "kv_blocks_in_use": self.num_blocks_in_use,
@@ -234,11 +245,6 @@ class PagedKVCache(_KVPair):
         self.k[layer][blk_BT, :, off_T[None, :]] = k_BNkvTDh.transpose(1, 2)
         self.v[layer][blk_BT, :, off_T[None, :]] = v_BNkvTDh.transpose(1, 2)
 
-    def write_decode(self, layer: int, pos_B: torch.Tensor, k_BNkvDh: torch.Tensor, v_BNkvDh: torch.Tensor) -> None:
-        """Store one token per slot 0..B-1 at position ``pos_B[b]`` (graph-capturable)."""
-        paged_write(self.k[layer], self.block_table, pos_B, k_BNkvDh)
-        paged_write(self.v[layer], self.block_table, pos_B, v_BNkvDh)
-
     def copy_prefix(self, src: list[int], dst: list[int], num_tokens: int) -> None:
         """Prefix sharing's copy: ``reserve(dst, ..., share_slot=src, num_shared=num_tokens)`` already pointed the
         whole blocks of positions [0, num_tokens) at ``src``'s; copy the partial last one (all layers)."""
@@ -249,13 +255,6 @@ class PagedKVCache(_KVPair):
         dst_blk = self._host_table[dst, full].to(self.k.device, non_blocking=True)
         self.k[:, dst_blk, :, :rest] = self.k[:, src_blk, :, :rest]
         self.v[:, dst_blk, :, :rest] = self.v[:, src_blk, :, :rest]
-
-    def read(self, layer: int, num_rows: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V [num_rows, Nkv, kv_len, Dh] of slots 0..num_rows-1 (gathered copies)."""
-        return (
-            paged_gather(self.k[layer], self.block_table, num_rows, kv_len),
-            paged_gather(self.v[layer], self.block_table, num_rows, kv_len),
-        )
 
 
 def bucket_sizes(limit: int, first: int, growth: str) -> list[int]:

@@ -176,12 +176,12 @@ class NativeEngine(InferenceEngine):
                 f"request {request.request_id!r}: token ids {bad[:5]} outside vocab [0, {self.vocab_size})"
             )
         if self._paged:
-            cache = self.runner.cache
-            need = cache.blocks_for(self._reserve_len(request))
+            cache, n = self.runner.cache, self._reserve_len(request)
+            need = cache.blocks_for(n)
             if need > cache.num_blocks:
                 raise ValueError(
-                    f"request {request.request_id!r}: {self._reserve_len(request)} positions (prompt + max_tokens) "
-                    f"need {need} KV blocks, the pool has {cache.num_blocks}: raise --inference.kv_cache_tokens"
+                    f"request {request.request_id!r}: {n} positions (prompt + max_tokens) need {need} KV blocks, "
+                    f"the pool has {cache.num_blocks}: raise --inference.kv_cache_tokens"
                 )
         self._waiting.append(request)
 

@@ -25,7 +25,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from prime_spmd.inference.kv_cache import PagedKVCache, SlotKVCache, paged_gather, paged_write
+from prime_spmd.inference.kv_cache import PagedKVCache, SlotKVCache, read_positions, write_token
 from prime_spmd.models.registry import adapter_for
 
 DecodeAttention = Literal["auto", "bmm", "triton", "fused"]
@@ -143,20 +143,13 @@ def make_decode_layer(
         if q_norm_w is not None:
             q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
         q, k = rope(q, cos_BDh[:, None], sin_BDh[:, None]), rope(k, cos_BDh[:, None], sin_BDh[:, None])
-        if table_BcMb is None:
-            rows_B = torch.arange(b, device=qkv.device)
-            k_cache[rows_B, :, pos_B] = k  # [B, Nkv, Dh] at (slot b, position pos_B[b])
-            v_cache[rows_B, :, pos_B] = v
-        else:
-            paged_write(k_cache, table_BcMb, pos_B, k)
-            paged_write(v_cache, table_BcMb, pos_B, v)
+        write_token(k_cache, table_BcMb, pos_B, k)  # [B, Nkv, Dh] at (slot b, position pos_B[b])
+        write_token(v_cache, table_BcMb, pos_B, v)
         if attention == "triton":
             return attend_triton(q.contiguous(), k_cache, v_cache, table_BcMb, lens_B, kv_len, scale).reshape(b, nq)
         tkv = mask_BTkv.shape[1]
-        if table_BcMb is None:
-            kc, vc = k_cache[:b, :, :tkv], v_cache[:b, :, :tkv]  # [B, Nkv, Tkv, Dh] views
-        else:
-            kc, vc = paged_gather(k_cache, table_BcMb, b, tkv), paged_gather(v_cache, table_BcMb, b, tkv)
+        kc = read_positions(k_cache, table_BcMb, b, tkv)  # [B, Nkv, Tkv, Dh]: views of slots, gathered blocks
+        vc = read_positions(v_cache, table_BcMb, b, tkv)
         scores = torch.matmul(q.view(b, num_kv_heads, g, head_dim), kc.transpose(-1, -2)).float() * scale
         p = torch.softmax(scores + mask_BTkv[:, None, None], dim=-1).to(vc.dtype)
         return torch.matmul(p, vc).reshape(b, nq)  # [B, Nkv, G, Dh] -> [B, N Dh]
@@ -468,10 +461,7 @@ def build_kv_cache(kind: KVCacheKind, *, block_size: int, num_tokens: int, **dim
             raise ValueError(f"--inference.kv_cache_tokens={num_tokens} needs --inference.kv_cache=paged")
         return SlotKVCache(**dims)
     if kind == "paged":
-        if num_tokens < 0:
-            raise ValueError(f"--inference.kv_cache_tokens={num_tokens}: must be >= 0 (0: slots x max length)")
-        num_blocks = -(-num_tokens // block_size) if num_tokens and block_size > 0 else None
-        return PagedKVCache(**dims, block_size=block_size, num_blocks=num_blocks)
+        return PagedKVCache(**dims, block_size=block_size, num_tokens=num_tokens)
     raise ValueError(f"KV cache {kind!r}: choose slot or paged")
 
 

@@ -99,7 +99,7 @@ def test_a_small_pool_makes_admission_wait(model_dir, device):
 def test_allocator_bookkeeping():
     cache = PagedKVCache(
         num_layers=2, num_slots=3, max_len=20, num_kv_heads=1, head_dim=2, dtype=torch.float32,
-        device=torch.device("cpu"), block_size=4, num_blocks=9,
+        device=torch.device("cpu"), block_size=4, num_tokens=36,  # 9 blocks
     )  # fmt: skip
     assert cache.blocks_per_slot == 5 and cache.k.shape == (2, 10, 1, 4, 2) and cache.num_free_blocks == 9
     cache.reserve(0, 11)  # 3 blocks
