@@ -330,32 +330,14 @@ def fused_decode_attention(
     ``block_table`` None, else paged), then attention over positions [0, min(lens_B[b], max_len)), which must
     include pos_B[b] for a row whose new token is to be written (lens_B = pos_B + 1, as the engine passes it).
     ``qkv_BP`` [B, (N + 2 Nkv) Dh] (P: the packed q|k|v columns), head dim contiguous. o [B, N, Dh]; mutates the
-    caches (see reference.fused_decode_attention_reference)."""
-    B, Nkv, Dh = qkv_BP.shape[0], k_cache.shape[1], k_cache.shape[3]
-    if qkv_BP.stride(-1) != 1 or qkv_BP.shape[1] != (num_heads + 2 * Nkv) * Dh or Dh % 2:
+    caches (see reference.fused_decode_attention_reference). Shapes are checked by op.check_fused_inputs."""
+    if qkv_BP.stride(-1) != 1 or cos_BDh.stride() != sin_BDh.stride() or cos_BDh.stride(-1) != 1:
         raise ValueError(
-            f"fused_decode_attention: qkv {tuple(qkv_BP.shape)} (stride {qkv_BP.stride()}) is not [B, (N + 2 Nkv) Dh] "
-            f"with contiguous columns for N={num_heads}, Nkv={Nkv}, even Dh={Dh}"
+            f"fused_decode_attention: qkv's columns must be contiguous (stride {qkv_BP.stride()}) and cos/sin share "
+            f"one stride with a contiguous last dim (the kernel reads both with cos's; strides {cos_BDh.stride()}, "
+            f"{sin_BDh.stride()})"
         )
-    if (q_norm_w is None) != (k_norm_w is None):
-        raise ValueError("fused_decode_attention: pass both q_norm_w and k_norm_w, or neither")
-    if q_norm_w is not None and not (q_norm_w.shape == k_norm_w.shape == (Dh,)):
-        raise ValueError(f"fused_decode_attention: norm weights {tuple(q_norm_w.shape)}, {tuple(k_norm_w.shape)}, "
-                         f"want [{Dh}]")  # fmt: skip
-    if (
-        not (cos_BDh.shape == sin_BDh.shape == (B, Dh))
-        or cos_BDh.stride() != sin_BDh.stride()
-        or cos_BDh.stride(1) != 1
-    ):
-        raise ValueError(
-            f"fused_decode_attention: cos/sin must be [B, Dh] = [{B}, {Dh}] with one stride and a contiguous last dim "
-            f"(the kernel reads both with cos's); got {tuple(cos_BDh.shape)} {cos_BDh.stride()}, "
-            f"{tuple(sin_BDh.shape)} {sin_BDh.stride()}"
-        )
-    if pos_B.shape != (B,) or pos_B.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"fused_decode_attention: pos_B must be int32/int64 [{B}], got {pos_B.dtype} {tuple(pos_B.shape)}"
-        )
+    B, Dh = qkv_BP.shape[0], k_cache.shape[3]
     fused = dict(
         qn_ptr=q_norm_w, kn_ptr=k_norm_w, cos_ptr=cos_BDh, sin_ptr=sin_BDh, pos_ptr=pos_B, s_cs=cos_BDh.stride(0),
         eps=eps, FUSE=True, QK_NORM=q_norm_w is not None,

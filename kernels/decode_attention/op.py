@@ -188,6 +188,50 @@ def _(q_BNDh, k_pool, v_pool, block_table, lens_B, max_len, scale, num_splits):
     return torch.empty_like(q_BNDh)
 
 
+def check_fused_inputs(
+    qkv_BP: torch.Tensor,
+    num_heads: int,
+    q_norm_w: torch.Tensor | None,
+    k_norm_w: torch.Tensor | None,
+    cos_BDh: torch.Tensor,
+    sin_BDh: torch.Tensor,
+    pos_B: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor | None,
+    lens_B: torch.Tensor,
+    max_len: int,
+) -> None:
+    """ValueError naming the bad shape or dtype (host metadata only): the cache as ``check_inputs`` /
+    ``check_paged_inputs`` check it, then the QKV row width, the norm weights, cos/sin and positions."""
+    B, Nkv, Dh = qkv_BP.shape[0], k_cache.shape[1], k_cache.shape[-1]
+    q_view = qkv_BP.new_empty(()).expand(B, num_heads, Dh)  # shape-only stand-in for q: the checks read metadata
+    if block_table is None:
+        check_inputs(q_view, k_cache, v_cache, lens_B, max_len)
+    else:
+        check_paged_inputs(q_view, k_cache, v_cache, block_table, lens_B, max_len)
+    if qkv_BP.ndim != 2 or qkv_BP.shape[1] != (num_heads + 2 * Nkv) * Dh or Dh % 2:
+        raise ValueError(
+            f"fused_decode_attention: qkv {tuple(qkv_BP.shape)} is not [B, (N + 2 Nkv) Dh] for N={num_heads}, "
+            f"Nkv={Nkv}, even Dh={Dh}"
+        )
+    if (q_norm_w is None) != (k_norm_w is None):
+        raise ValueError("fused_decode_attention: pass both q_norm_w and k_norm_w, or neither")
+    if q_norm_w is not None and not (q_norm_w.shape == k_norm_w.shape == (Dh,)):
+        raise ValueError(
+            f"fused_decode_attention: norm weights {tuple(q_norm_w.shape)}, {tuple(k_norm_w.shape)}, want [{Dh}]"
+        )
+    if not (cos_BDh.shape == sin_BDh.shape == (B, Dh)):
+        raise ValueError(
+            f"fused_decode_attention: cos/sin must be [B, Dh] = [{B}, {Dh}], got {tuple(cos_BDh.shape)}, "
+            f"{tuple(sin_BDh.shape)}"
+        )
+    if pos_B.shape != (B,) or pos_B.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"fused_decode_attention: pos_B must be int32/int64 [{B}], got {pos_B.dtype} {tuple(pos_B.shape)}"
+        )
+
+
 def fused_decode_attention(
     qkv_BP: torch.Tensor,
     num_heads: int,
@@ -207,14 +251,10 @@ def fused_decode_attention(
     num_splits: int = 0,
 ) -> torch.Tensor:
     """The decode layer's attention from its QKV projection (q/k norm, RoPE, the new token's cache write, attention:
-    reference.fused_decode_attention_reference is the spec); o [B, N, Dh], mutates the caches. The cache layouts
-    are checked as ``decode_attention`` / ``paged_decode_attention`` check them."""
-    B, Dh = qkv_BP.shape[0], k_cache.shape[-1]
-    q_view = qkv_BP.new_empty(()).expand(B, num_heads, Dh)  # shape-only stand-in for q: the checks read metadata
-    if block_table is None:
-        check_inputs(q_view, k_cache, v_cache, lens_B, max_len)
-    else:
-        check_paged_inputs(q_view, k_cache, v_cache, block_table, lens_B, max_len)
+    reference.fused_decode_attention_reference is the spec); o [B, N, Dh], mutates the caches. Inputs checked by
+    ``check_fused_inputs``."""
+    check_fused_inputs(qkv_BP, num_heads, q_norm_w, k_norm_w, cos_BDh, sin_BDh, pos_B, k_cache, v_cache, block_table,
+                       lens_B, max_len)  # fmt: skip
     args = (qkv_BP, num_heads, q_norm_w, k_norm_w, cos_BDh, sin_BDh, pos_B, k_cache, v_cache, block_table, lens_B,
             max_len, scale, eps)  # fmt: skip
     if impl == "reference":
