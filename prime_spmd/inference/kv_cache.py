@@ -10,8 +10,7 @@
 
 Legend (docs/conventions.md): Bc slots (max batch size), Tc positions per slot (max model length),
 Nkv kv heads, Dh head dim, L layers, Nb blocks of the paged pool, Sb positions per block, Mb block-table entries
-per slot; B rows of a prefill or decode step, T prompt tokens; local letter of this file: R = B*Nkv (slot, kv head)
-rows.
+per slot; B rows of a prefill or decode step, T prompt tokens.
 """
 
 from __future__ import annotations
