@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU runs recorded in docs/benchmarks.md, in parts that fit one device call each.
-#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | engine_profile | issue17 | sampler | paged | fused_attn | decode_attn | decode_linear_sweep | decode_linear_splitk | decode_linear_engine | loss | moe | trainer | train_step | lora | env_bridge | engine_warmup | rl_e2e | sample_parity | rl
+#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | engine_profile | issue17 | issue17b | sampler | paged | fused_attn | decode_attn | decode_linear_sweep | decode_linear_splitk | decode_linear_engine | loss | moe | trainer | train_step | lora | env_bridge | engine_warmup | rl_e2e | sample_parity | rl
 # Each step has its own time limit so that one slow step does not lose the others' results.
 set -uo pipefail
 PART=$1; OUT=${2:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -35,6 +35,15 @@ case $PART in
     run issue17_engine 280 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,64,256 --prompt-len 128 --new-tokens 256 --engine native --decode-attention triton,fused --sampler torch,fused --out "$OUT/engine_issue17.json"
     run issue17_profile 100 python3 benchmarks/engine_profile.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,64 --decode-attention fused --sampler fused --out-dir "$OUT"
     run issue17_mismatch 80 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --decode-attention fused --sampler fused --out "$OUT/mismatch_issue17.json" ;;
+  issue17b)  # issue 17, after issue17 (whose engine rows ran the torch decode linears): the levers on the default fused decode linears, CUDA tests with room to compile, --pdl rows, profile of triton attention + fused sampler; ~8 min
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
+    export PYTHONPATH=/tmp/site:$PWD
+    run issue17b_tests 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_attention.py tests/kernels/test_gumbel_sample.py tests/unit/test_native_decode_attention.py tests/unit/test_paged_kv_cache.py
+    run issue17b_engine 200 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,16,64,256 --prompt-len 128 --new-tokens 256 --engine native --decode-attention triton,fused --decode-linear triton --sampler torch,fused --out "$OUT/engine_issue17b.json"
+    run issue17b_engine_pdl 120 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,16,64 --prompt-len 128 --new-tokens 256 --engine native --decode-attention triton,fused --decode-linear triton --sampler fused --pdl --out "$OUT/engine_issue17b_pdl.json"
+    mkdir -p "$OUT/profile_triton"
+    run issue17b_profile 90 python3 benchmarks/engine_profile.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,64 --decode-attention triton --sampler fused --out-dir "$OUT/profile_triton"
+    run issue17b_mismatch 80 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --decode-attention triton --sampler fused --out "$OUT/mismatch_issue17b.json" ;;
   paged)  # issue 17: the paged KV cache on CUDA: tests, the paged decode attention alone vs slot, engine rows slot vs paged, group KV memory; ~6 min
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
     export PYTHONPATH=/tmp/site:$PWD
