@@ -89,13 +89,13 @@ def run_native(
     new_tokens,
     device,
     cuda_graphs: bool,
-    attention: str = "bmm",
-    linear: str = "torch",
-    sampler="torch",
+    attention: str = "auto",
+    linear: str = "auto",
+    sampler="auto",
     kv_cache: str = "slot",
     pdl: bool = False,
 ) -> tuple[float, list]:
-    """(seconds of the second ``generate``, its token ids per request)."""
+    """(seconds of the second ``generate``, its token ids per request, the attention / linear / sampler it ran)."""
     from prime_spmd.inference.engine import Request, SamplingParams
     from prime_spmd.inference.native import NativeEngine
 
@@ -131,7 +131,15 @@ def run_native(
         return time.perf_counter() - t, [o.token_ids for o in sorted(outs, key=lambda o: o.request_id)]
 
     once()  # warm-up: captures the CUDA graphs and compiles the sampler
-    return once()
+    secs, toks = once()
+    # what "auto" resolved to ("fused" attention runs as "triton" where the fused decode layer does not apply)
+    runner = eng.runner
+    resolved = dict(
+        decode_attention=getattr(runner, "attention", attention),
+        decode_linear=getattr(runner, "linear", linear),
+        sampler=eng.sampler,
+    )
+    return secs, toks, resolved
 
 
 def run_hf(model, ids, new_tokens, device, static: bool = False) -> float:
@@ -240,19 +248,19 @@ def main() -> None:
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument(
         "--decode-attention",
-        default="bmm",
-        help="native engines: comma list of bmm, triton (each a row; native rows after a batch's first also report "
-        "token agreement with it)",
+        default="auto",
+        help="native engines: comma list of auto (the engine's default), bmm, triton, fused (each a row; native rows "
+        "after a batch's first also report token agreement with it; rows name what auto resolved to)",
     )
     ap.add_argument(
         "--decode-linear",
-        default="torch",
-        help="native engines: comma list of torch, triton (fused decode linears); crossed with --decode-attention",
+        default="auto",
+        help="native engines: comma list of auto, torch, triton (fused decode linears); crossed with --decode-attention",
     )
     ap.add_argument(
         "--sampler",
-        default="torch",
-        help="native engines: comma list of torch, triton, fused (kernels/gumbel_sample); crossed with the two above",
+        default="auto",
+        help="native engines: comma list of auto, torch, triton, fused (kernels/gumbel_sample); crossed with the two above",
     )
     ap.add_argument(
         "--kv-cache",
@@ -295,10 +303,9 @@ def main() -> None:
                 for attn, lin, smp, kv in variants:
                     m = model if name == "native" else custom
                     graphs = not args.no_cuda_graphs
-                    secs, toks = run_native(m, ids, args.new_tokens, device, graphs, attn, lin, smp, kv, args.pdl)
-                    row = dict(
-                        engine=name, decode_attention=attn, decode_linear=lin, sampler=smp, kv_cache=kv, pdl=args.pdl
-                    )
+                    secs, toks, ran = run_native(m, ids, args.new_tokens, device, graphs, attn, lin, smp, kv, args.pdl)
+                    attn, lin, smp = ran["decode_attention"], ran["decode_linear"], ran["sampler"]
+                    row = dict(engine=name, **ran, kv_cache=kv, pdl=args.pdl)
                     row.update(batch=bs, seconds=secs)
                     row["roofline_tok_s"] = roof
                     row["tokens_per_s"] = bs * args.new_tokens / secs

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU runs recorded in docs/benchmarks.md, in parts that fit one device call each.
-#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | engine_profile | issue17 | issue17b | sampler | paged | fused_attn | decode_attn | decode_linear_sweep | decode_linear_splitk | decode_linear_engine | loss | moe | trainer | train_step | lora | env_bridge | engine_warmup | rl_e2e | sample_parity | rl
+#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | engine_profile | issue17 | issue17b | issue17c | sampler | paged | fused_attn | decode_attn | decode_linear_sweep | decode_linear_splitk | decode_linear_engine | loss | moe | trainer | train_step | lora | env_bridge | engine_warmup | rl_e2e | sample_parity | rl
 # Each step has its own time limit so that one slow step does not lose the others' results.
 set -uo pipefail
 PART=$1; OUT=${2:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -44,6 +44,12 @@ case $PART in
     mkdir -p "$OUT/profile_triton"
     run issue17b_profile 90 python3 benchmarks/engine_profile.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,64 --decode-attention triton --sampler fused --out-dir "$OUT/profile_triton"
     run issue17b_mismatch 80 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --decode-attention triton --sampler fused --out "$OUT/mismatch_issue17b.json" ;;
+  issue17c)  # issue 17, after fused attention + fused sampler became the CUDA defaults: CUDA tests of what changed, the 0.6B rows at the defaults, the 8B shape with attention triton / fused x sampler torch / fused; ~7 min
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
+    export PYTHONPATH=/tmp/site:$PWD
+    run issue17c_tests 170 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_attention.py tests/unit/test_native_decode_attention.py tests/unit/test_paged_kv_cache.py
+    run issue17c_engine 100 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,16,64,256 --prompt-len 128 --new-tokens 256 --engine native --out "$OUT/engine_issue17c.json"
+    run issue17c_engine_8b 170 python3 benchmarks/engine.py --device cuda --model-shape qwen3-8b --batch-sizes 1,64 --prompt-len 128 --new-tokens 256 --engine native --decode-attention triton,fused --sampler torch,fused --out "$OUT/engine_issue17c_8b.json" ;;
   paged)  # issue 17: the paged KV cache on CUDA: tests, the paged decode attention alone vs slot, engine rows slot vs paged, group KV memory; ~6 min
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
     export PYTHONPATH=/tmp/site:$PWD

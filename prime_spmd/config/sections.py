@@ -270,11 +270,11 @@ class InferenceConfig:
     cuda_graphs: bool = True
     """Capture the decode step in CUDA graphs (CUDA only)."""
     decode_attention: Literal["auto", "bmm", "triton", "fused"] = "auto"
-    """Native engine decode attention: auto (triton on CUDA, bmm elsewhere), bmm (batched matmuls over the length bucket), triton (flash-decoding kernel) or fused (that kernel with the q/k norm, RoPE and KV-cache write folded in; dense models' fused decode layer, else triton)."""
+    """Native engine decode attention: auto (fused on CUDA, bmm elsewhere), bmm (batched matmuls over the length bucket), triton (flash-decoding kernel) or fused (that kernel with the q/k norm, RoPE and KV-cache write folded in; dense models' fused decode layer, else triton)."""
     decode_linear: Literal["auto", "torch", "triton"] = "auto"
     """Native engine decode linears: auto (triton on CUDA for hidden size <= 1024, torch otherwise), torch (F.linear + separate norm/SiLU/residual ops) or triton (fused kernels of kernels/decode_linear for decode steps of <= 16 / 64 rows)."""
     sampler: Literal["auto", "torch", "triton", "fused"] = "auto"
-    """Native engine token sampler: torch (compiled on CUDA), triton (split-vocabulary Gumbel-max kernels of kernels/gumbel_sample for plain sampling; top-k/top-p/min-p steps use torch), fused (as triton, and decode steps of <= 64 rows compute the LM head inside the sampling kernel) or auto (torch until the kernels are measured on a GPU)."""
+    """Native engine token sampler: torch (compiled on CUDA), triton (split-vocabulary Gumbel-max kernels of kernels/gumbel_sample for plain sampling; top-k/top-p/min-p steps use torch), fused (as triton, and decode steps of <= 64 rows compute the LM head inside the sampling kernel) or auto (fused on CUDA, torch elsewhere)."""
     warmup: Literal["auto", "on", "off"] = "auto"
     """Native engine: compile and capture the decode step of every (rows, length) bucket when the engine is built, not in the first steps that meet each one; costs more the longer the cache. auto: on CUDA with --inference.cuda_graphs; on: also elsewhere (runs each once)."""
     kv_cache: Literal["slot", "paged"] = "slot"

@@ -30,7 +30,7 @@ import torch
 from prime_spmd.inference.engine import Completion, InferenceEngine, Request
 from prime_spmd.inference.kv_cache import PagedKVCache, bucket_sizes, pick_bucket
 from prime_spmd.inference.runner import DecodeAttention, DecodeLinear, KVCacheKind, build_runner
-from prime_spmd.inference.sampling import Sampler, SamplingTensors, make_sampler
+from prime_spmd.inference.sampling import Sampler, SamplingTensors, make_sampler, resolve_sampler
 from prime_spmd.models.registry import adapter_for
 
 
@@ -57,11 +57,11 @@ class NativeEngine(InferenceEngine):
     ``model`` is used in place (its parameters are read at every forward). ``dtype`` casts the
     model once at construction (None keeps it). ``decode_attention``: "bmm" (batched matmuls over
     the length bucket), "triton" (the flash-decoding kernel, kernels/decode_attention), "fused"
-    (that kernel with the q/k norm, RoPE and cache write folded in) or "auto" (triton on CUDA, bmm elsewhere); ``decode_linear``: "torch", "triton" (fused norm / GEMM / epilogue
+    (that kernel with the q/k norm, RoPE and cache write folded in) or "auto" (fused on CUDA, bmm elsewhere); ``decode_linear``: "torch", "triton" (fused norm / GEMM / epilogue
     kernels, kernels/decode_linear) or "auto" (triton on CUDA for hidden size <= 1024, else torch); both
     used by the Llama-style runner. ``sampler``: "torch", "triton" (kernels/gumbel_sample for plain sampling),
-    "fused" (as triton, and decode steps of <= 64 rows sample inside the LM head) or "auto" (torch;
-    ``sampling.make_sampler``). ``kv_cache``: "slot" (a whole ``max_model_len`` slot per sequence) or "paged"
+    "fused" (as triton, and decode steps of <= 64 rows sample inside the LM head) or "auto" (fused on CUDA, torch
+    elsewhere: ``sampling.resolve_sampler``). ``kv_cache``: "slot" (a whole ``max_model_len`` slot per sequence) or "paged"
     (blocks of ``kv_block_size`` positions from a pool of ``kv_cache_tokens`` tokens, 0: as many as the slots
     hold; a sequence takes the blocks of its prompt + max_tokens, a group's samples share their prompt's blocks,
     and admission waits while the pool is short). ``pdl``: launch the decode chain's Triton kernels (decode linears,
@@ -122,10 +122,11 @@ class NativeEngine(InferenceEngine):
         has_moe = any("MoE" in type(m).__name__ for m in self.model.modules())
         self.use_graphs = cuda_graphs and device.type == "cuda" and self.runner.cache is not None and not has_moe
         # the torch sampler is ~30 elementwise/reduction passes over [B, V]; compiled (CUDA only) a few
-        self._sample = make_sampler(sampler, compile_sampler and device.type == "cuda")
+        self.sampler = resolve_sampler(sampler, device)
+        self._sample = make_sampler(self.sampler, compile_sampler and device.type == "cuda")
         # "fused": decode steps of few rows sample inside the LM head (kernels/gumbel_sample), logits never written
         self._head_rows = 0
-        if sampler == "fused" and self.runner.cache is not None:
+        if self.sampler == "fused" and self.runner.cache is not None:
             from kernels.gumbel_sample.kernel import LM_HEAD_MAX_ROWS
 
             self._head_rows = LM_HEAD_MAX_ROWS

@@ -41,14 +41,16 @@ DECODE_LINEAR_MAX_ROWS_RESIDUAL = 64
 
 
 def resolve_decode_attention(attention: str, device: torch.device) -> str:
-    """The decode attention to run on ``device``: "auto" is "triton" on CUDA (faster than bmm on an
-    H200 at batch 1/64/256, docs/benchmarks.md) and "bmm" elsewhere (Triton on CPU runs only under
-    the interpreter); "bmm", "triton" and "fused" (the Triton kernel with the q/k norm, RoPE and the new token's
-    cache write folded in; the fused decode layer only, elsewhere "triton") are kept. ValueError for any other name."""
+    """The decode attention to run on ``device``: "auto" is "fused" on CUDA (the fused decode layer's; the runner
+    takes "triton" where that layer does not apply) and "bmm" elsewhere (Triton on CPU runs only under the
+    interpreter). On an H200 at the Qwen3-0.6B shape (docs/benchmarks.md, 2026-12-05) fused beat triton at batch
+    1 / 16 / 64 / 256 (815 vs 750, 11.3k vs 11.1k, 32.9k vs 29.3k, 56.7k vs 56.6k tok/s, fused sampler) and triton
+    beat bmm (2026-12-04). "bmm", "triton" and "fused" (the Triton kernel with the q/k norm, RoPE and the new token's
+    cache write folded in) are kept. ValueError for any other name."""
     if attention not in ("auto", "bmm", "triton", "fused"):
         raise ValueError(f"decode attention {attention!r}: choose auto, bmm, triton or fused")
     if attention == "auto":
-        return "triton" if device.type == "cuda" else "bmm"
+        return "fused" if device.type == "cuda" else "bmm"
     return attention
 
 

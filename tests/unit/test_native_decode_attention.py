@@ -97,7 +97,7 @@ def test_unknown_attention_raises():
 
 
 def test_auto_is_triton_on_cuda_bmm_elsewhere():
-    assert runner_mod.resolve_decode_attention("auto", torch.device("cuda")) == "triton"
+    assert runner_mod.resolve_decode_attention("auto", torch.device("cuda")) == "fused"
     assert runner_mod.resolve_decode_attention("auto", torch.device("cpu")) == "bmm"
     assert runner_mod.resolve_decode_attention("bmm", torch.device("cuda")) == "bmm"
     eng = NativeEngine(_hf_model(), None, max_batch_size=1, max_model_len=16, device="cpu")  # default: auto
