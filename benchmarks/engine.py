@@ -263,6 +263,11 @@ def main() -> None:
         help="native engines: comma list of auto, torch, triton, fused (kernels/gumbel_sample); crossed with the two above",
     )
     ap.add_argument(
+        "--no-pdl-prefetch",
+        action="store_true",
+        help="with --pdl: its minimal form (the decode linears do not prefetch their weight rows into L2 before they wait)",
+    )
+    ap.add_argument(
         "--kv-cache",
         default="slot",
         help="native engines: comma list of slot, paged (KV cache, 16-position blocks); crossed with the three above",
@@ -281,6 +286,10 @@ def main() -> None:
     # every native variant of this process compiles the same decode-layer code (other closures, other guards): past
     # Dynamo's default of 8 compiles per code object it would run the rest eagerly and time that instead
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    if args.no_pdl_prefetch:
+        from kernels.pdl import launch as pdl_launch
+
+        pdl_launch.set_prefetch(False)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     max_len = args.prompt_len + args.new_tokens
     model = build_model(args.model_shape, max_len, device, dtype)
@@ -306,6 +315,7 @@ def main() -> None:
                     secs, toks, ran = run_native(m, ids, args.new_tokens, device, graphs, attn, lin, smp, kv, args.pdl)
                     attn, lin, smp = ran["decode_attention"], ran["decode_linear"], ran["sampler"]
                     row = dict(engine=name, **ran, kv_cache=kv, pdl=args.pdl)
+                    row["pdl_prefetch"] = args.pdl and not args.no_pdl_prefetch
                     row.update(batch=bs, seconds=secs)
                     row["roofline_tok_s"] = roof
                     row["tokens_per_s"] = bs * args.new_tokens / secs

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU runs recorded in docs/benchmarks.md, in parts that fit one device call each.
-#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | engine_profile | issue17 | issue17b | issue17c | sampler | paged | fused_attn | decode_attn | decode_linear_sweep | decode_linear_splitk | decode_linear_engine | loss | moe | trainer | train_step | lora | env_bridge | engine_warmup | rl_e2e | sample_parity | rl
+#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | engine_profile | issue17 | issue17b | issue17c | pdl_prefetch | sampler | paged | fused_attn | decode_attn | decode_linear_sweep | decode_linear_splitk | decode_linear_engine | loss | moe | trainer | train_step | lora | env_bridge | engine_warmup | rl_e2e | sample_parity | rl
 # Each step has its own time limit so that one slow step does not lose the others' results.
 set -uo pipefail
 PART=$1; OUT=${2:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -50,6 +50,16 @@ case $PART in
     run issue17c_tests 170 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_attention.py tests/unit/test_native_decode_attention.py tests/unit/test_paged_kv_cache.py
     run issue17c_engine 100 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,16,64,256 --prompt-len 128 --new-tokens 256 --engine native --out "$OUT/engine_issue17c.json"
     run issue17c_engine_8b 170 python3 benchmarks/engine.py --device cuda --model-shape qwen3-8b --batch-sizes 1,64 --prompt-len 128 --new-tokens 256 --engine native --decode-attention triton,fused --sampler torch,fused --out "$OUT/engine_issue17c_8b.json" ;;
+  pdl_prefetch)  # issue 17, batch 1: PDL with the decode linears prefetching their weight rows into L2 before they wait, vs its minimal form and no PDL (default engine otherwise), each its own process (PDL is process-wide); CUDA tests first; ~4 min
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
+    export PYTHONPATH=/tmp/site:$PWD
+    run pdl_tests 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_linear.py tests/unit/test_native_decode_attention.py -k "pdl or prefetch or decode_linear"
+    for form in off minimal prefetch; do
+      flags=""; [ $form = minimal ] && flags="--pdl --no-pdl-prefetch"; [ $form = prefetch ] && flags="--pdl"
+      run "pdl_engine_$form" 90 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,16,64 --prompt-len 128 --new-tokens 256 --engine native $flags --out "$OUT/engine_pdl_$form.json"
+    done
+    mkdir -p "$OUT/profile_pdl"
+    run pdl_profile 90 python3 benchmarks/engine_profile.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --pdl --out-dir "$OUT/profile_pdl" ;;
   paged)  # issue 17: the paged KV cache on CUDA: tests, the paged decode attention alone vs slot, engine rows slot vs paged, group KV memory; ~6 min
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
     export PYTHONPATH=/tmp/site:$PWD

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from kernels.counters import zeroed_counters
 from kernels.pdl import launch as pdl
-from kernels.pdl.launch import pdl_enter
+from kernels.pdl.launch import pdl_enter, prefetch_rows_l2
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -67,8 +67,8 @@ def _decode_linear_kernel(
     HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, RNE_EMU: tl.constexpr, USE_PDL: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
-    pdl_enter(USE_PDL)  # kernels/pdl: a no-op unless launched with programmatic dependent launch
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -78,6 +78,20 @@ def _decode_linear_kernel(
     mask_m = offs_m < M
     mask_n = offs_n < NO
     rk = tl.arange(0, BLOCK_K)
+    k_lo, k_hi = 0, K
+    if SPLIT_K > 1:
+        k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K  # whole tiles per split
+        k_lo, k_hi = pid_k * k_per, tl.minimum(K, (pid_k + 1) * k_per)
+    if PREFETCH:  # (PDL only) this program's weight rows into L2 while the kernel before still runs: w is not
+        # written by the decode step, and L2 is the point of coherence; kernels/pdl/launch.py
+        rows = tl.minimum(offs_n, NO - 1)  # a ragged tile's extra rows prefetch the last row again
+        nbytes = tl.zeros([BLOCK_N], dtype=tl.int32) + tl.maximum(k_hi - k_lo, 0) * (
+            w_ptr.dtype.element_ty.primitive_bitwidth // 8
+        )
+        prefetch_rows_l2(w_ptr + rows.to(tl.int64) * swn + k_lo, nbytes)
+        if SILU_MUL:
+            prefetch_rows_l2(w_ptr + (rows + NO).to(tl.int64) * swn + k_lo, nbytes)
+    pdl_enter(USE_PDL)  # kernels/pdl: a no-op unless launched with programmatic dependent launch
 
     if HAS_NORM:
         ss = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -91,10 +105,6 @@ def _decode_linear_kernel(
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_lo, k_hi = 0, K
-    if SPLIT_K > 1:
-        k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K  # whole tiles per split
-        k_lo, k_hi = pid_k * k_per, tl.minimum(K, (pid_k + 1) * k_per)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + rk
         mask_k = offs_k < K
@@ -211,6 +221,8 @@ def decode_linear(
     if split_k > 1:
         ws = torch.empty((2 if silu_mul else 1) * split_k * M * no, device=x_MK.device, dtype=torch.float32)
         counters = zeroed_counters(x_MK.device, grid[0] * grid[1], "decode_linear")
+    k_per = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
+    prefetch = pdl.prefetch_enabled() and pdl.bulk_prefetchable(w_NK, w_NK.stride(0), K, k_per)
     _decode_linear_kernel[grid](
         x_MK, w_NK,
         bias_N if bias_N is not None else dummy,
@@ -223,7 +235,7 @@ def decode_linear(
         HAS_BIAS=bias_N is not None, HAS_NORM=norm_w_K is not None, HAS_RES=residual_MNo is not None,
         SILU_MUL=silu_mul, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
         UPCAST=INTERPRET, IEEE=x_MK.dtype == torch.float32 and not INTERPRET,
-        RNE_EMU=INTERPRET and x_MK.dtype == torch.bfloat16, USE_PDL=pdl.enabled(),
+        RNE_EMU=INTERPRET and x_MK.dtype == torch.bfloat16, USE_PDL=pdl.enabled(), PREFETCH=prefetch,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(),
     )  # fmt: skip
     return out

@@ -36,6 +36,7 @@ except ImportError:  # pragma: no cover - older triton
 
 
 _ENABLED = [False]
+_PREFETCH = [True]
 
 
 def set_enabled(on: bool) -> bool:
@@ -49,6 +50,25 @@ def enabled() -> bool:
     return _ENABLED[0]
 
 
+def set_prefetch(on: bool) -> None:
+    """Whether PDL kernels that can prefetch their weights into L2 before they wait do so (on by default while PDL
+    is on; off gives the minimal form, for benchmarks comparing the two)."""
+    _PREFETCH[0] = bool(on)
+
+
+def prefetch_enabled() -> bool:
+    """PDL is on and so is the weight prefetch (``set_prefetch``)."""
+    return _ENABLED[0] and _PREFETCH[0]
+
+
+def bulk_prefetchable(t, *extents_elems: int) -> bool:
+    """Can ``cp.async.bulk.prefetch.L2`` take pieces of ``t`` (a CUDA tensor) whose starts and sizes are sums of
+    ``extents_elems`` (elements: its row stride, the row length, a split's length)? Its address must be 16-byte
+    aligned and its size a multiple of 16 bytes."""
+    e = t.element_size()
+    return t.data_ptr() % 16 == 0 and all((n * e) % 16 == 0 for n in extents_elems)
+
+
 def launch_options() -> dict[str, bool]:
     """Extra launch arguments: ``launch_pdl=True`` while PDL is on."""
     return {"launch_pdl": True} if _ENABLED[0] else {}
@@ -60,3 +80,19 @@ def pdl_enter(USE_PDL: tl.constexpr):
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_rows_l2(row_ptrs, nbytes):
+    """Bulk-prefetch into L2 ``nbytes`` (int32, a multiple of 16) from each of ``row_ptrs`` (16-byte aligned): one
+    ``cp.async.bulk.prefetch.L2.global`` per element (sm_90+; the caller checks ``bulk_prefetchable``). Only moves
+    data into L2, the GPU's point of coherence, so it is safe before ``griddepcontrol.wait``: a PDL kernel streams
+    its weights in while the kernel before it still runs."""
+    tl.inline_asm_elementwise(
+        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
+        "=r,l,r",
+        [row_ptrs, nbytes],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )

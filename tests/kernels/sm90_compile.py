@@ -75,16 +75,21 @@ def variants():
         "x_ptr w_ptr b_ptr nw_ptr r_ptr o_ptr ws_ptr cnt_ptr M K NO eps sxm swn srm som",
         "*bf16 *bf16 *bf16 *bf16 *bf16 *bf16 *fp32 *i32 i32 i32 i32 fp32 i32 i32 i32 i32",
     )
-    for split_k, use_pdl in ((1, False), (4, False), (1, True)):
+    # pdl: the minimal form (qkv); pdl prefetch: the weight rows bulk-prefetched into L2 before the wait (one and two
+    # slabs, whole rows and split-K ranges)
+    for split_k, use_pdl, prefetch in ((1, False, False), (4, False, False), (1, True, False), (1, True, True),
+                                       (4, True, True)):  # fmt: skip
         for name, silu, norm, res in (
             ("qkv", False, True, False),
             ("gate_up", True, True, False),
             ("o", False, False, True),
         ):
-            if use_pdl and name != "qkv":
+            if use_pdl and not prefetch and name != "qkv":
+                continue
+            if split_k > 1 and prefetch and name != "o":
                 continue
             yield (
-                f"decode_linear {name} split_k {split_k}{' pdl' if use_pdl else ''}",
+                f"decode_linear {name} split_k {split_k}{' pdl' if use_pdl else ''}{' prefetch' if prefetch else ''}",
                 linear._decode_linear_kernel,
                 lin,
                 {
@@ -100,6 +105,7 @@ def variants():
                     "IEEE": False,
                     "RNE_EMU": False,
                     "USE_PDL": use_pdl,
+                    "PREFETCH": prefetch,
                 },
                 {"num_warps": 4, "num_stages": 4},
             )
@@ -243,7 +249,11 @@ def main() -> int:
             print(f"FAILED  {name}: {type(e).__name__}: {' | '.join(str(e).splitlines())[:2000]}", flush=True)
             continue
         usage = resource_usage(compiled.asm["cubin"])  # e.g. "REG:226 STACK:0 SHARED:1024 ..."
-        if name.endswith(" pdl") and not all(f"griddepcontrol.{i}" in compiled.asm["ptx"] for i in PDL_INSTRUCTIONS):
+        if name.endswith(" prefetch") and "cp.async.bulk.prefetch.L2.global" not in compiled.asm["ptx"]:
+            failed += 1
+            print(f"FAILED  {name}: no cp.async.bulk.prefetch.L2 in the PTX", flush=True)
+            continue
+        if " pdl" in name and not all(f"griddepcontrol.{i}" in compiled.asm["ptx"] for i in PDL_INSTRUCTIONS):
             failed += 1
             print(f"FAILED  {name}: no griddepcontrol instructions in the PTX", flush=True)
             continue

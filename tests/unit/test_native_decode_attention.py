@@ -118,10 +118,22 @@ def test_pdl_samples_the_same_tokens():
     _, ref = _generate(model, "fused", decode_linear="triton")
     try:
         eng, got = _generate(model, "fused", decode_linear="triton", pdl=True)
-        assert eng.pdl and pdl.enabled()
+        assert eng.pdl and pdl.enabled() and pdl.prefetch_enabled()  # the weight rows prefetched before the wait
         assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     finally:
         pdl.set_enabled(False)  # process-wide: later tests launch without it
+
+
+def test_bulk_prefetch_alignment_rules():
+    """The decode linears prefetch weight rows with cp.async.bulk.prefetch.L2 only where its 16-byte rules hold."""
+    from kernels.pdl.launch import bulk_prefetchable
+
+    w = torch.zeros(64, 1032, dtype=torch.bfloat16)
+    assert bulk_prefetchable(w, w.stride(0), 1024, 256)  # 2064-byte rows, 512-byte splits
+    assert not bulk_prefetchable(w, w.stride(0), 1020)  # 2040-byte rows
+    assert not bulk_prefetchable(w, 1028)  # a row stride of 2056 bytes
+    assert not bulk_prefetchable(w[:, 1:], w.stride(0), 1024)  # starts 2 bytes into the allocation
+    assert bulk_prefetchable(torch.zeros(8, 12), 12, 12)  # fp32: 48-byte rows
 
 
 def test_fused_attention_on_a_model_without_qk_norm():
