@@ -84,12 +84,12 @@ def pdl_enter(USE_PDL: tl.constexpr):
 
 @triton.jit
 def prefetch_rows_l2(row_ptrs, nbytes):
-    """Bulk-prefetch into L2 ``nbytes`` (int32, a multiple of 16) from each of ``row_ptrs`` (16-byte aligned): one
-    ``cp.async.bulk.prefetch.L2.global`` per element (sm_90+; the caller checks ``bulk_prefetchable``). Only moves
-    data into L2, the GPU's point of coherence, so it is safe before ``griddepcontrol.wait``: a PDL kernel streams
-    its weights in while the kernel before it still runs."""
+    """Bulk-prefetch into L2 ``nbytes`` (int32, a multiple of 16; 0 skips: a split-K program past K) from each of
+    ``row_ptrs`` (16-byte aligned): one ``cp.async.bulk.prefetch.L2.global`` per element (sm_90+; the caller checks
+    ``bulk_prefetchable``). Only moves data into L2, the GPU's point of coherence, so it is safe before
+    ``griddepcontrol.wait``: a PDL kernel streams its weights in while the kernel before it still runs."""
     tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
+        "{\n\t.reg .pred p;\n\tsetp.ne.u32 p, $2, 0;\n\t@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;\n\t}",
         "=r,l,r",
         [row_ptrs, nbytes],
         dtype=tl.int32,
