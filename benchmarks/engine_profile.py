@@ -3,7 +3,9 @@
 Runs the native engine on a random-weight model (same model as benchmarks/engine.py), warms it up,
 then profiles ``--steps`` decode steps with torch.profiler and reports, per step: host wall time,
 summed GPU kernel time, the number of kernels launched, and the top kernels. GPU busy < wall means
-the step is bound by host work or launch gaps, not by the kernels.
+the step is bound by host work or launch gaps, not by the kernels. Then one whole ``generate`` timed step by step
+(``generate`` in the JSON: the first step with the prefill, the decode steps, the total), which splits the
+end-to-end tokens/s of benchmarks/engine.py into prefill and decode.
 
     python benchmarks/engine_profile.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,64 --out-dir $OUT
 
@@ -69,6 +71,7 @@ def profile_batch(model, bs: int, args, device: torch.device, out_dir: Path | No
         common.sync(device)
     while eng.has_unfinished():
         eng.step()
+    phases = generate_phases(eng, requests(), device)
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     kern = [e for e in events if "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
     gpu_ms = sum(e.device_time for e in kern) / 1e3 / args.steps
@@ -78,6 +81,7 @@ def profile_batch(model, bs: int, args, device: torch.device, out_dir: Path | No
     top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:25]
     res = dict(
         batch=bs,
+        generate=phases,
         wall_ms_per_step=wall_ms,
         gpu_kernel_ms_per_step=gpu_ms,
         kernels_per_step=len(kern) / args.steps,
@@ -87,6 +91,42 @@ def profile_batch(model, bs: int, args, device: torch.device, out_dir: Path | No
     if out_dir is not None:
         table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
         (out_dir / f"profile_b{bs}.txt").write_text(table)
+    return res
+
+
+def generate_phases(eng, reqs, device: torch.device) -> dict:
+    """One whole ``generate`` of ``reqs`` (graphs already captured), timed step by step from the host: the first
+    ``step`` (admission + prefill + the first decode launch), the decode steps (median, and their sum), the drain
+    (steps after the last launch), and the total, so an end-to-end tokens/s (benchmarks/engine.py) can be split
+    into prefill and decode. A step's time is host time between returns: with the engine one step ahead, the GPU
+    time of step t is paid in the step that waits for it."""
+    common.sync(device)
+    t0 = time.perf_counter()
+    for r in reqs:
+        eng.add_request(r)
+    marks = []
+    while eng.has_unfinished():
+        eng.step()
+        marks.append(time.perf_counter())
+    common.sync(device)
+    end = time.perf_counter()
+    steps = [b - a for a, b in zip([t0] + marks[:-1], marks, strict=True)]
+    decode = sorted(steps[1:]) or [0.0]
+    tokens = sum(r.sampling.max_tokens for r in reqs)
+    res = dict(
+        steps=len(steps),
+        first_step_ms=steps[0] * 1e3,
+        decode_step_median_ms=decode[len(decode) // 2] * 1e3,
+        decode_steps_sum_ms=sum(steps[1:]) * 1e3,
+        total_ms=(end - t0) * 1e3,
+        tok_s=tokens / (end - t0),
+    )
+    print(
+        f"generate: {res['steps']} steps, first (prefill) {res['first_step_ms']:.2f} ms, decode steps median "
+        f"{res['decode_step_median_ms']:.3f} ms (sum {res['decode_steps_sum_ms']:.1f} ms), total {res['total_ms']:.1f} "
+        f"ms, {res['tok_s']:.0f} tok/s",
+        flush=True,
+    )
     return res
 
 
