@@ -96,8 +96,8 @@ def profile_batch(model, bs: int, args, device: torch.device, out_dir: Path | No
 
 def generate_phases(eng, reqs, device: torch.device) -> dict:
     """One whole ``generate`` of ``reqs`` (graphs already captured), timed step by step from the host: the first
-    ``step`` (admission + prefill + the first decode launch), the decode steps (median, and their sum), the drain
-    (steps after the last launch), and the total, so an end-to-end tokens/s (benchmarks/engine.py) can be split
+    ``step`` (admission + prefill + the first decode launch), the later steps (median, and their sum; the last
+    ones drain the steps already launched), and the total, so an end-to-end tokens/s (benchmarks/engine.py) can be split
     into prefill and decode. A step's time is host time between returns: with the engine one step ahead, the GPU
     time of step t is paid in the step that waits for it."""
     common.sync(device)

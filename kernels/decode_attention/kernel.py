@@ -94,17 +94,17 @@ def _split_kernel(
     heads = kv * G + offs_g
     if FUSE:  # q_ptr is the QKV projection [B, (N + 2 Nkv) Dh]: q/k norm, RoPE and the cache write happen here
         qkv_row = q_ptr + b.to(tl.int64) * sq_b
+        cos_row, sin_row = cos_ptr + b * s_cs, sin_ptr + b * s_cs
         gd = mask_g[:, None] & mask_d[None, :]
-        q = _norm_rope(qkv_row, heads * DH, gd, qn_ptr, cos_ptr + b * s_cs, sin_ptr + b * s_cs, eps, DH, BLOCK_DH,
-                       QK_NORM)  # fmt: skip
+        q = _norm_rope(qkv_row, heads * DH, gd, qn_ptr, cos_row, sin_row, eps, DH, BLOCK_DH, QK_NORM)
         q = q.to(k_ptr.dtype.element_ty)
         # the new token: every program of the row's kv head computes its k, v (cheap, from the QKV row); the one whose
         # split holds pos writes them to the cache, and the barrier makes the write visible to its threads' loads of
         # the tile that holds pos (no other program reads pos). The loop below is then the unfused kernel's: keeping
         # k/v live through it to substitute them in their tile took 166 registers and 70 KB of shared memory at
         # sm_90 (unfused: 85 and 39 KB), 3 programs per SM instead of 5
-        k1 = _norm_rope(qkv_row, (NKV * G + kv) * DH + tl.arange(0, 1), mask_d[None, :], kn_ptr, cos_ptr + b * s_cs,
-                        sin_ptr + b * s_cs, eps, DH, BLOCK_DH, QK_NORM)  # fmt: skip
+        k1 = _norm_rope(qkv_row, (NKV * G + kv) * DH + tl.arange(0, 1), mask_d[None, :], kn_ptr, cos_row, sin_row, eps,
+                        DH, BLOCK_DH, QK_NORM)  # fmt: skip
         k_new = tl.sum(k1, 0).to(k_ptr.dtype.element_ty)  # [BLOCK_DH]
         v_new = tl.load(qkv_row + (NKV * G + NKV + kv) * DH + offs_d, mask=mask_d, other=0.0).to(v_ptr.dtype.element_ty)
         pos = tl.load(pos_ptr + b).to(tl.int32)

@@ -221,7 +221,8 @@ def decode_linear(
     if split_k > 1:
         ws = torch.empty((2 if silu_mul else 1) * split_k * M * no, device=x_MK.device, dtype=torch.float32)
         counters = zeroed_counters(x_MK.device, grid[0] * grid[1], "decode_linear")
-    k_per = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
+    # (PDL) the weight-row prefetch where cp.async.bulk's 16-byte rules hold for the rows and the split-K ranges
+    k_per = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k  # as the kernel splits K
     prefetch = pdl.prefetch_enabled() and pdl.bulk_prefetchable(w_NK, w_NK.stride(0), K, k_per)
     _decode_linear_kernel[grid](
         x_MK, w_NK,

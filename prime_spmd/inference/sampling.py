@@ -175,10 +175,9 @@ def make_sampler(impl: Sampler, compile_torch: bool) -> Callable[..., tuple[torc
     ``NativeEngine._decode_step``): plain sampling (no top-k / top-p / min-p in the step) through the
     split-vocabulary kernels of kernels/gumbel_sample, filtered sampling through the torch one; "auto": torch
     (the engine resolves "auto" by device first: ``resolve_sampler``)."""
-    if impl not in ("auto", "torch", "triton", "fused"):
-        raise ValueError(f"unknown sampler {impl!r}; choose auto, torch, triton or fused")
+    kind = resolve_sampler(impl, torch.device("cpu"))  # checks the name; "auto" is torch here
     torch_fn = torch.compile(sample_flat, dynamic=True) if compile_torch else sample_flat
-    if impl not in ("triton", "fused"):
+    if kind not in ("triton", "fused"):
         return torch_fn
     import kernels.gumbel_sample.op  # noqa: F401  registers torch.ops.prime_spmd.gumbel_sample
 

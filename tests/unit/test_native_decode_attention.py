@@ -96,7 +96,7 @@ def test_unknown_attention_raises():
         NativeEngine(_hf_model(), None, max_batch_size=1, max_model_len=16, device="cpu", decode_attention="sdpa")
 
 
-def test_auto_is_triton_on_cuda_bmm_elsewhere():
+def test_auto_is_fused_on_cuda_bmm_elsewhere():
     assert runner_mod.resolve_decode_attention("auto", torch.device("cuda")) == "fused"
     assert runner_mod.resolve_decode_attention("auto", torch.device("cpu")) == "bmm"
     assert runner_mod.resolve_decode_attention("bmm", torch.device("cuda")) == "bmm"
