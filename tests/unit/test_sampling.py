@@ -134,3 +134,17 @@ def test_gumbel_noise_is_finite_at_a_real_vocab_size():
     g = gumbel_noise(torch.arange(256), torch.zeros(256, dtype=torch.long), 151_936)
     assert torch.isfinite(g).all()
     assert -2.9 < g.min().item() and g.max().item() < 17.4
+
+
+def test_sampler_names_resolve_by_device():
+    """``auto`` is the fused kernel sampler on CUDA and torch elsewhere; an unknown name is a ValueError naming it,
+    also through ``make_sampler``."""
+    from prime_spmd.inference.sampling import make_sampler, resolve_sampler, sample_flat
+
+    assert resolve_sampler("auto", torch.device("cuda")) == "fused"
+    assert resolve_sampler("auto", torch.device("cpu")) == "torch"
+    assert resolve_sampler("triton", torch.device("cpu")) == "triton"
+    assert make_sampler("auto", compile_torch=False) is sample_flat
+    for bad in (lambda: resolve_sampler("gumbel", torch.device("cpu")), lambda: make_sampler("gumbel", False)):
+        with pytest.raises(ValueError, match="'gumbel'"):
+            bad()
