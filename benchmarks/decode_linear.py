@@ -6,7 +6,9 @@ Each op runs over ``copies`` distinct weight copies (together > 256 MB, so weigh
 L2, as in a real step), captured in one CUDA graph, median over replays. Reports us per op and the
 bandwidth over its weight bytes (what bounds decode), for the kernel's default config and, with
 ``--sweep full``, a grid of (BLOCK_N, BLOCK_K, warps, stages); ``--split-k 1,2,4`` adds the default tiles with K
-split over that many programs (and crosses the full grid with them); plus the best config found per op and M.
+split over that many programs (and crosses the full grid with them); ``--gemv`` adds, at M = 1, a grid of the
+one-row GEMV kernel's (BLOCK_N, BLOCK_K, warps); plus the best config found per op and M. The default config is
+what the engine runs (the GEMV kernel at one row, kernel.GEMV_MAX_ROWS); the tile kernel's default runs too.
 
 Legend (docs/conventions.md, kernels/decode_linear/reference.py): M rows, K in, N out features of w.
 
@@ -69,9 +71,13 @@ def bench_op(name: str, spec, m: int, args, compiled) -> list[dict]:
     us = common.time_graph(lambda i: compiled(x, ws[i], nw, r, silu), copies, args.reps)
     base = dict(shape=args.model_shape, op=name, M=m, K=k, N=n)
     rows = [dict(base, impl="torch", us=us, GBps=w_bytes / us / 1e3)]
-    default = kernel.default_config(m, n // 2 if silu else n, k, silu, 2)
+    no = n // 2 if silu else n
+    tiles = kernel.default_config(m, no, k, silu, 2)
+    default = kernel.gemv_config(no, k, silu) if m <= kernel.GEMV_MAX_ROWS else tiles
     splits = [int(x) for x in args.split_k.split(",")]
-    configs = [default] + [(*default[:5], sk) for sk in splits if sk != default[5]]
+    configs = [default, tiles] + [(*tiles[:5], sk) for sk in splits if sk != tiles[5]]
+    if m == 1 and args.gemv:  # the one-row kernel's (BLOCK_N, BLOCK_K, warps)
+        configs += [("gemv", bn, bk, wp) for bn in (2, 4, 8, 16) for bk in (512, 1024) for wp in (2, 4)]
     if args.sweep == "full":
         bm = default[0]
         grid = itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 4), splits)
@@ -105,8 +111,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--sweep", default="full", choices=["full", "default"])
     ap.add_argument("--split-k", default="1", help="comma list of K splits (kernel.decode_linear's SPLIT_K) to time")
+    ap.add_argument("--gemv", action="store_true", help="at M = 1 also sweep the GEMV kernel's configs")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    torch._dynamo.config.recompile_limit = 64  # the torch baseline compiles once per (op, M)
     if args.device == "cpu":  # a smoke run under TRITON_INTERPRET=1: tiny shapes
         SHAPES[args.model_shape] = (64, 64, 32, 96)
     table_ops = ops(args.model_shape)

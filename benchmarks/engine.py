@@ -268,6 +268,11 @@ def main() -> None:
         help="with --pdl: its minimal form (the decode linears do not prefetch their weight rows into L2 before they wait)",
     )
     ap.add_argument(
+        "--no-decode-gemv",
+        action="store_true",
+        help="one-row steps of the triton decode linears take the tile kernel, not the GEMV kernel (process-wide)",
+    )
+    ap.add_argument(
         "--kv-cache",
         default="slot",
         help="native engines: comma list of slot, paged (KV cache, 16-position blocks); crossed with the three above",
@@ -290,6 +295,10 @@ def main() -> None:
         from kernels.pdl import launch as pdl_launch
 
         pdl_launch.set_prefetch(False)
+    if args.no_decode_gemv:
+        from kernels.decode_linear import kernel as decode_linear_kernel
+
+        decode_linear_kernel.set_gemv(False)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     max_len = args.prompt_len + args.new_tokens
     model = build_model(args.model_shape, max_len, device, dtype)
@@ -316,6 +325,7 @@ def main() -> None:
                     attn, lin, smp = ran["decode_attention"], ran["decode_linear"], ran["sampler"]
                     row = dict(engine=name, **ran, kv_cache=kv, pdl=args.pdl)
                     row["pdl_prefetch"] = args.pdl and not args.no_pdl_prefetch
+                    row["decode_gemv"] = lin == "triton" and bs == 1 and not args.no_decode_gemv
                     row.update(batch=bs, seconds=secs)
                     row["roofline_tok_s"] = roof
                     row["tokens_per_s"] = bs * args.new_tokens / secs
@@ -364,7 +374,8 @@ def main() -> None:
         tok_s, roof, frac = r["tokens_per_s"], r["roofline_tok_s"], r["roofline_fraction"]
         label = r["engine"]
         if "decode_linear" in r:
-            label += f"[{r['decode_attention']},{r['decode_linear']},{r['sampler']},{r['kv_cache']}]"
+            lin = r["decode_linear"] + ("-gemv" if r.get("decode_gemv") else "")
+            label += f"[{r['decode_attention']},{lin},{r['sampler']},{r['kv_cache']}]"
         table.append([label, r["batch"], f"{tok_s:.0f}", vs, f"{roof:.0f}", f"{100 * frac:.1f}%"])
     common.print_markdown_table(["engine", "batch", "tokens/s", "vs hf", "decode roofline tok/s", "of roofline"], table)
     if args.out:

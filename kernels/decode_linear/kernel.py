@@ -164,6 +164,54 @@ def _epilogue(acc, acc_up, b_ptr, r_ptr, o_ptr, offs_m, offs_n, mask_n, mask_mn,
     tl.store(o_ptr + offs_m[:, None] * som + offs_n[None, :], _cast(y, dtype, RNE_EMU), mask=mask_mn)
 
 
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, o_ptr,
+    NO, eps, swn,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RNE_EMU: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """One row (M = 1): one program per BLOCK_N output columns, fp32 products summed over K in registers (no
+    ``tl.dot``, whose 16-row minimum would make the tiles 16x wider than the row). K is a constexpr so the
+    BLOCK_K chunks unroll and every chunk's w loads can be in flight at once: a program is small (BLOCK_N rows
+    of w), there are many of them (Qwen3-0.6B's o projection: 256 at BLOCK_N 4), and each SM holds several."""
+    dtype = o_ptr.dtype.element_ty
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < NO
+    rk = tl.arange(0, BLOCK_K)
+    pdl_enter(USE_PDL)
+    if HAS_NORM:
+        ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in tl.static_range(0, K, BLOCK_K):
+            xt = tl.load(x_ptr + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
+            ss += xt * xt
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+    # products summed elementwise over the chunks, reduced over K once at the end: no cross-thread reduction (and
+    # its barrier) between chunks, so the compiler can issue every chunk's w loads up front
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK_K):
+        offs_k = k0 + rk
+        mask_k = offs_k < K
+        mask_w = mask_n[:, None] & mask_k[None, :]
+        w_offs = offs_n[:, None] * swn + offs_k[None, :]
+        w = tl.load(w_ptr + w_offs, mask=mask_w, other=0.0)
+        if SILU_MUL:
+            w_up = tl.load(w_ptr + NO * swn + w_offs, mask=mask_w, other=0.0)
+        h = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
+        if HAS_NORM:
+            nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            h = _cast(nw * _round(h.to(tl.float32) * rstd, dtype, RNE_EMU), dtype, RNE_EMU)
+        h = h.to(tl.float32)[None, :]
+        acc += w.to(tl.float32) * h
+        if SILU_MUL:
+            acc_up += w_up.to(tl.float32) * h
+    offs_m = tl.arange(0, 1)
+    mask_mn = (offs_m < 1)[:, None] & mask_n[None, :]
+    _epilogue(tl.sum(acc, axis=1)[None, :], tl.sum(acc_up, axis=1)[None, :], b_ptr, r_ptr, o_ptr, offs_m, offs_n, mask_n, mask_mn, NO, 0, 0,
+              HAS_BIAS, HAS_RES, SILU_MUL, RNE_EMU)  # fmt: skip
+
+
 SMEM_BUDGET = 160 * 1024  # bytes of pipelined tiles: the H200 sweep's bf16 configs at this estimate compiled and ran
 
 
@@ -194,6 +242,46 @@ def default_config(m: int, no: int, k: int, silu_mul: bool, elsize: int = 2) -> 
     return block_m, block_n, block_k, 4, stages, 1
 
 
+# Steps of this many rows (0 or 1) take the GEMV kernel (``_gemv_kernel``) by default; set_gemv changes it
+# (benchmarks/engine.py --decode-gemv / --no-decode-gemv time both).
+GEMV_MAX_ROWS = 1
+
+
+def set_gemv(on: bool) -> None:
+    """Whether one-row steps take the GEMV kernel by default (process-wide; read at trace time)."""
+    global GEMV_MAX_ROWS
+    GEMV_MAX_ROWS = 1 if on else 0
+
+
+def gemv_config(no: int, k: int, silu_mul: bool) -> tuple:
+    """("gemv", BLOCK_N, BLOCK_K, num_warps) for one row of No output columns and K inputs. GPU: 4 columns a
+    program (Qwen3-0.6B's narrowest output, 1,024 columns, gives 256 programs), K in chunks of up to 1,024.
+    Interpreter: small chunks so tests cover several of them and ragged edges."""
+    if INTERPRET:
+        return ("gemv", 4, 32, 1)
+    return ("gemv", 4, min(1024, max(64, triton.next_power_of_2(k))), 4)
+
+
+def _gemv(x_MK, w_NK, bias_N, norm_w_K, eps, residual_MNo, silu_mul, cfg, no) -> torch.Tensor:
+    _, block_n, block_k, num_warps = cfg
+    M, K = x_MK.shape
+    if M != 1:
+        raise ValueError(f"decode_linear: the GEMV config {cfg} takes one row, got {M}")
+    out = torch.empty(1, no, device=x_MK.device, dtype=x_MK.dtype)
+    _gemv_kernel[(triton.cdiv(no, block_n),)](
+        x_MK, w_NK,
+        bias_N if bias_N is not None else out,
+        norm_w_K if norm_w_K is not None else out,
+        residual_MNo if residual_MNo is not None else out,
+        out, no, eps, w_NK.stride(0),
+        K=K, HAS_BIAS=bias_N is not None, HAS_NORM=norm_w_K is not None, HAS_RES=residual_MNo is not None,
+        SILU_MUL=silu_mul, BLOCK_N=block_n, BLOCK_K=block_k,
+        RNE_EMU=INTERPRET and x_MK.dtype == torch.bfloat16, USE_PDL=pdl.enabled(),
+        num_warps=num_warps, num_stages=1, **pdl.launch_options(),
+    )  # fmt: skip
+    return out
+
+
 def decode_linear(
     x_MK: torch.Tensor,
     w_NK: torch.Tensor,
@@ -211,7 +299,14 @@ def decode_linear(
     contiguous last dims, one float dtype; checked by op.check_inputs."""
     M, K = x_MK.shape
     no = w_NK.shape[0] // 2 if silu_mul else w_NK.shape[0]
-    cfg = tuple(config) if config else default_config(M, no, K, silu_mul, x_MK.element_size())
+    if config:
+        cfg = tuple(config)
+    elif M <= GEMV_MAX_ROWS:
+        cfg = gemv_config(no, K, silu_mul)
+    else:
+        cfg = default_config(M, no, K, silu_mul, x_MK.element_size())
+    if cfg[0] == "gemv":
+        return _gemv(x_MK, w_NK, bias_N, norm_w_K, eps, residual_MNo, silu_mul, cfg, no)
     block_m, block_n, block_k, num_warps, num_stages = cfg[:5]
     split_k = cfg[5] if len(cfg) > 5 else 1
     out = torch.empty(M, no, device=x_MK.device, dtype=x_MK.dtype)

@@ -109,6 +109,23 @@ def variants():
                 },
                 {"num_warps": 4, "num_stages": 4},
             )
+    gemv = sig("x_ptr w_ptr b_ptr nw_ptr r_ptr o_ptr NO eps swn", "*bf16 *bf16 *bf16 *bf16 *bf16 *bf16 i32 fp32 i32")
+    # the one-row GEMV kernel at the Qwen3-0.6B layer shapes (K is a constexpr), its default config; qkv with PDL too
+    for name, k, silu, norm, res, use_pdl in (
+        ("qkv", 1024, False, True, False, False),
+        ("gate_up", 1024, True, True, False, False),
+        ("o", 2048, False, False, True, False),
+        ("down", 3072, False, False, True, False),
+        ("qkv", 1024, False, True, False, True),
+    ):
+        yield (
+            f"decode_linear gemv {name}{' pdl' if use_pdl else ''}",
+            linear._gemv_kernel,
+            gemv,
+            {"K": k, "HAS_BIAS": False, "HAS_NORM": norm, "HAS_RES": res, "SILU_MUL": silu, "BLOCK_N": 4,
+             "BLOCK_K": 1024, "RNE_EMU": False, "USE_PDL": use_pdl},
+            {"num_warps": 4, "num_stages": 1},
+        )  # fmt: skip
     heads = {"NKV": 8, "G": 2, "DH": 128, "NUM_SPLITS": 4, "SPLIT_LEN": 256, "BLOCK_G": 16, "BLOCK_DH": 128}
     split_args = (
         "q_ptr k_ptr v_ptr lens_ptr o_ptr acc_ptr ml_ptr sq_b sq_n sk_bc sk_nkv sk_tc sv_bc sv_nkv sv_tc so_b so_n "

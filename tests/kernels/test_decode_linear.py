@@ -173,3 +173,46 @@ def test_split_k_matches_reference_and_is_deterministic(device, split_k):
                                case["residual_MNo"], True, config=cfg)  # fmt: skip
     scale = torch.maximum(ref.float().abs(), case["residual_MNo"].float().abs())
     assert (got == ref).float().mean().item() > 0.9 and _ulps_bf16(got, ref, scale).max().item() <= 4
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("act", ["none", "silu_mul"])
+def test_gemv_matches_reference(device, act):
+    """One-row steps take the GEMV kernel (kernel.GEMV_MAX_ROWS): fp32 over every bias / norm / residual
+    combination and ragged N and K (the interpreter's 4-column programs and 32-wide K chunks), bf16 within the
+    tile kernel's rounding bounds, and the norm's bf16 rounding exact (identity w)."""
+    from kernels.decode_linear import kernel
+
+    assert kernel.GEMV_MAX_ROWS == 1
+    for (k, n), (bias, norm, residual) in itertools.product(
+        [(64, 48), (200, 70), (33, 130), (96, 6)], itertools.product((False, True), repeat=3)
+    ):
+        case = _case(1, k, n, act, torch.float32, device, seed=k + n, bias=bias, norm=norm, residual=residual)
+        ref = decode_linear_reference(**case)
+        args = (case["x_MK"], case["w_NK"], case["bias_N"], case["norm_w_K"], 1e-6, case["residual_MNo"])
+        no = n // 2 if act == "silu_mul" else n
+        got = kernel.decode_linear(*args, act == "silu_mul", config=kernel.gemv_config(no, k, act == "silu_mul"))
+        err = ((got - ref).abs().max() / ref.abs().max()).item()
+        assert err < FP32_RTOL, (k, n, bias, norm, residual, err)
+    case = _case(1, 160, 96, act, torch.bfloat16, device, seed=1, bias=True, norm=True, residual=True)
+    ref = decode_linear_reference(**case)
+    got = decode_linear(**case, impl="triton")  # the default path at one row
+    tiled = kernel.decode_linear(
+        *(case[a] for a in ("x_MK", "w_NK", "bias_N", "norm_w_K")), 1e-6, case["residual_MNo"], act == "silu_mul",
+        config=kernel.default_config(1, ref.shape[1], 160, act == "silu_mul", 2),
+    )  # fmt: skip
+    scale = torch.maximum(ref.float().abs(), case["residual_MNo"].float().abs())
+    for out in (got, tiled):
+        assert (out == ref).float().mean().item() > 0.9 and _ulps_bf16(out, ref, scale).max().item() <= 4
+    eye = _case(1, 64, 64, "none", torch.bfloat16, device, seed=2, norm=True)
+    eye["w_NK"] = torch.eye(64, device=device, dtype=torch.bfloat16)
+    assert torch.equal(decode_linear(**eye, impl="triton"), decode_linear_reference(**eye))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gemv_config_takes_one_row(device):
+    from kernels.decode_linear import kernel
+
+    case = _case(2, 32, 16, "none", torch.float32, device)
+    with pytest.raises(ValueError, match="takes one row, got 2"):
+        kernel.decode_linear(case["x_MK"], case["w_NK"], None, None, 1e-6, None, False, config=("gemv", 4, 32, 1))

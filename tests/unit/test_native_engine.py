@@ -241,8 +241,8 @@ def test_load_weights_keeps_rope_buffers_in_place(tmp_path, device) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs + compiled decode need a GPU")
 def test_cuda_graph_decode_keeps_the_contract(model_dir, record_property):
-    """The CUDA path (compiled fused decode layer + sampler, one graph per step, host one step
-    behind) against HF greedy, the teacher-forced logprobs and the CPU engine's seeded samples."""
+    """The CUDA path (compiled fused decode layer + sampler, one graph per step and per prefill bucket, host one
+    step behind) against HF greedy, the teacher-forced logprobs and the CPU engine's seeded samples."""
     model, tok = _load(model_dir)
     eng = NativeEngine(model.cuda(), tok, max_batch_size=4, max_model_len=64)
     assert eng.use_graphs and eng.runner.layer_args is not None
@@ -251,6 +251,7 @@ def test_cuda_graph_decode_keeps_the_contract(model_dir, record_property):
     cpu_model, _ = _load(model_dir)
     for r, o in zip(greedy, eng.generate(greedy)):
         assert o.token_ids == _hf_greedy(cpu_model, r.prompt_ids, r.sampling.max_tokens), o.request_id
+    assert eng._prefill_graphs  # the prefills above replayed captured graphs (native.PREFILL_GRAPH_MAX_TOKENS)
     sp = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
     outs = eng.generate(_reqs(tok, sp, seed0=5))
     trainer = torch.cat([teacher_forced_logprobs(cpu_model, o.prompt_ids, o.token_ids, 1.0) for o in outs])
@@ -357,3 +358,32 @@ def test_triton_sampler_draws_the_torch_samplers_tokens(model_dir, device, sampl
             torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), rtol=0, atol=1e-5)
     topp = _reqs(tok, SamplingParams(temperature=1.0, top_p=0.8, max_tokens=6), seed0=3)
     assert [o.token_ids for o in got_eng.generate(topp)] == [o.token_ids for o in want_eng.generate(topp)]
+
+
+def test_padded_prefill_matches_the_unpadded_one(model_dir, device):
+    """What a captured prefill graph runs (``native.pad_prefill``: rows repeated from row 0, ids right-padded to a
+    length bucket): the real rows' logits and their slots' K/V at real positions equal an unpadded prefill's, and
+    slots outside the batch are not written."""
+    from prime_spmd.inference.native import pad_prefill
+
+    eng, _, tok = _engine(model_dir, device, max_batch_size=4)
+    prompts = [tok.encode(t) for t in TEXTS[:3]]
+    t = max(len(p) for p in prompts)
+    ids = torch.zeros(3, t, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(p)
+    slots, last = [2, 0, 3], [len(p) - 1 for p in prompts]
+    cache = eng.runner.cache
+    dev = eng.device
+    want = eng.runner.prefill(ids.to(dev), torch.tensor(slots, device=dev), torch.tensor(last, device=dev))
+    want_k = cache.k.clone()
+    cache.k.fill_(7.0)
+    padded = pad_prefill(ids, slots, last, rows=4, length=32)
+    assert padded[0].shape == (4, 32) and padded[1].tolist() == [2, 0, 3, 2] and padded[2].tolist() == last + last[:1]
+    got = eng.runner.prefill(*(x.to(dev) for x in padded))
+    assert torch.allclose(got[:3], want, atol=1e-5, rtol=1e-5)
+    for s, p in zip(slots, prompts):
+        assert torch.allclose(cache.k[:, s, :, : len(p)], want_k[:, s, :, : len(p)], atol=1e-5)
+    assert bool((cache.k[:, 1] == 7.0).all())  # slot 1 was not in the batch
+    with pytest.raises(ValueError, match="does not fit 2 x 32"):
+        pad_prefill(ids, slots, last, rows=2, length=32)
