@@ -153,8 +153,10 @@ class NativeEngine(InferenceEngine):
             self._head_rows = LM_HEAD_MAX_ROWS
         self._graphs: dict[tuple[int, int, bool, bool], torch.cuda.CUDAGraph] = {}
         self._pool = None
-        # prefill graphs by (row bucket, length bucket): the graph, its static inputs (ids, slots, last), its logits
-        self._prefill_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple, torch.Tensor]] = {}
+        # prefill graphs by (row bucket, length bucket): the graph and its static inputs (ids, slots, last); all of
+        # them write their logits into one buffer [max_batch_size, V] (allocated at the first capture)
+        self._prefill_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        self._prefill_logits: torch.Tensor | None = None
         self.prefill_len_buckets = bucket_sizes(max_model_len, min(PREFILL_MIN_LEN, max_model_len), "pow2")
         # per-slot decode state on the device, written at admission and advanced by each decode step
         s_ = max_batch_size
@@ -366,8 +368,8 @@ class NativeEngine(InferenceEngine):
     def _run_prefill(self, ids_BT: torch.Tensor, slots: list[int], last: list[int]) -> torch.Tensor:
         """``runner.prefill`` of CPU ids [B, T] into ``slots``: logits [B, V] at ``last``. On CUDA with graphs, a
         batch of up to ``PREFILL_GRAPH_MAX_TOKENS`` padded tokens replays the graph of its (row, length) bucket,
-        captured on first use (``pad_prefill`` states the padding); the logits are the graph's buffer, valid until
-        the next replay of a graph (the caller samples from them at once)."""
+        captured on first use (``pad_prefill`` states the padding); the logits are then a view of the graphs' shared
+        output buffer, valid until the next prefill (the caller samples from them at once)."""
         b, t = ids_BT.shape
         rows = pick_bucket(self.batch_buckets, b) if self.use_graphs else 0
         length = pick_bucket(self.prefill_len_buckets, t) if self.use_graphs else 0
@@ -378,27 +380,29 @@ class NativeEngine(InferenceEngine):
         entry = self._prefill_graphs.get((rows, length))
         if entry is None:
             entry = self._prefill_graphs[(rows, length)] = self._capture_prefill(padded)
-        graph, static, logits = entry
+        graph, static = entry
         for dst, src in zip(static, padded, strict=True):
             dst.copy_(src, non_blocking=True)
         graph.replay()
-        return logits[:b]
+        return self._prefill_logits[:b]
 
-    def _capture_prefill(self, padded: tuple) -> tuple[torch.cuda.CUDAGraph, tuple, torch.Tensor]:
+    def _capture_prefill(self, padded: tuple) -> tuple[torch.cuda.CUDAGraph, tuple]:
         """Capture ``runner.prefill`` at ``padded``'s shapes. Its static inputs hold this batch's real values first,
         so the eager warm-up run (cuBLAS, SDPA and allocator first use) writes only the slots being prefilled."""
         static = tuple(t.to(self.device) for t in padded)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self.runner.prefill(*static)
+            logits = self.runner.prefill(*static)
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self._prefill_logits is None:
+            self._prefill_logits = logits.new_empty(self.max_batch_size, logits.shape[1])
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self.runner.prefill(*static)
-        return graph, static, logits
+            self._prefill_logits[: len(static[1])].copy_(self.runner.prefill(*static))
+        return graph, static
 
     def _copy_shared_prompts(self, seqs: list[_Seq], leader_of: list[_Seq]) -> None:
         """Copy each leader's prompt K/V (all layers) into the slots of the seqs that share it (paged: only the
