@@ -60,13 +60,14 @@ case $PART in
     done
     mkdir -p "$OUT/profile_pdl"
     run pdl_profile 90 python3 benchmarks/engine_profile.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --pdl --out-dir "$OUT/profile_pdl" ;;
-  issue17d)  # issue 17, batch 1: the one-row GEMV decode-linear kernel and CUDA-graph prefill: CUDA tests, the decode linears alone (GEMV grid, tile kernel with split K), engine rows GEMV on / off, profile; ~7 min
+  issue17d)  # issue 17, batch 1: the one-row GEMV decode-linear kernel and CUDA-graph prefill: CUDA tests, the decode linears alone (GEMV grid, tile kernel with split K), engine rows GEMV on / off / on with PDL (minimal form), profile; ~8 min
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
     export PYTHONPATH=/tmp/site:$PWD
     run d_tests 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_linear.py tests/unit/test_native_engine.py tests/unit/test_native_decode_linear.py
     run d_linears 240 python3 benchmarks/decode_linear.py --model-shape qwen3-0.6b --rows 1 --sweep default --split-k 1,2,4,8 --gemv --out "$OUT/decode_linear_gemv.json"
     run d_engine_gemv 120 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,16,64 --prompt-len 128 --new-tokens 256 --engine native --out "$OUT/engine_gemv.json"
     run d_engine_tiles 90 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --no-decode-gemv --out "$OUT/engine_tiles.json"
+    run d_engine_gemv_pdl 90 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --pdl --no-pdl-prefetch --out "$OUT/engine_gemv_pdl.json"
     mkdir -p "$OUT/profile_gemv"
     run d_profile 90 python3 benchmarks/engine_profile.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --out-dir "$OUT/profile_gemv" ;;
   paged)  # issue 17: the paged KV cache on CUDA: tests, the paged decode attention alone vs slot, engine rows slot vs paged, group KV memory; ~6 min
