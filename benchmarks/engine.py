@@ -270,7 +270,7 @@ def main() -> None:
     ap.add_argument(
         "--no-decode-gemv",
         action="store_true",
-        help="one-row steps of the triton decode linears take the tile kernel, not the GEMV kernel (process-wide)",
+        help="one-row steps of the triton decode linears take the tile kernel, not the GEMV kernel (which takes K <= kernel.GEMV_MAX_K; process-wide)",
     )
     ap.add_argument(
         "--kv-cache",

@@ -245,6 +245,9 @@ def default_config(m: int, no: int, k: int, silu_mul: bool, elsize: int = 2) -> 
 # Steps of this many rows (0 or 1) take the GEMV kernel (``_gemv_kernel``) by default; set_gemv changes it
 # (benchmarks/engine.py --decode-gemv / --no-decode-gemv time both).
 GEMV_MAX_ROWS = 1
+# ... and K of at most this (the chunks unroll: a longer K means more registers and code; Qwen3-0.6B's longest is
+# 3,072; longer K has not been measured and takes the tile kernel)
+GEMV_MAX_K = 4096
 
 
 def set_gemv(on: bool) -> None:
@@ -301,7 +304,7 @@ def decode_linear(
     no = w_NK.shape[0] // 2 if silu_mul else w_NK.shape[0]
     if config:
         cfg = tuple(config)
-    elif M <= GEMV_MAX_ROWS:
+    elif M <= GEMV_MAX_ROWS and K <= GEMV_MAX_K:
         cfg = gemv_config(no, K, silu_mul)
     else:
         cfg = default_config(M, no, K, silu_mul, x_MK.element_size())
