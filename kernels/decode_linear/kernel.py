@@ -257,12 +257,14 @@ def set_gemv(on: bool) -> None:
 
 
 def gemv_config(no: int, k: int, silu_mul: bool) -> tuple:
-    """("gemv", BLOCK_N, BLOCK_K, num_warps) for one row of No output columns and K inputs. GPU: 4 columns a
-    program (Qwen3-0.6B's narrowest output, 1,024 columns, gives 256 programs), K in chunks of up to 1,024.
-    Interpreter: small chunks so tests cover several of them and ragged edges."""
+    """("gemv", BLOCK_N, BLOCK_K, num_warps) for one row of No output columns and K inputs. GPU: 2 columns a
+    program (Qwen3-0.6B's narrowest output, 1,024 columns, gives 512 programs), K in chunks of up to 1,024, 4
+    warps: of the H200 sweep's grid (BLOCK_N 2-16, BLOCK_K 512 / 1024, 2 / 4 warps; docs/benchmarks.md) the one
+    config within ~3% of each op's best at all four Qwen3-0.6B layer shapes (down: 4.04 us, against 5.31 at
+    4 columns). Interpreter: small chunks so tests cover several of them and ragged edges."""
     if INTERPRET:
         return ("gemv", 4, 32, 1)
-    return ("gemv", 4, min(1024, max(64, triton.next_power_of_2(k))), 4)
+    return ("gemv", 2, min(1024, max(64, triton.next_power_of_2(k))), 4)
 
 
 def _gemv(x_MK, w_NK, bias_N, norm_w_K, eps, residual_MNo, silu_mul, cfg, no) -> torch.Tensor:

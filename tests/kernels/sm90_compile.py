@@ -122,7 +122,7 @@ def variants():
             f"decode_linear gemv {name}{' pdl' if use_pdl else ''}",
             linear._gemv_kernel,
             gemv,
-            {"K": k, "HAS_BIAS": False, "HAS_NORM": norm, "HAS_RES": res, "SILU_MUL": silu, "BLOCK_N": 4,
+            {"K": k, "HAS_BIAS": False, "HAS_NORM": norm, "HAS_RES": res, "SILU_MUL": silu, "BLOCK_N": 2,
              "BLOCK_K": 1024, "RNE_EMU": False, "USE_PDL": use_pdl},
             {"num_warps": 4, "num_stages": 1},
         )  # fmt: skip
