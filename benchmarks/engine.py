@@ -273,6 +273,12 @@ def main() -> None:
         help="one-row steps of the triton decode linears take the tile kernel, not the GEMV kernel (which takes K <= kernel.GEMV_MAX_K; process-wide)",
     )
     ap.add_argument(
+        "--attention-split-tiles",
+        type=int,
+        default=1,
+        help="CUDA decode attention: each length split spans at least this many K/V tiles (process-wide; 1: the default)",
+    )
+    ap.add_argument(
         "--kv-cache",
         default="slot",
         help="native engines: comma list of slot, paged (KV cache, 16-position blocks); crossed with the three above",
@@ -295,6 +301,10 @@ def main() -> None:
         from kernels.pdl import launch as pdl_launch
 
         pdl_launch.set_prefetch(False)
+    if args.attention_split_tiles != 1:
+        from kernels.decode_attention import kernel as decode_attention_kernel
+
+        decode_attention_kernel.set_split_tiles(args.attention_split_tiles)
     if args.no_decode_gemv:
         from kernels.decode_linear import kernel as decode_linear_kernel
 
@@ -326,6 +336,7 @@ def main() -> None:
                     row = dict(engine=name, **ran, kv_cache=kv, pdl=args.pdl)
                     row["pdl_prefetch"] = args.pdl and not args.no_pdl_prefetch
                     row["decode_gemv"] = lin == "triton" and bs == 1 and not args.no_decode_gemv
+                    row["attention_split_tiles"] = args.attention_split_tiles
                     row.update(batch=bs, seconds=secs)
                     row["roofline_tok_s"] = roof
                     row["tokens_per_s"] = bs * args.new_tokens / secs

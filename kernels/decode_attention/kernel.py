@@ -246,14 +246,27 @@ def default_block_tc(head_dim: int) -> int:
     return 128 if head_dim <= 64 else 64
 
 
+# GPU: each split spans at least this many K/V tiles (set_split_tiles; benchmarks/engine.py --attention-split-tiles
+# times others: fewer splits mean fewer partials to combine, more tiles streamed by one program)
+SPLIT_TILES = 1
+
+
+def set_split_tiles(n: int) -> None:
+    """Process-wide: each length split of a GPU launch spans at least ``n`` >= 1 tiles (default 1)."""
+    global SPLIT_TILES
+    if n < 1:
+        raise ValueError(f"decode_attention: split tiles must be >= 1, got {n}")
+    SPLIT_TILES = n
+
+
 def pick_num_splits(batch: int, num_kv_heads: int, max_len: int, device: torch.device, bn: int) -> int:
-    """Length splits per (row, kv head): enough programs for ~2 per SM, at most one tile per split.
-    Host-only arithmetic on static sizes (no sync). CPU/interpreter: one split per 4 tiles."""
+    """Length splits per (row, kv head): enough programs for ~2 per SM, each split at least ``SPLIT_TILES`` tiles
+    (one by default). Host-only arithmetic on static sizes (no sync). CPU/interpreter: one split per 4 tiles."""
     tiles = triton.cdiv(max_len, bn)
     if device.type != "cuda":
         return max(1, triton.cdiv(tiles, 4))
     want = triton.cdiv(2 * _num_sms(device.index or 0), batch * num_kv_heads)
-    return max(1, min(tiles, want))
+    return max(1, min(tiles // SPLIT_TILES, want))
 
 
 def decode_attention(

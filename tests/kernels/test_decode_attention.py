@@ -415,3 +415,20 @@ def test_fused_rows_outside_their_length_write_nothing(device):
     assert written == [int(table[2, 5 // 8])]  # only row 2's block, in the reference
     torch.testing.assert_close(caches["triton"][0], caches["reference"][0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(caches["triton"][1], caches["reference"][1], atol=0, rtol=0)
+
+
+def test_split_count_follows_split_tiles(monkeypatch):
+    """GPU split rule (host arithmetic, checked with a stated SM count): ~2 programs per SM, each split at least
+    ``SPLIT_TILES`` tiles; bad values raise."""
+    from kernels.decode_attention import kernel
+
+    monkeypatch.setattr(kernel, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(kernel, "SPLIT_TILES", 1)
+    gpu = torch.device("cuda", 0)
+    assert kernel.pick_num_splits(1, 8, 512, gpu, 64) == 8  # 8 tiles, 33 wanted: one tile a split
+    assert kernel.pick_num_splits(64, 8, 512, gpu, 64) == 1  # 512 programs already
+    kernel.set_split_tiles(4)
+    assert kernel.pick_num_splits(1, 8, 512, gpu, 64) == 2
+    assert kernel.pick_num_splits(1, 8, 128, gpu, 64) == 1
+    with pytest.raises(ValueError, match="got 0"):
+        kernel.set_split_tiles(0)
