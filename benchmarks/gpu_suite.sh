@@ -76,7 +76,10 @@ case $PART in
     run e_engine 120 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,16,64,256 --prompt-len 128 --new-tokens 256 --engine native --out "$OUT/engine_defaults.json"
     run e_tests 100 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_linear.py
     run e_mismatch_1row 60 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --requests 1 --new-tokens 2048 --out "$OUT/mismatch_one_row.json"
-    run e_mismatch 60 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --out "$OUT/mismatch_defaults.json" ;;
+    run e_mismatch 60 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --out "$OUT/mismatch_defaults.json"
+    [ "${WITH_SPLITS:-0}" = 1 ] && for t in 2 4; do  # what time is left: attention split tiles at batch 1
+      run "e_attn_split_tiles_$t" 45 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --attention-split-tiles $t --out "$OUT/engine_attn_split_tiles_$t.json"
+    done ;;
   attn_splits)  # issue 17, batch 1: the decode attention with each length split spanning >= 1 / 2 / 4 / 8 K/V tiles (fewer partials to combine, more tiles a program), engine rows at batch 1 / 16, each its own process; ~3 min
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
     export PYTHONPATH=/tmp/site:$PWD
