@@ -33,9 +33,10 @@ from prime_spmd.inference.runner import DecodeAttention, DecodeLinear, KVCacheKi
 from prime_spmd.inference.sampling import Sampler, SamplingTensors, make_sampler, resolve_sampler
 from prime_spmd.models.registry import adapter_for
 
-# Prefills of up to this many padded tokens (row bucket x length bucket) run as captured CUDA graphs (CUDA, slot or
-# paged cache, no MoE): an eager prefill launches ~50 kernels a layer from Python, which for a small model costs far
-# more host time than GPU time (Qwen3-0.6B, one 128-token prompt on the H200: ~27 ms, 10% of a 256-token generate).
+# Prefills of up to this many padded tokens (row bucket x length bucket) run as captured CUDA graphs (CUDA, the slot
+# cache, no MoE): an eager prefill launches ~50 kernels a layer from Python, which for a small model costs far
+# more host time than GPU time (Qwen3-0.6B, one 128-token prompt, H200: a generate's first step 61.6 ms eager, 6.8 ms
+# with the graph; docs/benchmarks.md).
 PREFILL_GRAPH_MAX_TOKENS = 8192
 PREFILL_MIN_LEN = 16  # the shortest prefill length bucket (powers of two up to max_model_len)
 
@@ -371,9 +372,10 @@ class NativeEngine(InferenceEngine):
         captured on first use (``pad_prefill`` states the padding); the logits are then a view of the graphs' shared
         output buffer, valid until the next prefill (the caller samples from them at once)."""
         b, t = ids_BT.shape
-        rows = pick_bucket(self.batch_buckets, b) if self.use_graphs else 0
-        length = pick_bucket(self.prefill_len_buckets, t) if self.use_graphs else 0
-        if not self.use_graphs or rows * length > PREFILL_GRAPH_MAX_TOKENS:
+        graphs = self.use_graphs and not self._paged  # the paged cache's prefill graphs have not run on a GPU yet
+        rows = pick_bucket(self.batch_buckets, b) if graphs else 0
+        length = pick_bucket(self.prefill_len_buckets, t) if graphs else 0
+        if not graphs or rows * length > PREFILL_GRAPH_MAX_TOKENS:
             dev = self.device
             return self.runner.prefill(ids_BT.to(dev), torch.tensor(slots).to(dev), torch.tensor(last).to(dev))
         padded = pad_prefill(ids_BT, slots, last, rows, length)
