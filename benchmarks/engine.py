@@ -265,7 +265,7 @@ def main() -> None:
     ap.add_argument(
         "--no-pdl-prefetch",
         action="store_true",
-        help="with --pdl: its minimal form (the decode linears do not prefetch their weight rows into L2 before they wait)",
+        help="with --pdl: its minimal form (the decode linears do not fetch weights before they wait: no L2 prefetch in the tile kernel, no register preload in the GEMV)",
     )
     ap.add_argument(
         "--no-decode-gemv",

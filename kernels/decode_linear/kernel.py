@@ -170,46 +170,75 @@ def _gemv_kernel(
     NO, eps, swn,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RNE_EMU: tl.constexpr, USE_PDL: tl.constexpr,
+    PRELOAD: tl.constexpr = False, KP: tl.constexpr = 1,
 ):  # fmt: skip
     """One row (M = 1): one program per BLOCK_N output columns, fp32 products summed over K in registers (no
     ``tl.dot``, whose 16-row minimum would make the tiles 16x wider than the row). K is a constexpr so the
     BLOCK_K chunks unroll and every chunk's w loads can be in flight at once: a program is small (BLOCK_N rows
-    of w), there are many of them (Qwen3-0.6B's o projection: 256 at BLOCK_N 4), and each SM holds several."""
+    of w), there are many of them (Qwen3-0.6B's o projection: 512 at BLOCK_N 2), and each SM holds several.
+
+    PRELOAD (PDL only): the program's whole w slab (K padded to the power of two KP, one tile) is loaded before
+    ``griddepcontrol.wait``, so a kernel launched early by PDL streams its weights while the kernel before it
+    still runs; x, the only input that kernel writes, is read after the wait. Safe: the decode step never writes
+    w. (The tile kernel's form of this, a bulk prefetch into L2, lost 8% at batch 1 on the H200; this one moves
+    the kernel's own loads, no extra traffic.)"""
     dtype = o_ptr.dtype.element_ty
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < NO
-    rk = tl.arange(0, BLOCK_K)
-    pdl_enter(USE_PDL)
-    if HAS_NORM:
-        ss = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in tl.static_range(0, K, BLOCK_K):
-            xt = tl.load(x_ptr + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
-            ss += xt * xt
-        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
-    # products summed elementwise over the chunks, reduced over K once at the end: no cross-thread reduction (and
-    # its barrier) between chunks, so the compiler can issue every chunk's w loads up front
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in tl.static_range(0, K, BLOCK_K):
-        offs_k = k0 + rk
+    if PRELOAD:
+        offs_k = tl.arange(0, KP)
         mask_k = offs_k < K
         mask_w = mask_n[:, None] & mask_k[None, :]
         w_offs = offs_n[:, None] * swn + offs_k[None, :]
         w = tl.load(w_ptr + w_offs, mask=mask_w, other=0.0)
         if SILU_MUL:
             w_up = tl.load(w_ptr + NO * swn + w_offs, mask=mask_w, other=0.0)
-        h = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
+        pdl_enter(USE_PDL)
+        x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
+        h = x
         if HAS_NORM:
+            xf = x.to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / K + eps)
             nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-            h = _cast(nw * _round(h.to(tl.float32) * rstd, dtype, RNE_EMU), dtype, RNE_EMU)
+            h = _cast(nw * _round(xf * rstd, dtype, RNE_EMU), dtype, RNE_EMU)
         h = h.to(tl.float32)[None, :]
-        acc += w.to(tl.float32) * h
+        acc = w.to(tl.float32) * h
+        acc_up = acc
         if SILU_MUL:
-            acc_up += w_up.to(tl.float32) * h
+            acc_up = w_up.to(tl.float32) * h
+    else:
+        rk = tl.arange(0, BLOCK_K)
+        pdl_enter(USE_PDL)
+        if HAS_NORM:
+            ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in tl.static_range(0, K, BLOCK_K):
+                xt = tl.load(x_ptr + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
+                ss += xt * xt
+            rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+        # products summed elementwise over the chunks, reduced over K once at the end: no cross-thread reduction
+        # (and its barrier) between chunks, so the compiler can issue every chunk's w loads up front
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in tl.static_range(0, K, BLOCK_K):
+            offs_k = k0 + rk
+            mask_k = offs_k < K
+            mask_w = mask_n[:, None] & mask_k[None, :]
+            w_offs = offs_n[:, None] * swn + offs_k[None, :]
+            w = tl.load(w_ptr + w_offs, mask=mask_w, other=0.0)
+            if SILU_MUL:
+                w_up = tl.load(w_ptr + NO * swn + w_offs, mask=mask_w, other=0.0)
+            h = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
+            if HAS_NORM:
+                nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+                h = _cast(nw * _round(h.to(tl.float32) * rstd, dtype, RNE_EMU), dtype, RNE_EMU)
+            h = h.to(tl.float32)[None, :]
+            acc += w.to(tl.float32) * h
+            if SILU_MUL:
+                acc_up += w_up.to(tl.float32) * h
     offs_m = tl.arange(0, 1)
     mask_mn = (offs_m < 1)[:, None] & mask_n[None, :]
-    _epilogue(tl.sum(acc, axis=1)[None, :], tl.sum(acc_up, axis=1)[None, :], b_ptr, r_ptr, o_ptr, offs_m, offs_n, mask_n, mask_mn, NO, 0, 0,
-              HAS_BIAS, HAS_RES, SILU_MUL, RNE_EMU)  # fmt: skip
+    _epilogue(tl.sum(acc, axis=1)[None, :], tl.sum(acc_up, axis=1)[None, :], b_ptr, r_ptr, o_ptr, offs_m, offs_n,
+              mask_n, mask_mn, NO, 0, 0, HAS_BIAS, HAS_RES, SILU_MUL, RNE_EMU)  # fmt: skip
 
 
 SMEM_BUDGET = 160 * 1024  # bytes of pipelined tiles: the H200 sweep's bf16 configs at this estimate compiled and ran
@@ -268,7 +297,10 @@ def gemv_config(no: int, k: int, silu_mul: bool) -> tuple:
 
 
 def _gemv(x_MK, w_NK, bias_N, norm_w_K, eps, residual_MNo, silu_mul, cfg, no) -> torch.Tensor:
-    _, block_n, block_k, num_warps = cfg
+    """cfg ("gemv", BLOCK_N, BLOCK_K, warps[, preload]): preload (the whole w slab before PDL's wait) defaults to
+    ``pdl.prefetch_enabled()``; tests set it to run that form without PDL."""
+    _, block_n, block_k, num_warps = cfg[:4]
+    preload = pdl.prefetch_enabled() if len(cfg) < 5 else bool(cfg[4])
     M, K = x_MK.shape
     if M != 1:
         raise ValueError(f"decode_linear: the GEMV config {cfg} takes one row, got {M}")
@@ -281,7 +313,8 @@ def _gemv(x_MK, w_NK, bias_N, norm_w_K, eps, residual_MNo, silu_mul, cfg, no) ->
         out, no, eps, w_NK.stride(0),
         K=K, HAS_BIAS=bias_N is not None, HAS_NORM=norm_w_K is not None, HAS_RES=residual_MNo is not None,
         SILU_MUL=silu_mul, BLOCK_N=block_n, BLOCK_K=block_k,
-        RNE_EMU=INTERPRET and x_MK.dtype == torch.bfloat16, USE_PDL=pdl.enabled(),
+        RNE_EMU=INTERPRET and x_MK.dtype == torch.bfloat16, USE_PDL=pdl.enabled(), PRELOAD=preload,
+        KP=triton.next_power_of_2(K),
         num_warps=num_warps, num_stages=1, **pdl.launch_options(),
     )  # fmt: skip
     return out

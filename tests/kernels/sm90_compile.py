@@ -110,20 +110,26 @@ def variants():
                 {"num_warps": 4, "num_stages": 4},
             )
     gemv = sig("x_ptr w_ptr b_ptr nw_ptr r_ptr o_ptr NO eps swn", "*bf16 *bf16 *bf16 *bf16 *bf16 *bf16 i32 fp32 i32")
-    # the one-row GEMV kernel at the Qwen3-0.6B layer shapes (K is a constexpr), its default config; qkv with PDL too
-    for name, k, silu, norm, res, use_pdl in (
-        ("qkv", 1024, False, True, False, False),
-        ("gate_up", 1024, True, True, False, False),
-        ("o", 2048, False, False, True, False),
-        ("down", 3072, False, False, True, False),
-        ("qkv", 1024, False, True, False, True),
+    # the one-row GEMV kernel at the Qwen3-0.6B layer shapes (K is a constexpr), its default config; qkv with PDL too;
+    # with PDL's preload (the whole w slab loaded before griddepcontrol.wait) for all four
+    for name, k, silu, norm, res, use_pdl, preload in (
+        ("qkv", 1024, False, True, False, False, False),
+        ("gate_up", 1024, True, True, False, False, False),
+        ("o", 2048, False, False, True, False, False),
+        ("down", 3072, False, False, True, False, False),
+        ("qkv", 1024, False, True, False, True, False),
+        ("qkv", 1024, False, True, False, True, True),
+        ("gate_up", 1024, True, True, False, True, True),
+        ("o", 2048, False, False, True, True, True),
+        ("down", 3072, False, False, True, True, True),
     ):
         yield (
-            f"decode_linear gemv {name}{' pdl' if use_pdl else ''}",
+            f"decode_linear gemv {name}{' pdl' if use_pdl else ''}{' preload' if preload else ''}",
             linear._gemv_kernel,
             gemv,
             {"K": k, "HAS_BIAS": False, "HAS_NORM": norm, "HAS_RES": res, "SILU_MUL": silu, "BLOCK_N": 2,
-             "BLOCK_K": 1024, "RNE_EMU": False, "USE_PDL": use_pdl},
+             "BLOCK_K": 1024, "RNE_EMU": False, "USE_PDL": use_pdl, "PRELOAD": preload,
+             "KP": triton.next_power_of_2(k)},
             {"num_warps": 4, "num_stages": 1},
         )  # fmt: skip
     heads = {"NKV": 8, "G": 2, "DH": 128, "NUM_SPLITS": 4, "SPLIT_LEN": 256, "BLOCK_G": 16, "BLOCK_DH": 128}
@@ -269,6 +275,11 @@ def main() -> int:
         if name.endswith(" prefetch") and "cp.async.bulk.prefetch.L2.global" not in compiled.asm["ptx"]:
             failed += 1
             print(f"FAILED  {name}: no cp.async.bulk.prefetch.L2 in the PTX", flush=True)
+            continue
+        ptx = compiled.asm["ptx"]
+        if name.endswith(" preload") and not -1 < ptx.find("ld.global") < ptx.find("griddepcontrol.wait"):
+            failed += 1
+            print(f"FAILED  {name}: no global load before griddepcontrol.wait in the PTX", flush=True)
             continue
         if " pdl" in name and not all(f"griddepcontrol.{i}" in compiled.asm["ptx"] for i in PDL_INSTRUCTIONS):
             failed += 1

@@ -191,9 +191,11 @@ def test_gemv_matches_reference(device, act):
         ref = decode_linear_reference(**case)
         args = (case["x_MK"], case["w_NK"], case["bias_N"], case["norm_w_K"], 1e-6, case["residual_MNo"])
         no = n // 2 if act == "silu_mul" else n
-        got = kernel.decode_linear(*args, act == "silu_mul", config=kernel.gemv_config(no, k, act == "silu_mul"))
-        err = ((got - ref).abs().max() / ref.abs().max()).item()
-        assert err < FP32_RTOL, (k, n, bias, norm, residual, err)
+        for preload in (False, True):  # True: PDL's form (the whole w slab loaded first), here without PDL
+            cfg = (*kernel.gemv_config(no, k, act == "silu_mul"), preload)
+            got = kernel.decode_linear(*args, act == "silu_mul", config=cfg)
+            err = ((got - ref).abs().max() / ref.abs().max()).item()
+            assert err < FP32_RTOL, (k, n, bias, norm, residual, preload, err)
     case = _case(1, 160, 96, act, torch.bfloat16, device, seed=1, bias=True, norm=True, residual=True)
     ref = decode_linear_reference(**case)
     got = decode_linear(**case, impl="triton")  # the default path at one row
@@ -207,9 +209,18 @@ def test_gemv_matches_reference(device, act):
     # tile kernel > 0.9; the bound that matters, a few rounding steps at most, is the same for both
     for out, share in ((got, 0.75), (tiled, 0.9)):
         assert (out == ref).float().mean().item() > share and _ulps_bf16(out, ref, scale).max().item() <= 4
+    preloaded = kernel.decode_linear(
+        *(case[a] for a in ("x_MK", "w_NK", "bias_N", "norm_w_K")), 1e-6, case["residual_MNo"], act == "silu_mul",
+        config=(*kernel.gemv_config(ref.shape[1], 160, act == "silu_mul"), True),
+    )  # fmt: skip
+    assert (preloaded == ref).float().mean().item() > 0.75 and _ulps_bf16(preloaded, ref, scale).max().item() <= 4
     eye = _case(1, 64, 64, "none", torch.bfloat16, device, seed=2, norm=True)
     eye["w_NK"] = torch.eye(64, device=device, dtype=torch.bfloat16)
     assert torch.equal(decode_linear(**eye, impl="triton"), decode_linear_reference(**eye))
+    for preload in (False, True):
+        cfg = (*kernel.gemv_config(64, 64, False), preload)
+        args = (eye["x_MK"], eye["w_NK"], None, eye["norm_w_K"], 1e-6, None, False)
+        assert torch.equal(kernel.decode_linear(*args, config=cfg), decode_linear_reference(**eye))
 
 
 @pytest.mark.parametrize("device", DEVICES)
