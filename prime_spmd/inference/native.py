@@ -41,6 +41,17 @@ PREFILL_GRAPH_MAX_TOKENS = 8192
 PREFILL_MIN_LEN = 16  # the shortest prefill length bucket (powers of two up to max_model_len)
 
 
+def advance_decode_state(ids_B, pos_B, steps_B, out_2B, tokens_B, logprobs_B, max_pos: int) -> None:
+    """After a decode step, in place: next input ids, positions (+1, kept inside the cache: free rows keep decoding),
+    step indices (+1), and the step's output (tokens, logprobs as float64) for the host copy. The engine compiles it
+    on CUDA (one kernel or two, not six)."""
+    ids_B.copy_(tokens_B)
+    pos_B.add_(1).clamp_(max=max_pos)
+    steps_B.add_(1)
+    out_2B[0].copy_(tokens_B)
+    out_2B[1].copy_(logprobs_B)
+
+
 def pad_prefill(ids_BT: torch.Tensor, slots: list[int], last: list[int], rows: int, length: int):
     """A prefill batch padded to ``rows`` x ``length`` for a captured graph: ids right-padded with 0 (after each
     prompt, as in any batched prefill: causal attention keeps the real positions exact, and the K/V written past a
@@ -146,6 +157,7 @@ class NativeEngine(InferenceEngine):
         # the torch sampler is ~30 elementwise/reduction passes over [B, V]; compiled (CUDA only) a few
         self.sampler = resolve_sampler(sampler, device)
         self._sample = make_sampler(self.sampler, compile_sampler and device.type == "cuda")
+        self._advance = torch.compile(advance_decode_state) if self.use_graphs else advance_decode_state
         # "fused": decode steps of few rows sample inside the LM head (kernels/gumbel_sample), logits never written
         self._head_rows = 0
         if self.sampler == "fused" and self.runner.cache is not None:
@@ -482,11 +494,7 @@ class NativeEngine(InferenceEngine):
             tokens, logprobs = self._sample(
                 logits, f[0], self._top_k[:nb], f[1], f[2], self._seeds[:nb], self._steps[:nb], needs_sort, needs_min_p
             )
-        ids.copy_(tokens)
-        pos.add_(1).clamp_(max=self.max_model_len - 1)  # free rows keep decoding; stay in the cache
-        self._steps[:nb].add_(1)
-        self._out[0, :nb].copy_(tokens)
-        self._out[1, :nb].copy_(logprobs)
+        self._advance(ids, pos, self._steps[:nb], self._out[:, :nb], tokens, logprobs, self.max_model_len - 1)
 
     def _capture(self, nb: int, kv_len: int, needs_sort: bool, needs_min_p: bool) -> torch.cuda.CUDAGraph:
         """Capture one decode step; the graphs share one memory pool. Warm-up runs (compiles,

@@ -387,3 +387,34 @@ def test_padded_prefill_matches_the_unpadded_one(model_dir, device):
     assert bool((cache.k[:, 1] == 7.0).all())  # slot 1 was not in the batch
     with pytest.raises(ValueError, match="does not fit 2 x 32"):
         pad_prefill(ids, slots, last, rows=2, length=32)
+
+
+def test_step_helpers_match_the_eager_ops(model_dir, device):
+    """What the engine compiles on CUDA, checked here compiled on this device: the decode-state update (in place,
+    on views of the engine's buffers, rows past nb untouched) and the fused runner's final norm (its weight and eps
+    taken from the model: eager, bit-equal to the model's own norm)."""
+    from prime_spmd.inference.native import advance_decode_state
+    from prime_spmd.inference.runner import rms_norm
+
+    def buffers():
+        g = torch.Generator().manual_seed(0)
+        ids, pos, steps = (torch.randint(0, 60, (8,), generator=g).to(device) for _ in range(3))
+        out = torch.zeros(2, 8, dtype=torch.float64, device=device)
+        return ids, pos, steps, out
+
+    tokens = torch.tensor([5, 7, 9], device=device)
+    logprobs = torch.tensor([-0.5, -1.25, -3.0], device=device)
+    want, got = buffers(), buffers()
+    advance_decode_state(*(t[:3] for t in want[:3]), want[3][:, :3], tokens, logprobs, 63)
+    compiled = torch.compile(advance_decode_state)
+    compiled(*(t[:3] for t in got[:3]), got[3][:, :3], tokens, logprobs, 63)
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+    assert want[0][:3].tolist() == [5, 7, 9] and want[3][1, :3].tolist() == [-0.5, -1.25, -3.0]
+    assert torch.equal(want[1][3:], buffers()[1][3:])  # rows past nb untouched
+
+    eng, model, _ = _engine(model_dir, device)
+    x = torch.randn(3, model.config.hidden_size, device=device)
+    if eng.runner.layer_args is not None:
+        assert torch.equal(rms_norm(x, *eng.runner.final_norm_args), model.model.norm(x))
+        assert torch.allclose(torch.compile(rms_norm)(x, *eng.runner.final_norm_args), model.model.norm(x), atol=1e-6)
