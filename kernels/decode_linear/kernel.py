@@ -165,6 +165,18 @@ def _epilogue(acc, acc_up, b_ptr, r_ptr, o_ptr, offs_m, offs_n, mask_n, mask_mn,
 
 
 @triton.jit
+def _gemv_w(w_ptr, offs_n, mask_n, offs_k, mask_k, swn, NO, SILU_MUL: tl.constexpr):
+    """The GEMV's w tile [BLOCK_N, len(offs_k)] and, for "silu_mul", the up half's (else w again)."""
+    mask_w = mask_n[:, None] & mask_k[None, :]
+    w_offs = offs_n[:, None] * swn + offs_k[None, :]
+    w = tl.load(w_ptr + w_offs, mask=mask_w, other=0.0)
+    w_up = w
+    if SILU_MUL:
+        w_up = tl.load(w_ptr + NO * swn + w_offs, mask=mask_w, other=0.0)
+    return w, w_up
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, o_ptr,
     NO, eps, swn,
@@ -188,11 +200,7 @@ def _gemv_kernel(
     if PRELOAD:
         offs_k = tl.arange(0, KP)
         mask_k = offs_k < K
-        mask_w = mask_n[:, None] & mask_k[None, :]
-        w_offs = offs_n[:, None] * swn + offs_k[None, :]
-        w = tl.load(w_ptr + w_offs, mask=mask_w, other=0.0)
-        if SILU_MUL:
-            w_up = tl.load(w_ptr + NO * swn + w_offs, mask=mask_w, other=0.0)
+        w, w_up = _gemv_w(w_ptr, offs_n, mask_n, offs_k, mask_k, swn, NO, SILU_MUL)
         pdl_enter(USE_PDL)
         x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
         h = x
@@ -222,11 +230,7 @@ def _gemv_kernel(
         for k0 in tl.static_range(0, K, BLOCK_K):
             offs_k = k0 + rk
             mask_k = offs_k < K
-            mask_w = mask_n[:, None] & mask_k[None, :]
-            w_offs = offs_n[:, None] * swn + offs_k[None, :]
-            w = tl.load(w_ptr + w_offs, mask=mask_w, other=0.0)
-            if SILU_MUL:
-                w_up = tl.load(w_ptr + NO * swn + w_offs, mask=mask_w, other=0.0)
+            w, w_up = _gemv_w(w_ptr, offs_n, mask_n, offs_k, mask_k, swn, NO, SILU_MUL)
             h = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
             if HAS_NORM:
                 nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
