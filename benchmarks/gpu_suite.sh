@@ -80,18 +80,22 @@ case $PART in
     [ "${WITH_SPLITS:-0}" = 1 ] && for t in 2 4; do  # what time is left: attention split tiles at batch 1
       run "e_attn_split_tiles_$t" 45 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --attention-split-tiles $t --out "$OUT/engine_attn_split_tiles_$t.json"
     done ;;
-  gemv_pdl)  # issue 17, batch 1 at the GEMV defaults (2 columns a program): no PDL / PDL minimal / PDL with the GEMV's weight preload, attention split tiles 2 / 4, each its own process; then mismatch KL at one row; ~5 min
+  gemv_pdl)  # issue 17, after this session's CPU-only changes: CUDA tests of what changed (GEMV, compiled step glue, graph prefill, PDL tokens), the 0.6B rows at the defaults, batch 1 with PDL minimal / PDL + the GEMV's weight preload, attention split tiles 2 / 4, mismatch KL at one row and at 64; ~9 min
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
     export PYTHONPATH=/tmp/site:$PWD
-    run g_tests 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_linear.py
-    for form in off minimal preload; do
-      flags=""; [ $form = minimal ] && flags="--pdl --no-pdl-prefetch"; [ $form = preload ] && flags="--pdl"
-      run "g_engine_$form" 60 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,16 --prompt-len 128 --new-tokens 256 --engine native $flags --out "$OUT/engine_gemv_pdl_$form.json"
+    run g_tests 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_linear.py tests/unit/test_native_engine.py tests/unit/test_native_decode_attention.py
+    run g_engine 120 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,16,64,256 --prompt-len 128 --new-tokens 256 --engine native --out "$OUT/engine_defaults.json"
+    for form in minimal preload; do
+      flags="--pdl --no-pdl-prefetch"; [ $form = preload ] && flags="--pdl"
+      run "g_engine_pdl_$form" 60 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native $flags --out "$OUT/engine_pdl_$form.json"
     done
     for t in 2 4; do
       run "g_attn_split_tiles_$t" 45 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --attention-split-tiles $t --out "$OUT/engine_attn_split_tiles_$t.json"
     done
-    run g_mismatch_1row 60 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --requests 1 --new-tokens 2048 --out "$OUT/mismatch_one_row.json" ;;
+    run g_mismatch_1row 60 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --requests 1 --new-tokens 2048 --out "$OUT/mismatch_one_row.json"
+    run g_mismatch 60 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --out "$OUT/mismatch_defaults.json"
+    mkdir -p "$OUT/profile"
+    run g_profile 90 python3 benchmarks/engine_profile.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --out-dir "$OUT/profile" ;;
   attn_splits)  # issue 17, batch 1: the decode attention with each length split spanning >= 1 / 2 / 4 / 8 K/V tiles (fewer partials to combine, more tiles a program), engine rows at batch 1 / 16, each its own process; ~3 min
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
     export PYTHONPATH=/tmp/site:$PWD
