@@ -279,6 +279,11 @@ def main() -> None:
         help="CUDA decode attention: each length split spans at least this many K/V tiles (process-wide; 1: the default)",
     )
     ap.add_argument(
+        "--attention-preload-tile",
+        action="store_true",
+        help="fused decode attention, slot cache, one tile a split: load the tile before writing the new k/v (process-wide)",
+    )
+    ap.add_argument(
         "--kv-cache",
         default="slot",
         help="native engines: comma list of slot, paged (KV cache, 16-position blocks); crossed with the three above",
@@ -301,10 +306,11 @@ def main() -> None:
         from kernels.pdl import launch as pdl_launch
 
         pdl_launch.set_prefetch(False)
-    if args.attention_split_tiles != 1:
+    if args.attention_split_tiles != 1 or args.attention_preload_tile:
         from kernels.decode_attention import kernel as decode_attention_kernel
 
         decode_attention_kernel.set_split_tiles(args.attention_split_tiles)
+        decode_attention_kernel.set_preload_tile(args.attention_preload_tile)
     if args.no_decode_gemv:
         from kernels.decode_linear import kernel as decode_linear_kernel
 
@@ -337,6 +343,7 @@ def main() -> None:
                     row["pdl_prefetch"] = args.pdl and not args.no_pdl_prefetch
                     row["decode_gemv"] = lin == "triton" and bs == 1 and not args.no_decode_gemv
                     row["attention_split_tiles"] = args.attention_split_tiles
+                    row["attention_preload_tile"] = args.attention_preload_tile
                     row.update(batch=bs, seconds=secs)
                     row["roofline_tok_s"] = roof
                     row["tokens_per_s"] = bs * args.new_tokens / secs

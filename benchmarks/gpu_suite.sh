@@ -80,10 +80,10 @@ case $PART in
     [ "${WITH_SPLITS:-0}" = 1 ] && for t in 2 4; do  # what time is left: attention split tiles at batch 1
       run "e_attn_split_tiles_$t" 45 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --attention-split-tiles $t --out "$OUT/engine_attn_split_tiles_$t.json"
     done ;;
-  gemv_pdl)  # issue 17, after this session's CPU-only changes: CUDA tests of what changed (GEMV, compiled step glue, graph prefill, PDL tokens), the 0.6B rows at the defaults, batch 1 with PDL minimal / PDL + the GEMV's weight preload, attention split tiles 2 / 4, mismatch KL at one row and at 64; ~9 min
+  gemv_pdl)  # issue 17, after this session's CPU-only changes: CUDA tests of what changed (GEMV, compiled step glue, graph prefill, PDL tokens), the 0.6B rows at the defaults, batch 1 with PDL minimal / PDL + the GEMV's weight preload, attention split tiles 2 / 4 and the preloaded tile, mismatch KL at one row and at 64, profile; ~10 min
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
     export PYTHONPATH=/tmp/site:$PWD
-    run g_tests 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_linear.py tests/unit/test_native_engine.py tests/unit/test_native_decode_attention.py
+    run g_tests 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_linear.py tests/kernels/test_decode_attention.py tests/unit/test_native_engine.py tests/unit/test_native_decode_attention.py
     run g_engine 120 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,16,64,256 --prompt-len 128 --new-tokens 256 --engine native --out "$OUT/engine_defaults.json"
     for form in minimal preload; do
       flags="--pdl --no-pdl-prefetch"; [ $form = preload ] && flags="--pdl"
@@ -92,6 +92,7 @@ case $PART in
     for t in 2 4; do
       run "g_attn_split_tiles_$t" 45 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --attention-split-tiles $t --out "$OUT/engine_attn_split_tiles_$t.json"
     done
+    run g_attn_preload 45 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --attention-preload-tile --out "$OUT/engine_attn_preload_tile.json"
     run g_mismatch_1row 60 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --requests 1 --new-tokens 2048 --out "$OUT/mismatch_one_row.json"
     run g_mismatch 60 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --out "$OUT/mismatch_defaults.json"
     mkdir -p "$OUT/profile"

@@ -77,6 +77,7 @@ def _split_kernel(
     NKV: tl.constexpr, G: tl.constexpr, DH: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_TC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     SB: tl.constexpr, FUSE: tl.constexpr, QK_NORM: tl.constexpr, USE_PDL: tl.constexpr,
+    PRELOAD_TILE: tl.constexpr = False,
 ):  # fmt: skip
     pdl_enter(USE_PDL)  # kernels/pdl (the fused form only): a no-op unless launched with programmatic dependent launch
     pid_s = tl.program_id(0)
@@ -92,6 +93,14 @@ def _split_kernel(
     mask_g = offs_g < G
     mask_d = offs_d < DH
     heads = kv * G + offs_g
+    if PRELOAD_TILE:  # (fused, slot cache, one tile a split: set_preload_tile) the split's K/V tile, issued first; the
+        # new token's entry, stale here, is substituted in the loop below, so no barrier orders this load after its write
+        offs_p = start + tl.arange(0, BLOCK_TC)
+        tile_mask = (offs_p < max_len)[:, None] & mask_d[None, :]
+        k_tile = tl.load(k_ptr + b.to(tl.int64) * sk_bc + kv * sk_nkv + offs_p[:, None] * sk_tc + offs_d[None, :],
+                         mask=tile_mask, other=0.0)  # fmt: skip
+        v_tile = tl.load(v_ptr + b.to(tl.int64) * sv_bc + kv * sv_nkv + offs_p[:, None] * sv_tc + offs_d[None, :],
+                         mask=tile_mask, other=0.0)  # fmt: skip
     if FUSE:  # q_ptr is the QKV projection [B, (N + 2 Nkv) Dh]: q/k norm, RoPE and the cache write happen here
         qkv_row = q_ptr + b.to(tl.int64) * sq_b
         cos_row, sin_row = cos_ptr + b * s_cs, sin_ptr + b * s_cs
@@ -120,7 +129,8 @@ def _split_kernel(
             v_at = v_ptr + blk_new * sv_bc + kv * sv_nkv + (pos % SB) * sv_tc
         tl.store(k_at + offs_d, k_new, mask=writes)
         tl.store(v_at + offs_d, v_new, mask=writes)
-        tl.debug_barrier()
+        if not PRELOAD_TILE:
+            tl.debug_barrier()
     else:
         q = tl.load(
             q_ptr + b * sq_b + heads[:, None] * sq_n + offs_d[None, :], mask=mask_g[:, None] & mask_d[None, :],
@@ -143,7 +153,11 @@ def _split_kernel(
         offs_t = t0 + tl.arange(0, BLOCK_TC)
         mask_t = offs_t < end
         kv_mask = mask_t[:, None] & mask_d[None, :]
-        if SB == 0:
+        if PRELOAD_TILE:  # one pass (SPLIT_LEN == BLOCK_TC): the preloaded tile, this launch's k / v at pos
+            new_row = (offs_t == pos)[:, None]
+            k = tl.where(new_row, k_new[None, :], k_tile)
+            v = tl.where(new_row, v_new[None, :], v_tile)
+        elif SB == 0:
             k = tl.load(k_base + offs_t[:, None] * sk_tc + offs_d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_base + offs_t[:, None] * sv_tc + offs_d[None, :], mask=kv_mask, other=0.0)
         else:
@@ -259,6 +273,18 @@ def set_split_tiles(n: int) -> None:
     SPLIT_TILES = n
 
 
+# Fused form, slot cache, one tile a split (batch 1 at short lengths): load the split's K/V tile first and substitute
+# the new token's k / v in registers, instead of writing them, a CTA barrier, then loading the tile
+# (set_preload_tile; benchmarks/engine.py --attention-preload-tile). Off until timed on a GPU.
+PRELOAD_TILE = False
+
+
+def set_preload_tile(on: bool) -> None:
+    """Process-wide: the fused kernel's preloaded-tile form where it applies (fused, slot cache, one tile a split)."""
+    global PRELOAD_TILE
+    PRELOAD_TILE = bool(on)
+
+
 def pick_num_splits(batch: int, num_kv_heads: int, max_len: int, device: torch.device, bn: int) -> int:
     """Length splits per (row, kv head): enough programs for ~2 per SM, each split at least ``SPLIT_TILES`` tiles
     (one by default). Host-only arithmetic on static sizes (no sync). CPU/interpreter: one split per 4 tiles."""
@@ -365,7 +391,7 @@ def fused_decode_attention(
 
 
 UNFUSED = dict(qn_ptr=None, kn_ptr=None, cos_ptr=None, sin_ptr=None, pos_ptr=None, s_cs=None, eps=None, cnt_ptr=None,
-               FUSE=False, QK_NORM=False, USE_PDL=False)  # fmt: skip
+               FUSE=False, QK_NORM=False, USE_PDL=False, PRELOAD_TILE=False)  # fmt: skip
 """The fused form's arguments when it is off: None constexprs, so the unfused kernels compile as they did."""
 
 
@@ -399,6 +425,7 @@ def _launch(q, q_shape, q_strides, k, v, lens_B, max_len, scale, num_splits, num
     )
     if fused is not None:  # the split kernel combines the splits itself (an atomic counter per row and kv head)
         fused = {**fused, "cnt_ptr": zeroed_counters(q.device, B * Nkv, "decode_attention"), "USE_PDL": pdl.enabled()}
+        fused["PRELOAD_TILE"] = PRELOAD_TILE and sb == 0 and split_len == block_tc
     _split_kernel[(num_splits, B * Nkv)](
         q, k, v, lens_B, o_BNDh, acc, ml,
         q_strides[0], q_strides[1],

@@ -169,11 +169,13 @@ def variants():
     # the fused form (q/k norm, RoPE and the new token's cache write in the kernel), slot and paged cache
     fused_args = "qn_ptr kn_ptr cos_ptr sin_ptr pos_ptr s_cs eps cnt_ptr"
     fused_types = "*bf16 *bf16 *bf16 *bf16 *i64 i32 fp32 *i32"
-    for sb, use_pdl in ((0, False), (16, False), (0, True)):
+    # preload: the one-tile-a-split form (K/V tile loaded first, the new entry substituted, no barrier)
+    for sb, use_pdl, preload in ((0, False, False), (16, False, False), (0, True, False), (0, False, True)):
         table = {"table_ptr": None, "st_b": 1} if sb == 0 else {}
         table_sig = "" if sb == 0 else " table_ptr st_b"
         yield (
-            f"decode_attention split fused{' paged Sb 16' if sb else ''}{' pdl' if use_pdl else ''}",
+            f"decode_attention split fused{' paged Sb 16' if sb else ''}{' pdl' if use_pdl else ''}"
+            f"{' preload tile' if preload else ''}",
             attention._split_kernel,
             sig(
                 split_args + "max_len qk_scale" + table_sig + " " + fused_args,
@@ -189,6 +191,8 @@ def variants():
                 "FUSE": True,
                 "QK_NORM": True,
                 "USE_PDL": use_pdl,
+                "PRELOAD_TILE": preload,
+                **({"SPLIT_LEN": 64} if preload else {}),
             },  # fmt: skip
             {"num_warps": 4, "num_stages": 2},
         )

@@ -432,3 +432,27 @@ def test_split_count_follows_split_tiles(monkeypatch):
     assert kernel.pick_num_splits(1, 8, 128, gpu, 64) == 1
     with pytest.raises(ValueError, match="got 0"):
         kernel.set_split_tiles(0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_preloaded_tile_matches_reference(device, dtype, monkeypatch):
+    """The fused form's preloaded-tile variant (kernel.set_preload_tile: slot cache, one tile a split): the tile is
+    loaded before the new token's k / v are written, so the stale cache entry at pos (random here) must be replaced
+    by this launch's k / v in registers; output and caches as the reference's."""
+    from kernels.decode_attention import kernel
+
+    monkeypatch.setattr(kernel, "PRELOAD_TILE", True)
+    shapes = FUSED_SHAPES if dtype == torch.float32 else [(3, 8, 2, 32, 60)]
+    for shape in shapes:
+        case = _fused_case(*shape, 0, True, dtype, device, seed=3)
+        o_ref, k_ref, v_ref = _run_fused(case, shape[1], shape[-1], "reference")
+        tiles = -(-shape[-1] // kernel.default_block_tc(shape[3]))
+        o, k, v = _run_fused(case, shape[1], shape[-1], "triton", tiles)  # one tile a split: the preloaded form
+        if dtype == torch.float32:
+            assert _rel(o, o_ref) < FP32_RTOL, (shape, _rel(o, o_ref))
+            torch.testing.assert_close(k, k_ref, atol=1e-5, rtol=1e-5)
+        else:
+            assert _rel(o, o_ref) < BF16_RTOL, (shape, _rel(o, o_ref))
+            torch.testing.assert_close(k.float(), k_ref.float(), atol=3e-2, rtol=2e-2)
+        torch.testing.assert_close(v, v_ref, atol=0, rtol=0)
