@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU runs recorded in docs/benchmarks.md, in parts that fit one device call each.
-#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | engine_profile | issue17 | issue17b | issue17c | issue17d | issue17e | attn_splits | gemv_pdl | pdl_prefetch | sampler | paged | fused_attn | decode_attn | decode_linear_sweep | decode_linear_splitk | decode_linear_engine | loss | moe | trainer | train_step | lora | env_bridge | engine_warmup | rl_e2e | sample_parity | rl
+#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | engine_profile | issue17 | issue17b | issue17c | issue17d | issue17e | attn_splits | gemv_pdl_tests | gemv_pdl | pdl_prefetch | sampler | paged | fused_attn | decode_attn | decode_linear_sweep | decode_linear_splitk | decode_linear_engine | loss | moe | trainer | train_step | lora | env_bridge | engine_warmup | rl_e2e | sample_parity | rl
 # Each step has its own time limit so that one slow step does not lose the others' results.
 set -uo pipefail
 PART=$1; OUT=${2:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -80,10 +80,13 @@ case $PART in
     [ "${WITH_SPLITS:-0}" = 1 ] && for t in 2 4; do  # what time is left: attention split tiles at batch 1
       run "e_attn_split_tiles_$t" 45 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --attention-split-tiles $t --out "$OUT/engine_attn_split_tiles_$t.json"
     done ;;
-  gemv_pdl)  # issue 17, after this session's CPU-only changes: CUDA tests of what changed (GEMV, compiled step glue, graph prefill, PDL tokens), the 0.6B rows at the defaults, batch 1 with PDL minimal / PDL + the GEMV's weight preload, attention split tiles 2 / 4 and the preloaded tile, mismatch KL at one row and at 64, profile; ~10 min
+  gemv_pdl_tests)  # issue 17, before gemv_pdl: the CUDA tests of this session's untimed changes (GEMV, preloaded attention tile, compiled step glue, graph prefill, PDL tokens); ~5 min
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
     export PYTHONPATH=/tmp/site:$PWD
-    run g_tests 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_linear.py tests/kernels/test_decode_attention.py tests/unit/test_native_engine.py tests/unit/test_native_decode_attention.py
+    run g_tests 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_linear.py tests/kernels/test_decode_attention.py tests/unit/test_native_engine.py tests/unit/test_native_decode_attention.py ;;
+  gemv_pdl)  # issue 17, after gemv_pdl_tests: the 0.6B rows at the defaults, batch 1 with PDL minimal / PDL + the GEMV's weight preload, attention split tiles 2 / 4 and the preloaded tile, mismatch KL at one row and at 64, profile; ~7 min
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
+    export PYTHONPATH=/tmp/site:$PWD
     run g_engine 120 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,16,64,256 --prompt-len 128 --new-tokens 256 --engine native --out "$OUT/engine_defaults.json"
     for form in minimal preload; do
       flags="--pdl --no-pdl-prefetch"; [ $form = preload ] && flags="--pdl"
