@@ -73,7 +73,7 @@ def bench_op(name: str, spec, m: int, args, compiled) -> list[dict]:
     rows = [dict(base, impl="torch", us=us, GBps=w_bytes / us / 1e3)]
     no = n // 2 if silu else n
     tiles = kernel.default_config(m, no, k, silu, 2)
-    default = kernel.gemv_config(no, k, silu) if m <= kernel.GEMV_MAX_ROWS and k <= kernel.GEMV_MAX_K else tiles
+    default = kernel.gemv_config(no, k, silu) if kernel.uses_gemv(m, k) else tiles
     splits = [int(x) for x in args.split_k.split(",")]
     configs = [default, tiles] + [(*tiles[:5], sk) for sk in splits if sk != tiles[5]]
     if m == 1 and args.gemv:  # the one-row kernel's (BLOCK_N, BLOCK_K, warps)

@@ -311,10 +311,9 @@ def main() -> None:
 
         decode_attention_kernel.set_split_tiles(args.attention_split_tiles)
         decode_attention_kernel.set_preload_tile(args.attention_preload_tile)
-    if args.no_decode_gemv:
-        from kernels.decode_linear import kernel as decode_linear_kernel
+    from kernels.decode_linear import kernel as decode_linear_kernel
 
-        decode_linear_kernel.set_gemv(False)
+    decode_linear_kernel.set_gemv(not args.no_decode_gemv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     max_len = args.prompt_len + args.new_tokens
     model = build_model(args.model_shape, max_len, device, dtype)
@@ -341,7 +340,8 @@ def main() -> None:
                     attn, lin, smp = ran["decode_attention"], ran["decode_linear"], ran["sampler"]
                     row = dict(engine=name, **ran, kv_cache=kv, pdl=args.pdl)
                     row["pdl_prefetch"] = args.pdl and not args.no_pdl_prefetch
-                    row["decode_gemv"] = lin == "triton" and bs == 1 and not args.no_decode_gemv
+                    # one-row steps on the GEMV kernel (the ops whose K it takes: kernel.uses_gemv)
+                    row["decode_gemv"] = lin == "triton" and bs <= decode_linear_kernel.GEMV_MAX_ROWS
                     row["attention_split_tiles"] = args.attention_split_tiles
                     row["attention_preload_tile"] = args.attention_preload_tile
                     row.update(batch=bs, seconds=secs)

@@ -50,6 +50,14 @@ def _round(v, DTYPE: tl.constexpr, RNE_EMU: tl.constexpr):
 
 
 @triton.jit
+def _rms_scaled(x, rstd, nw, DTYPE: tl.constexpr, RNE_EMU: tl.constexpr):
+    """RMSNorm's output in the storage dtype from fp32 ``x``, its ``rstd`` and fp32 weight ``nw``, rounded as HF's
+    order rounds it: x * rstd to DTYPE first, then the weight product (reference.py). The GEMV's two forms use it;
+    the tile kernel spells the same out inline (as a call, its sm_90 SASS changes: the measured code stays)."""
+    return _cast(nw * _round(x * rstd, DTYPE, RNE_EMU), DTYPE, RNE_EMU)
+
+
+@triton.jit
 def _slab_dot(acc, h, w_ptr, offs_n, mask_n, offs_k, mask_k, swn, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     w = tl.load(w_ptr + offs_n[:, None] * swn + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
     if UPCAST:
@@ -208,7 +216,7 @@ def _gemv_kernel(
             xf = x.to(tl.float32)
             rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / K + eps)
             nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-            h = _cast(nw * _round(xf * rstd, dtype, RNE_EMU), dtype, RNE_EMU)
+            h = _rms_scaled(xf, rstd, nw, dtype, RNE_EMU)
         h = h.to(tl.float32)[None, :]
         acc = w.to(tl.float32) * h
         acc_up = acc
@@ -234,7 +242,7 @@ def _gemv_kernel(
             h = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
             if HAS_NORM:
                 nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-                h = _cast(nw * _round(h.to(tl.float32) * rstd, dtype, RNE_EMU), dtype, RNE_EMU)
+                h = _rms_scaled(h.to(tl.float32), rstd, nw, dtype, RNE_EMU)
             h = h.to(tl.float32)[None, :]
             acc += w.to(tl.float32) * h
             if SILU_MUL:
@@ -276,7 +284,7 @@ def default_config(m: int, no: int, k: int, silu_mul: bool, elsize: int = 2) -> 
 
 
 # Steps of this many rows (0 or 1) take the GEMV kernel (``_gemv_kernel``) by default; set_gemv changes it
-# (benchmarks/engine.py --decode-gemv / --no-decode-gemv time both).
+# (benchmarks/engine.py --no-decode-gemv times the tile kernel instead).
 GEMV_MAX_ROWS = 1
 # ... and K of at most this (the chunks unroll: a longer K means more registers and code; Qwen3-0.6B's longest is
 # 3,072; longer K has not been measured and takes the tile kernel)
@@ -287,6 +295,11 @@ def set_gemv(on: bool) -> None:
     """Whether one-row steps take the GEMV kernel by default (process-wide; read at trace time)."""
     global GEMV_MAX_ROWS
     GEMV_MAX_ROWS = 1 if on else 0
+
+
+def uses_gemv(m: int, k: int) -> bool:
+    """Whether ``decode_linear`` without a config runs M rows of K inputs on the GEMV kernel."""
+    return m <= GEMV_MAX_ROWS and k <= GEMV_MAX_K
 
 
 def gemv_config(no: int, k: int, silu_mul: bool) -> tuple:
@@ -343,7 +356,7 @@ def decode_linear(
     no = w_NK.shape[0] // 2 if silu_mul else w_NK.shape[0]
     if config:
         cfg = tuple(config)
-    elif M <= GEMV_MAX_ROWS and K <= GEMV_MAX_K:
+    elif uses_gemv(M, K):
         cfg = gemv_config(no, K, silu_mul)
     else:
         cfg = default_config(M, no, K, silu_mul, x_MK.element_size())
