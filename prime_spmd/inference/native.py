@@ -379,44 +379,53 @@ class NativeEngine(InferenceEngine):
         self._record(seqs, both[0].long().tolist(), both[1].tolist(), done)
 
     def _run_prefill(self, ids_BT: torch.Tensor, slots: list[int], last: list[int]) -> torch.Tensor:
-        """``runner.prefill`` of CPU ids [B, T] into ``slots``: logits [B, V] at ``last``. On CUDA with graphs, a
-        batch of up to ``PREFILL_GRAPH_MAX_TOKENS`` padded tokens replays the graph of its (row, length) bucket,
-        captured on first use (``pad_prefill`` states the padding); the logits are then a view of the graphs' shared
-        output buffer, valid until the next prefill (the caller samples from them at once)."""
+        """``runner.prefill`` of CPU ids [B, T] into ``slots``: logits [B, V] at ``last``. On CUDA with graphs (slot
+        cache: the paged cache's prefill graphs have not run on a GPU yet), a batch of up to
+        ``PREFILL_GRAPH_MAX_TOKENS`` padded tokens replays the graph of its (row, length) bucket, captured on first
+        use (``pad_prefill`` states the padding); the logits are then a view of the graphs' shared output buffer,
+        valid until the next prefill (the caller samples from them at once)."""
         b, t = ids_BT.shape
-        graphs = self.use_graphs and not self._paged  # the paged cache's prefill graphs have not run on a GPU yet
-        rows = pick_bucket(self.batch_buckets, b) if graphs else 0
-        length = pick_bucket(self.prefill_len_buckets, t) if graphs else 0
-        if not graphs or rows * length > PREFILL_GRAPH_MAX_TOKENS:
-            dev = self.device
-            return self.runner.prefill(ids_BT.to(dev), torch.tensor(slots).to(dev), torch.tensor(last).to(dev))
-        padded = pad_prefill(ids_BT, slots, last, rows, length)
-        entry = self._prefill_graphs.get((rows, length))
-        if entry is None:
-            entry = self._prefill_graphs[(rows, length)] = self._capture_prefill(padded)
-        graph, static = entry
-        for dst, src in zip(static, padded, strict=True):
-            dst.copy_(src, non_blocking=True)
-        graph.replay()
-        return self._prefill_logits[:b]
+        if self.use_graphs and not self._paged:
+            rows, length = pick_bucket(self.batch_buckets, b), pick_bucket(self.prefill_len_buckets, t)
+            if rows * length <= PREFILL_GRAPH_MAX_TOKENS:
+                padded = pad_prefill(ids_BT, slots, last, rows, length)
+                if (rows, length) not in self._prefill_graphs:
+                    self._prefill_graphs[(rows, length)] = self._capture_prefill(padded)
+                graph, static = self._prefill_graphs[(rows, length)]
+                for dst, src in zip(static, padded, strict=True):
+                    dst.copy_(src, non_blocking=True)
+                graph.replay()
+                return self._prefill_logits[:b]
+        dev = self.device
+        return self.runner.prefill(ids_BT.to(dev), torch.tensor(slots).to(dev), torch.tensor(last).to(dev))
 
     def _capture_prefill(self, padded: tuple) -> tuple[torch.cuda.CUDAGraph, tuple]:
-        """Capture ``runner.prefill`` at ``padded``'s shapes. Its static inputs hold this batch's real values first,
-        so the eager warm-up run (cuBLAS, SDPA and allocator first use) writes only the slots being prefilled."""
+        """Capture ``runner.prefill`` at ``padded``'s shapes, writing its logits into the shared buffer. Its static
+        inputs hold this batch's real values first, so the eager warm-up run writes only the slots being prefilled."""
         static = tuple(t.to(self.device) for t in padded)
+        if self._prefill_logits is None:  # the runner's logits are fp32 (runner._lm_head)
+            self._prefill_logits = torch.empty(
+                self.max_batch_size, self.vocab_size, device=self.device, dtype=torch.float32
+            )
+        out = self._prefill_logits[: len(static[1])]
+        return self._capture_graph(lambda: out.copy_(self.runner.prefill(*static)), warmups=1), static
+
+    def _capture_graph(self, fn, warmups: int) -> torch.cuda.CUDAGraph:
+        """Run ``fn`` ``warmups`` times on a side stream (compiles, cuBLAS / SDPA workspaces, allocator first use),
+        then capture it into a CUDA graph in the engine's one memory pool (decode and prefill graphs share it: they
+        never run at the same time, and what outlives a replay lives in buffers allocated outside the pool)."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            logits = self.runner.prefill(*static)
+            for _ in range(warmups):
+                fn()
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        if self._prefill_logits is None:
-            self._prefill_logits = logits.new_empty(self.max_batch_size, logits.shape[1])
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self._prefill_logits[: len(static[1])].copy_(self.runner.prefill(*static))
-        return graph, static
+            fn()
+        return graph
 
     def _copy_shared_prompts(self, seqs: list[_Seq], leader_of: list[_Seq]) -> None:
         """Copy each leader's prompt K/V (all layers) into the slots of the seqs that share it (paged: only the
@@ -500,21 +509,10 @@ class NativeEngine(InferenceEngine):
         """Capture one decode step; the graphs share one memory pool. Warm-up runs (compiles,
         allocator, cuBLAS workspaces) advance the device state, so it is saved and restored; the
         K/V they write past each sequence's position are overwritten before they are attended."""
-        key = (nb, kv_len, needs_sort, needs_min_p)
         saved = [t.clone() for t in (self._ids, self._pos, self._steps)]
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._decode_step(*key)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        for t, v in zip((self._ids, self._pos, self._steps), saved):
+        graph = self._capture_graph(lambda: self._decode_step(nb, kv_len, needs_sort, needs_min_p), warmups=2)
+        for t, v in zip((self._ids, self._pos, self._steps), saved):  # (the capture itself ran nothing)
             t.copy_(v)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self._decode_step(*key)
         return graph
 
     def _collect(
