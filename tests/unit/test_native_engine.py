@@ -411,6 +411,9 @@ def test_step_helpers_match_the_eager_ops(model_dir, device):
     for w, g in zip(want, got):
         assert torch.equal(w, g)
     assert want[0][:3].tolist() == [5, 7, 9] and want[3][1, :3].tolist() == [-0.5, -1.25, -3.0]
+    before = buffers()
+    assert want[1][:3].tolist() == (before[1][:3] + 1).clamp(max=63).tolist()  # positions advance, inside the cache
+    assert want[2][:3].tolist() == (before[2][:3] + 1).tolist() and want[3][0, :3].tolist() == [5.0, 7.0, 9.0]
     assert torch.equal(want[1][3:], buffers()[1][3:])  # rows past nb untouched
 
     eng, model, _ = _engine(model_dir, device)
