@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.counters import zeroed_counters
+from kernels.counters import wait_count, zeroed_counters
 from kernels.pdl import launch as pdl
 from kernels.pdl.launch import pdl_enter
 
@@ -80,8 +80,32 @@ def _split_kernel(
     PRELOAD_TILE: tl.constexpr = False,
 ):  # fmt: skip
     pdl_enter(USE_PDL)  # kernels/pdl (the fused form only): a no-op unless launched with programmatic dependent launch
-    pid_s = tl.program_id(0)
-    pid_bnkv = tl.program_id(1)
+    split_program(
+        None, None, q_ptr, k_ptr, v_ptr, lens_ptr, o_ptr, acc_ptr, ml_ptr,
+        sq_b, sq_n, sk_bc, sk_nkv, sk_tc, sv_bc, sv_nkv, sv_tc, so_b, so_n, max_len, qk_scale, table_ptr, st_b,
+        qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, s_cs, eps, cnt_ptr, None, 0,
+        NKV, G, DH, NUM_SPLITS, SPLIT_LEN, BLOCK_G, BLOCK_DH, BLOCK_TC, UPCAST, IEEE, SB, FUSE, QK_NORM, PRELOAD_TILE,
+        False,
+    )  # fmt: skip
+
+
+@triton.jit
+def split_program(
+    pid_s, pid_bnkv, q_ptr, k_ptr, v_ptr, lens_ptr, o_ptr, acc_ptr, ml_ptr,
+    sq_b, sq_n, sk_bc, sk_nkv, sk_tc, sv_bc, sv_nkv, sv_tc, so_b, so_n,
+    max_len, qk_scale, table_ptr, st_b,
+    qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, s_cs, eps, cnt_ptr, wait_ptr, wait_target,
+    NKV: tl.constexpr, G: tl.constexpr, DH: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_TC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    SB: tl.constexpr, FUSE: tl.constexpr, QK_NORM: tl.constexpr, PRELOAD_TILE: tl.constexpr, WAIT: tl.constexpr,
+):  # fmt: skip
+    """Program (``pid_s``, ``pid_bnkv``) of the split kernel (the module docstring). WAIT (a program of the decode
+    chain, kernels/decode_chain): before it reads q (the QKV row another program of the same launch writes) it waits
+    for the counter ``wait_ptr`` to reach ``wait_target`` (kernels/counters.wait_count); the preloaded tile, which
+    holds no entry of this step, is loaded before the wait. ``pid_s`` / ``pid_bnkv`` None: the launch's program ids."""
+    if pid_s is None:
+        pid_s = tl.program_id(0)
+        pid_bnkv = tl.program_id(1)
     b = pid_bnkv // NKV
     kv = pid_bnkv % NKV
     length = tl.minimum(tl.load(lens_ptr + b).to(tl.int32), max_len)
@@ -101,6 +125,8 @@ def _split_kernel(
                          mask=tile_mask, other=0.0)  # fmt: skip
         v_tile = tl.load(v_ptr + b.to(tl.int64) * sv_bc + kv * sv_nkv + offs_p[:, None] * sv_tc + offs_d[None, :],
                          mask=tile_mask, other=0.0)  # fmt: skip
+    if WAIT:
+        wait_count(wait_ptr, wait_target)
     if FUSE:  # q_ptr is the QKV projection [B, (N + 2 Nkv) Dh]: q/k norm, RoPE and the cache write happen here
         qkv_row = q_ptr + b.to(tl.int64) * sq_b
         cos_row, sin_row = cos_ptr + b * s_cs, sin_ptr + b * s_cs

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.counters import zeroed_counters
+from kernels.counters import wait_count, zeroed_counters
 from kernels.pdl import launch as pdl
 from kernels.pdl.launch import pdl_enter, prefetch_rows_l2
 
@@ -185,6 +185,45 @@ def _gemv_w(w_ptr, offs_n, mask_n, offs_k, mask_k, swn, NO, SILU_MUL: tl.constex
 
 
 @triton.jit
+def gemv_preloaded(
+    x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, o_ptr, pid, NO, eps, swn, wait_ptr, wait_target,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr,
+    BLOCK_N: tl.constexpr, KP: tl.constexpr, RNE_EMU: tl.constexpr, USE_PDL: tl.constexpr, WAIT: tl.constexpr,
+):  # fmt: skip
+    """Program ``pid`` of the GEMV's preloaded form: its whole w slab [BLOCK_N, KP] (K padded to the power of two KP)
+    is loaded first, then it waits for its inputs: PDL's ``griddepcontrol.wait`` (``_gemv_kernel`` with PRELOAD), or
+    with WAIT the counter ``wait_ptr`` reaching ``wait_target`` (kernels/counters.wait_count: a program of the decode
+    chain, kernels/decode_chain, whose x another program of the same launch writes). Then x (and the residual) are
+    read and the columns written as ``_gemv_kernel`` writes them."""
+    dtype = o_ptr.dtype.element_ty
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < NO
+    offs_k = tl.arange(0, KP)
+    mask_k = offs_k < K
+    w, w_up = _gemv_w(w_ptr, offs_n, mask_n, offs_k, mask_k, swn, NO, SILU_MUL)
+    if WAIT:
+        wait_count(wait_ptr, wait_target)
+    else:
+        pdl_enter(USE_PDL)
+    x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
+    h = x
+    if HAS_NORM:
+        xf = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / K + eps)
+        nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        h = _rms_scaled(xf, rstd, nw, dtype, RNE_EMU)
+    h = h.to(tl.float32)[None, :]
+    acc = w.to(tl.float32) * h
+    acc_up = acc
+    if SILU_MUL:
+        acc_up = w_up.to(tl.float32) * h
+    offs_m = tl.arange(0, 1)
+    mask_mn = (offs_m < 1)[:, None] & mask_n[None, :]
+    _epilogue(tl.sum(acc, axis=1)[None, :], tl.sum(acc_up, axis=1)[None, :], b_ptr, r_ptr, o_ptr, offs_m, offs_n,
+              mask_n, mask_mn, NO, 0, 0, HAS_BIAS, HAS_RES, SILU_MUL, RNE_EMU)  # fmt: skip
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, o_ptr,
     NO, eps, swn,
@@ -202,51 +241,37 @@ def _gemv_kernel(
     still runs; x, the only input that kernel writes, is read after the wait. Safe: the decode step never writes
     w. (The tile kernel's form of this, a bulk prefetch into L2, lost 8% at batch 1 on the H200; this one moves
     the kernel's own loads, no extra traffic.)"""
+    if PRELOAD:
+        gemv_preloaded(x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, o_ptr, tl.program_id(0), NO, eps, swn, None, 0, K,
+                       HAS_BIAS, HAS_NORM, HAS_RES, SILU_MUL, BLOCK_N, KP, RNE_EMU, USE_PDL, False)  # fmt: skip
+        return
     dtype = o_ptr.dtype.element_ty
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < NO
-    if PRELOAD:
-        offs_k = tl.arange(0, KP)
+    rk = tl.arange(0, BLOCK_K)
+    pdl_enter(USE_PDL)
+    if HAS_NORM:
+        ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in tl.static_range(0, K, BLOCK_K):
+            xt = tl.load(x_ptr + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
+            ss += xt * xt
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+    # products summed elementwise over the chunks, reduced over K once at the end: no cross-thread reduction
+    # (and its barrier) between chunks, so the compiler can issue every chunk's w loads up front
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK_K):
+        offs_k = k0 + rk
         mask_k = offs_k < K
         w, w_up = _gemv_w(w_ptr, offs_n, mask_n, offs_k, mask_k, swn, NO, SILU_MUL)
-        pdl_enter(USE_PDL)
-        x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
-        h = x
+        h = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
         if HAS_NORM:
-            xf = x.to(tl.float32)
-            rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / K + eps)
             nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-            h = _rms_scaled(xf, rstd, nw, dtype, RNE_EMU)
+            h = _rms_scaled(h.to(tl.float32), rstd, nw, dtype, RNE_EMU)
         h = h.to(tl.float32)[None, :]
-        acc = w.to(tl.float32) * h
-        acc_up = acc
+        acc += w.to(tl.float32) * h
         if SILU_MUL:
-            acc_up = w_up.to(tl.float32) * h
-    else:
-        rk = tl.arange(0, BLOCK_K)
-        pdl_enter(USE_PDL)
-        if HAS_NORM:
-            ss = tl.zeros([BLOCK_K], dtype=tl.float32)
-            for k0 in tl.static_range(0, K, BLOCK_K):
-                xt = tl.load(x_ptr + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
-                ss += xt * xt
-            rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
-        # products summed elementwise over the chunks, reduced over K once at the end: no cross-thread reduction
-        # (and its barrier) between chunks, so the compiler can issue every chunk's w loads up front
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in tl.static_range(0, K, BLOCK_K):
-            offs_k = k0 + rk
-            mask_k = offs_k < K
-            w, w_up = _gemv_w(w_ptr, offs_n, mask_n, offs_k, mask_k, swn, NO, SILU_MUL)
-            h = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
-            if HAS_NORM:
-                nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-                h = _rms_scaled(h.to(tl.float32), rstd, nw, dtype, RNE_EMU)
-            h = h.to(tl.float32)[None, :]
-            acc += w.to(tl.float32) * h
-            if SILU_MUL:
-                acc_up += w_up.to(tl.float32) * h
+            acc_up += w_up.to(tl.float32) * h
     offs_m = tl.arange(0, 1)
     mask_mn = (offs_m < 1)[:, None] & mask_n[None, :]
     _epilogue(tl.sum(acc, axis=1)[None, :], tl.sum(acc_up, axis=1)[None, :], b_ptr, r_ptr, o_ptr, offs_m, offs_n,

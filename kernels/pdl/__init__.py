@@ -1,1 +1,1 @@
-"""Programmatic dependent launch (PDL, sm_90+) for the decode chain's Triton kernels (kernels/pdl/README.md)."""
+"""Programmatic dependent launch (PDL, sm_90+) for the decode step's Triton kernels (kernels/pdl/README.md)."""

@@ -21,6 +21,7 @@ NATIVE_ONLY = (
     "kv_block_size",
     "kv_cache_tokens",
     "pdl",
+    "decode_chain",
 )
 
 
@@ -74,6 +75,7 @@ def build_engine(
         kv_block_size=inference_cfg.kv_block_size,
         kv_cache_tokens=inference_cfg.kv_cache_tokens,
         pdl=inference_cfg.pdl,
+        decode_chain=inference_cfg.decode_chain,
     )
     warm = inference_cfg.warmup
     if warm == "on" or (warm == "auto" and engine.use_graphs):

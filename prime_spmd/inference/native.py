@@ -97,9 +97,11 @@ class NativeEngine(InferenceEngine):
     elsewhere: ``sampling.resolve_sampler``). ``kv_cache``: "slot" (a whole ``max_model_len`` slot per sequence) or "paged"
     (blocks of ``kv_block_size`` positions from a pool of ``kv_cache_tokens`` tokens, 0: as many as the slots
     hold; a sequence takes the blocks of its prompt + max_tokens, a group's samples share their prompt's blocks,
-    and admission waits while the pool is short). ``pdl``: launch the decode chain's Triton kernels (decode linears,
+    and admission waits while the pool is short). ``pdl``: launch the decode step's Triton kernels (decode linears,
     the fused attention) with programmatic dependent launch (kernels/pdl; CUDA, process-wide; ``self.pdl`` says
-    whether it is on). Call every method from one thread.
+    whether it is on). ``decode_chain``: one-row decode steps run every layer in one launch (kernels/decode_chain;
+    needs attention "fused", linear "triton", the slot cache and a dense Llama-style model: CUDA, or the Triton
+    interpreter). Call every method from one thread.
     """
 
     def __init__(
@@ -123,6 +125,7 @@ class NativeEngine(InferenceEngine):
         kv_block_size: int = 16,
         kv_cache_tokens: int = 0,
         pdl: bool = False,
+        decode_chain: bool = False,
     ) -> None:
         device = torch.device(device) if device is not None else next(model.parameters()).device
         from kernels.pdl import launch as pdl_launch
@@ -147,6 +150,7 @@ class NativeEngine(InferenceEngine):
             kv_cache=kv_cache,
             kv_block_size=kv_block_size,
             kv_cache_tokens=kv_cache_tokens,
+            decode_chain=decode_chain,
         )
         self.vocab_size = self.runner.vocab_size
         self.batch_buckets = bucket_sizes(max_batch_size, 1, "pow2")

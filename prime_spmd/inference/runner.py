@@ -231,6 +231,8 @@ class LlamaStyleRunner:
     ``self.linear``; the model's own submodules, used otherwise, ignore it). ``kv_cache`` picks the cache
     (``build_kv_cache``): "slot" (a whole slot per sequence) or "paged" (blocks of ``kv_block_size`` positions
     from a pool of ``kv_cache_tokens`` tokens; shared prompt blocks), read by both decode paths and both attentions.
+    ``decode_chain``: one-row decode steps run all layers in one launch (kernels/decode_chain; needs the fused decode
+    layer with attention "fused", linear "triton" and the slot cache, else ValueError naming what differs).
     """
 
     def __init__(
@@ -245,6 +247,7 @@ class LlamaStyleRunner:
         kv_cache: KVCacheKind = "slot",
         kv_block_size: int = 16,
         kv_cache_tokens: int = 0,
+        decode_chain: bool = False,
     ) -> None:
         attention = resolve_decode_attention(attention, device)
         if attention in ("triton", "fused"):
@@ -282,6 +285,26 @@ class LlamaStyleRunner:
             self._setup_fused_decode(model, compile_decode and device.type == "cuda")
         elif self.attention == "fused":  # the models' own modules compute q/k: the kernel cannot take them over
             self.attention = "triton"
+        self.chain = self._build_chain(kv_cache) if decode_chain else None
+
+    def _build_chain(self, kv_cache: str):
+        """The one-launch decode of one-row steps (kernels/decode_chain), or ValueError naming what it cannot take."""
+        wrong = [
+            f"{name} {got!r} (want {want!r})"
+            for name, got, want in (
+                ("decode attention", self.attention, "fused"),
+                ("decode linear", self.linear, "triton"),
+                ("KV cache", kv_cache, "slot"),
+                ("model", "dense Llama-style" if self.layer_args is not None else type(self.model).__name__,
+                 "dense Llama-style"),
+            )  # fmt: skip
+            if got != want
+        ]
+        if wrong:
+            raise ValueError(f"decode_chain needs the fused decode layer's Triton path: {', '.join(wrong)}")
+        from kernels.decode_chain.kernel import DecodeChain
+
+        return DecodeChain(self.layer_args, self.cache.k, self.cache.v, self.num_heads, self.scale, self.eps)
 
     def _setup_fused_decode(self, model: torch.nn.Module, compile_decode: bool) -> None:
         layers = model.model.layers
@@ -411,6 +434,11 @@ class LlamaStyleRunner:
     def _decode_fused(self, ids_B: torch.Tensor, pos_B: torch.Tensor, kv_len: int, head: bool) -> torch.Tensor:
         x = self.inner.embed_tokens(ids_B)  # [B, D]
         cos, sin = self.cos_TcDh[pos_B], self.sin_TcDh[pos_B]  # [B, Dh]
+        if self.chain is not None and ids_B.shape[0] == 1:  # all layers in one launch (kernels/decode_chain)
+            self.chain.input().copy_(x)
+            x = self.chain(cos, sin, pos_B, (pos_B + 1).clamp(max=kv_len), kv_len)
+            h = self.final_norm(x, *self.final_norm_args)
+            return self._lm_head(h) if head else h
         if self.attention in ("triton", "fused"):
             # row b attends positions <= pos_B[b]; rows past the bucket (free slots) are clamped to it
             mask_BTkv, lens_B, tkv = None, (pos_B + 1).clamp(max=kv_len), kv_len
@@ -483,9 +511,10 @@ def build_runner(
     kv_cache: KVCacheKind = "slot",
     kv_block_size: int = 16,
     kv_cache_tokens: int = 0,
+    decode_chain: bool = False,
 ):
-    """The fastest runner that supports ``model`` (``attention``, ``linear``, ``kv_cache``: see ``LlamaStyleRunner``;
-    the generic runner keeps token ids, no KV cache, and ignores them)."""
+    """The fastest runner that supports ``model`` (``attention``, ``linear``, ``kv_cache``, ``decode_chain``: see
+    ``LlamaStyleRunner``; the generic runner keeps token ids, no KV cache, and ignores them)."""
     if adapter_for(model).supports_slot_cache():
         return LlamaStyleRunner(
             model,
@@ -498,5 +527,8 @@ def build_runner(
             kv_cache,
             kv_block_size,
             kv_cache_tokens,
+            decode_chain,
         )
+    if decode_chain:
+        raise ValueError(f"decode_chain needs a Llama-style decoder with a KV cache, not {type(model).__name__}")
     return GenericRunner(model, num_slots, max_len, device)
