@@ -94,6 +94,7 @@ def run_native(
     sampler="auto",
     kv_cache: str = "slot",
     pdl: bool = False,
+    decode_chain: bool = False,
 ) -> tuple[float, list]:
     """(seconds of the second ``generate``, its token ids per request, the attention / linear / sampler it ran)."""
     from prime_spmd.inference.engine import Request, SamplingParams
@@ -112,6 +113,7 @@ def run_native(
         sampler=sampler,
         kv_cache=kv_cache,
         pdl=pdl,
+        decode_chain=decode_chain,
     )
 
     def once() -> float:
@@ -289,6 +291,19 @@ def main() -> None:
         help="native engines: comma list of slot, paged (KV cache, 16-position blocks); crossed with the three above",
     )
     ap.add_argument("--pdl", action="store_true", help="native engines: programmatic dependent launch (kernels/pdl)")
+    ap.add_argument(
+        "--decode-chain",
+        default="off",
+        help="native engines: comma list of off, on (one-row steps in one launch, kernels/decode_chain; needs the "
+        "fused attention and triton linears); crossed with the variants above",
+    )
+    ap.add_argument(
+        "--chain-slab-bytes",
+        type=int,
+        default=0,
+        help="decode chain: weight bytes a GEMV item loads before it waits (0: kernel.SLAB_BYTES; process-wide)",
+    )
+    ap.add_argument("--chain-warps", type=int, default=0, help="decode chain: warps a program (0: kernel.NUM_WARPS)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -314,6 +329,10 @@ def main() -> None:
     from kernels.decode_linear import kernel as decode_linear_kernel
 
     decode_linear_kernel.set_gemv(not args.no_decode_gemv)
+    if args.chain_slab_bytes or args.chain_warps:
+        from kernels.decode_chain import kernel as decode_chain_kernel
+
+        decode_chain_kernel.set_config(args.chain_slab_bytes, args.chain_warps)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     max_len = args.prompt_len + args.new_tokens
     model = build_model(args.model_shape, max_len, device, dtype)
@@ -332,11 +351,15 @@ def main() -> None:
                     args.decode_linear.split(","),
                     args.sampler.split(","),
                     args.kv_cache.split(","),
+                    args.decode_chain.split(","),
                 )
-                for attn, lin, smp, kv in variants:
+                for attn, lin, smp, kv, chain in variants:
+                    if chain not in ("off", "on"):
+                        raise SystemExit(f"--decode-chain {chain!r}: choose off or on")
                     m = model if name == "native" else custom
                     graphs = not args.no_cuda_graphs
-                    secs, toks, ran = run_native(m, ids, args.new_tokens, device, graphs, attn, lin, smp, kv, args.pdl)
+                    secs, toks, ran = run_native(m, ids, args.new_tokens, device, graphs, attn, lin, smp, kv, args.pdl,
+                                                 chain == "on")  # fmt: skip
                     attn, lin, smp = ran["decode_attention"], ran["decode_linear"], ran["sampler"]
                     row = dict(engine=name, **ran, kv_cache=kv, pdl=args.pdl)
                     row["pdl_prefetch"] = args.pdl and not args.no_pdl_prefetch
@@ -344,6 +367,12 @@ def main() -> None:
                     row["decode_gemv"] = lin == "triton" and bs <= decode_linear_kernel.GEMV_MAX_ROWS
                     row["attention_split_tiles"] = args.attention_split_tiles
                     row["attention_preload_tile"] = args.attention_preload_tile
+                    row["decode_chain"] = chain == "on"
+                    if chain == "on":
+                        from kernels.decode_chain import kernel as decode_chain_kernel
+
+                        row["chain_slab_bytes"] = decode_chain_kernel.SLAB_BYTES
+                        row["chain_warps"] = decode_chain_kernel.NUM_WARPS
                     row.update(batch=bs, seconds=secs)
                     row["roofline_tok_s"] = roof
                     row["tokens_per_s"] = bs * args.new_tokens / secs
@@ -353,7 +382,7 @@ def main() -> None:
                         row.update(token_agreement(base_tokens, toks))
                     rows.append(row)
                     extra = f", same tokens as the first: {row['same_tokens']:.3f}" if "same_tokens" in row else ""
-                    print(f"{name}[{attn},{lin},{smp},{kv}] batch {bs:4d}: {row['tokens_per_s']:10.1f} tok/s ({secs:.2f} s){extra}",
+                    print(f"{name}[{attn},{lin},{smp},{kv}{',chain' if chain == 'on' else ''}] batch {bs:4d}: {row['tokens_per_s']:10.1f} tok/s ({secs:.2f} s){extra}",
                           file=sys.stderr, flush=True)  # fmt: skip
                 continue
             elif name in ("hf", "hf-static"):
@@ -393,7 +422,8 @@ def main() -> None:
         label = r["engine"]
         if "decode_linear" in r:
             lin = r["decode_linear"] + ("-gemv" if r.get("decode_gemv") else "")
-            label += f"[{r['decode_attention']},{lin},{r['sampler']},{r['kv_cache']}]"
+            chain = ",chain" if r.get("decode_chain") else ""
+            label += f"[{r['decode_attention']},{lin},{r['sampler']},{r['kv_cache']}{chain}]"
         table.append([label, r["batch"], f"{tok_s:.0f}", vs, f"{roof:.0f}", f"{100 * frac:.1f}%"])
     common.print_markdown_table(["engine", "batch", "tokens/s", "vs hf", "decode roofline tok/s", "of roofline"], table)
     if args.out:

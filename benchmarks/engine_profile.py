@@ -47,6 +47,7 @@ def profile_batch(model, bs: int, args, device: torch.device, out_dir: Path | No
         sampler=args.sampler,
         kv_cache=args.profile_kv_cache,
         pdl=args.pdl,
+        decode_chain=args.decode_chain,
     )
 
     def requests():
@@ -210,6 +211,7 @@ def main() -> None:
     ap.add_argument("--sampler", default="auto", help="decode profile: the engine's sampler")
     ap.add_argument("--profile-kv-cache", default="slot", help="decode profile: the engine's KV cache")
     ap.add_argument("--pdl", action="store_true", help="decode profile: programmatic dependent launch")
+    ap.add_argument("--decode-chain", action="store_true", help="decode profile: one-row steps in one launch")
     ap.add_argument("--groups", type=int, default=0, help="prefill-sharing measurement: prompts (0: skip)")
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--group-prompt-len", type=int, default=1024)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU runs recorded in docs/benchmarks.md, in parts that fit one device call each.
-#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | engine_profile | issue17 | issue17b | issue17c | issue17d | issue17e | attn_splits | gemv_pdl_tests | gemv_pdl | pdl_prefetch | sampler | paged | fused_attn | decode_attn | decode_linear_sweep | decode_linear_splitk | decode_linear_engine | loss | moe | trainer | train_step | lora | env_bridge | engine_warmup | rl_e2e | sample_parity | rl
+#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | engine_profile | issue17 | issue17b | issue17c | issue17d | issue17e | attn_splits | chain_tests | chain | gemv_pdl_tests | gemv_pdl | pdl_prefetch | sampler | paged | fused_attn | decode_attn | decode_linear_sweep | decode_linear_splitk | decode_linear_engine | loss | moe | trainer | train_step | lora | env_bridge | engine_warmup | rl_e2e | sample_parity | rl
 # Each step has its own time limit so that one slow step does not lose the others' results.
 set -uo pipefail
 PART=$1; OUT=${2:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -80,6 +80,23 @@ case $PART in
     [ "${WITH_SPLITS:-0}" = 1 ] && for t in 2 4; do  # what time is left: attention split tiles at batch 1
       run "e_attn_split_tiles_$t" 45 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --attention-split-tiles $t --out "$OUT/engine_attn_split_tiles_$t.json"
     done ;;
+  chain_tests)  # issue 17, first call of the next session: the decode chain's CUDA tests (its own step: a hang there loses nothing else), then gemv_pdl_tests' set (GEMV, preloaded attention tile, compiled step glue, graph prefill, PDL tokens); ~8 min
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
+    export PYTHONPATH=/tmp/site:$PWD
+    run c_chain_tests 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_chain.py tests/unit/test_native_decode_chain.py
+    run c_tests 330 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_linear.py tests/kernels/test_decode_attention.py tests/unit/test_native_engine.py tests/unit/test_native_decode_attention.py ;;
+  chain)  # issue 17, after chain_tests: batch 1 with the decode chain (its defaults, 32 KB items, 8 warps), the 0.6B rows at the defaults, mismatch KL of the chain at one row, its profile, PDL + GEMV preload at batch 1; each its own process; ~9 min
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
+    export PYTHONPATH=/tmp/site:$PWD
+    B1="--device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native"
+    run c_chain 80 python3 benchmarks/engine.py $B1 --decode-chain on --out "$OUT/engine_chain.json"
+    run c_engine 110 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,16,64,256 --prompt-len 128 --new-tokens 256 --engine native --out "$OUT/engine_defaults.json"
+    run c_chain_mismatch 60 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --requests 1 --new-tokens 2048 --decode-chain --out "$OUT/mismatch_chain_one_row.json"
+    mkdir -p "$OUT/profile_chain"
+    run c_chain_profile 80 python3 benchmarks/engine_profile.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --decode-chain --out-dir "$OUT/profile_chain"
+    run c_chain_slab32k 70 python3 benchmarks/engine.py $B1 --decode-chain on --chain-slab-bytes 32768 --out "$OUT/engine_chain_slab32k.json"
+    run c_chain_w8 70 python3 benchmarks/engine.py $B1 --decode-chain on --chain-warps 8 --out "$OUT/engine_chain_w8.json"
+    run c_pdl_preload 60 python3 benchmarks/engine.py $B1 --pdl --out "$OUT/engine_pdl_preload.json" ;;
   gemv_pdl_tests)  # issue 17, before gemv_pdl: the CUDA tests of this session's untimed changes (GEMV, preloaded attention tile, compiled step glue, graph prefill, PDL tokens); ~5 min
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
     export PYTHONPATH=/tmp/site:$PWD

@@ -55,6 +55,9 @@ def main() -> None:
         "--decode-attention", default="auto", choices=["auto", "bmm", "triton", "fused"], help="the engine's attention"
     )
     ap.add_argument("--kv-cache", default="slot", choices=["slot", "paged"], help="the engine's KV cache")
+    ap.add_argument(
+        "--decode-chain", action="store_true", help="the engine's one-row steps in one launch (with --requests 1)"
+    )
     ap.add_argument("--out", default="")
     args = ap.parse_args()
 
@@ -83,6 +86,7 @@ def main() -> None:
             sampler=args.sampler,
             decode_attention=args.decode_attention,
             kv_cache=args.kv_cache,
+            decode_chain=args.decode_chain,
         )
         trainer_lm = load_model(mcfg, device, dtype).eval()
     vocab = engine.vocab_size

@@ -130,9 +130,22 @@ def slab_columns(k: int, slabs: int, slab_bytes: int, elsize: int) -> int:
     return max(1, 1 << max(0, (slab_bytes // per_col).bit_length() - 1))
 
 
-# GPU: bytes of weights a GEMV item loads before it waits (its columns: slab_columns). Not yet timed on a GPU; at
-# 16 KB the Qwen3-0.6B shape has ~2,050 items a layer (qkv 8 columns an item, o 4, gate/up 4, down 2).
+# GPU: bytes of weights a GEMV item loads before it waits (its columns: slab_columns), and warps a program. Not yet
+# timed on a GPU; at 16 KB the Qwen3-0.6B shape has ~2,050 GEMV items a layer (qkv 8 columns an item, o 4, gate/up
+# 4, down 2); 4 warps: 168 registers at sm_90 (the attention's), 3 programs an SM (8 warps: 112, 2 programs).
 SLAB_BYTES = 16 * 1024
+NUM_WARPS = 4
+# Under the interpreter: items of up to 1 KB of weights (tests' tiny models: several items a phase, ragged edges)
+INTERPRET_SLAB_BYTES = 1024
+
+
+def set_config(slab_bytes: int = 0, num_warps: int = 0) -> None:
+    """Process-wide defaults of later ``DecodeChain``s (0 keeps a value): benchmarks/engine.py --chain-* sweeps."""
+    global SLAB_BYTES, NUM_WARPS
+    if slab_bytes < 0 or num_warps < 0 or (num_warps and num_warps & (num_warps - 1)):
+        raise ValueError(f"decode_chain: slab bytes {slab_bytes} >= 0, warps {num_warps} a power of two (0: keep)")
+    SLAB_BYTES = slab_bytes or SLAB_BYTES
+    NUM_WARPS = num_warps or NUM_WARPS
 
 
 class DecodeChain:
@@ -142,7 +155,7 @@ class DecodeChain:
     biases and q/k norms may be None); ``k_cache`` / ``v_cache`` [L, Bc, Nkv, Tc, Dh] (slot layout; row 0 is slot 0).
     The weights' storage must stay where it is (in-place updates, as ``NativeEngine.load_weights`` makes, are seen):
     their addresses are read once, here. ``slab_bytes`` sizes the GEMV items (``SLAB_BYTES``), ``num_warps`` the
-    programs. ValueError naming the bad tensor for shapes, dtypes or layouts the kernel cannot take."""
+    programs (0: the module's ``SLAB_BYTES`` / ``NUM_WARPS``). ValueError naming the bad tensor for shapes, dtypes or layouts the kernel cannot take."""
 
     def __init__(
         self,
@@ -153,7 +166,7 @@ class DecodeChain:
         scale: float,
         eps: float,
         slab_bytes: int = 0,
-        num_warps: int = 4,
+        num_warps: int = 0,
     ) -> None:
         L, _, nkv, tc, dh = k_cache.shape
         if len(layers) != L or v_cache.shape != k_cache.shape:
@@ -209,10 +222,10 @@ class DecodeChain:
         self.ml = torch.empty(L * part * 2, dtype=torch.float32, device=self.device)
         self.counters = torch.zeros(1 + N_PHASES * L + L * nkv, dtype=torch.int32, device=self.device)
         elsize = qkv_w.element_size()
-        slab = slab_bytes or (1024 if INTERPRET else SLAB_BYTES)
+        slab = slab_bytes or (INTERPRET_SLAB_BYTES if INTERPRET else SLAB_BYTES)
         self.bn = (slab_columns(d, 1, slab, elsize), slab_columns(nq, 1, slab, elsize),
                    slab_columns(d, 2, slab, elsize), slab_columns(inter, 1, slab, elsize))  # fmt: skip
-        self.num_warps = num_warps
+        self.num_warps = num_warps or NUM_WARPS
         self.layer_stride = 2 * d + 2 * nq + 2 * nkv * dh + inter
 
     def input(self) -> torch.Tensor:
