@@ -126,6 +126,8 @@ def split_program(
         v_tile = tl.load(v_ptr + b.to(tl.int64) * sv_bc + kv * sv_nkv + offs_p[:, None] * sv_tc + offs_d[None, :],
                          mask=tile_mask, other=0.0)  # fmt: skip
     if WAIT:
+        if PRELOAD_TILE:  # keeps the tile loads issued before the spin (ptxas sinks loads below it otherwise)
+            tl.debug_barrier()
         wait_count(wait_ptr, wait_target)
     if FUSE:  # q_ptr is the QKV projection [B, (N + 2 Nkv) Dh]: q/k norm, RoPE and the cache write happen here
         qkv_row = q_ptr + b.to(tl.int64) * sq_b

@@ -55,8 +55,9 @@ PHASES = tl.constexpr(N_PHASES)  # kernels read it: a constexpr global
 
 @triton.jit
 def _addr(tab_ptr, layer, col: tl.constexpr, like_ptr):
-    """Column ``col`` of the address table at ``layer``, as a pointer of ``like_ptr``'s type."""
-    return tl.load(tab_ptr + layer * 12 + col).to(like_ptr.dtype)
+    """Column ``col`` of the address table at ``layer``, as a pointer of ``like_ptr``'s type, 16-byte aligned (checked
+    on the host): without the hint every weight load is a 2-byte scalar (sm_90 PTX), with it 16-byte vectors."""
+    return tl.multiple_of(tl.load(tab_ptr + layer * 12 + col).to(like_ptr.dtype), 16)
 
 
 @triton.jit
@@ -210,6 +211,15 @@ class DecodeChain:
                 f"decode_chain: caches {k_cache.dtype} strides {k_cache.stride()} / {v_cache.stride()}: want the weights'"
                 f" dtype {self.dtype}, one layout, a contiguous head dim"
             )
+        cols = TABLE_COLUMNS
+        misaligned = [f"layer {li} {cols[j]}" for li, row in enumerate(rows) for j, a in enumerate(row) if a % 16]
+        elsize = qkv_w.element_size()
+        rows_ok = all((n * elsize) % 16 == 0 for n in (d, nq, inter, dh))
+        if misaligned or not rows_ok:  # the kernel's weight loads are 16-byte vectors (_addr's hint)
+            raise ValueError(
+                f"decode_chain: 16-byte alignment: addresses of {misaligned[:4]}; row bytes hidden {d * elsize}, "
+                f"q {nq * elsize}, intermediate {inter * elsize}, head {dh * elsize} must be multiples of 16"
+            )
         self.table = torch.tensor(rows, dtype=torch.int64, device=self.device)
         self.L, self.D, self.I, self.NKV, self.G, self.DH, self.TC = L, d, inter, nkv, num_heads // nkv, dh, tc
         self.biases, self.qk_norm, self.scale, self.eps = (qkv_bias, o_bias), qk_norm, scale, eps
@@ -221,7 +231,6 @@ class DecodeChain:
         self.acc = torch.empty(L * part * dh, dtype=torch.float32, device=self.device)
         self.ml = torch.empty(L * part * 2, dtype=torch.float32, device=self.device)
         self.counters = torch.zeros(1 + N_PHASES * L + L * nkv, dtype=torch.int32, device=self.device)
-        elsize = qkv_w.element_size()
         slab = slab_bytes or (INTERPRET_SLAB_BYTES if INTERPRET else SLAB_BYTES)
         self.bn = (slab_columns(d, 1, slab, elsize), slab_columns(nq, 1, slab, elsize),
                    slab_columns(d, 2, slab, elsize), slab_columns(inter, 1, slab, elsize))  # fmt: skip

@@ -202,6 +202,8 @@ def gemv_preloaded(
     mask_k = offs_k < K
     w, w_up = _gemv_w(w_ptr, offs_n, mask_n, offs_k, mask_k, swn, NO, SILU_MUL)
     if WAIT:
+        # the CTA barrier keeps the w loads issued here: without it ptxas sank them below the spin loop (sm_90 SASS)
+        tl.debug_barrier()
         wait_count(wait_ptr, wait_target)
     else:
         pdl_enter(USE_PDL)

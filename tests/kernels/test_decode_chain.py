@@ -176,6 +176,10 @@ def test_bad_inputs_raise():
     bad[0][5] = bad[0][5].t().contiguous().t()  # o_w transposed in memory
     with pytest.raises(ValueError, match="layer 0 o_w"):
         chain.DecodeChain([tuple(t) for t in bad], k, v, N, SCALE, EPS)
+    bad = [list(t) for t in layers]
+    bad[1][7] = torch.empty(D + 1, device=DEVICE)[1:].copy_(bad[1][7])  # ln2 at a 4-byte offset
+    with pytest.raises(ValueError, match=r"alignment: addresses of \['layer 1 ln2'\]"):
+        chain.DecodeChain([tuple(t) for t in bad], k, v, N, SCALE, EPS)
     with pytest.raises(ValueError, match="dtype"):
         chain.DecodeChain(layers, k.double(), v.double(), N, SCALE, EPS)
     with pytest.raises(ValueError, match="3 heads"):
