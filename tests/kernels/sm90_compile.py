@@ -291,6 +291,24 @@ def hints(fn, signature: dict[str, str]) -> dict:
     return {(names.index(a),): [["tt.divisibility", 16]] for a in signature if a.endswith("_ptr") or a in HINTED_INTS}
 
 
+def preloading_branches(cubin: bytes) -> int | None:
+    """How many EXIT-terminated stretches of the SASS issue a 16-byte global load before their first volatile spin load
+    (``LDG.E.STRONG.SYS``, kernels/counters.wait_count): the decode chain's GEMV phases must (ptxas once sank them
+    below the spin). None where cuobjdump is missing."""
+    tool = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    if not tool.is_file():
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True).stdout
+    count = 0
+    for stretch in sass.split("EXIT"):
+        spin, vec = stretch.find("LDG.E.STRONG.SYS"), stretch.find("LDG.E.128")
+        count += -1 < vec < spin
+    return count
+
+
 def main() -> int:
     failed = 0
     for name, fn, signature, constexprs, options in variants():
@@ -325,6 +343,11 @@ def main() -> int:
             print(
                 f"FAILED  {name}: weight loads not vectorized (16-byte ld.global.v4: {ptx.count('ld.global.v4.b32')})"
             )
+            continue
+        preloading = preloading_branches(compiled.asm["cubin"]) if name.startswith("decode_chain") else None
+        if preloading is not None and preloading < 4:  # qkv, o, gate/up, down
+            failed += 1
+            print(f"FAILED  {name}: {preloading} of the 4 GEMV phases load weights before they wait (sm_90 SASS)")
             continue
         if name.startswith(NO_SPILLS) and usage and "STACK:0 " not in usage + " ":
             failed += 1
