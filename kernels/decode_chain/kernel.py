@@ -29,7 +29,8 @@ split-combination counters [L, Nkv].
 Interpreter (CPU, TRITON_INTERPRET=1): bf16 rounding emulated as kernels/decode_linear does (``RNE_EMU``), K/V tiles
 upcast before ``tl.dot``; each phase's code is the per-kernel path's own, so the chain's result equals it bit for bit.
 
-Legend: see reference.py (L layers, D hidden, I intermediate (DI in the kernel), Nkv kv heads, G = N / Nkv, Dh head dim).
+Legend: see reference.py (L layers, D hidden, I intermediate (DI in the kernel), Nkv kv heads, G = N / Nkv, Dh head
+dim).
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def _chain_kernel(
     BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr,
     KP_D: tl.constexpr, KP_Q: tl.constexpr, KP_I: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_DH: tl.constexpr,
-    BLOCK_TC: tl.constexpr, QKV_BIAS: tl.constexpr, O_BIAS: tl.constexpr, QK_NORM: tl.constexpr, PRELOAD_TILE: tl.constexpr,
+    BLOCK_TC: tl.constexpr, QKV_BIAS: tl.constexpr, O_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
+    PRELOAD_TILE: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, RNE_EMU: tl.constexpr,
 ):  # fmt: skip
     NQ: tl.constexpr = NKV * G * DH  # q columns (attention output width)
@@ -156,7 +158,8 @@ class DecodeChain:
     biases and q/k norms may be None); ``k_cache`` / ``v_cache`` [L, Bc, Nkv, Tc, Dh] (slot layout; row 0 is slot 0).
     The weights' storage must stay where it is (in-place updates, as ``NativeEngine.load_weights`` makes, are seen):
     their addresses are read once, here. ``slab_bytes`` sizes the GEMV items (``SLAB_BYTES``), ``num_warps`` the
-    programs (0: the module's ``SLAB_BYTES`` / ``NUM_WARPS``). ValueError naming the bad tensor for shapes, dtypes or layouts the kernel cannot take."""
+    programs (0: the module's ``SLAB_BYTES`` / ``NUM_WARPS``). ValueError naming the bad tensor for shapes, dtypes,
+    layouts or 16-byte alignments the kernel cannot take."""
 
     def __init__(
         self,
@@ -200,16 +203,16 @@ class DecodeChain:
                     continue
                 if tuple(w.shape) != shapes[name] or w.dtype != self.dtype or not w.is_contiguous():
                     raise ValueError(
-                        f"decode_chain: layer {li} {name} is {tuple(w.shape)} {w.dtype} (contiguous: {w.is_contiguous()});"
-                        f" want {shapes[name]} {self.dtype}, contiguous"
+                        f"decode_chain: layer {li} {name} is {tuple(w.shape)} {w.dtype} (contiguous: "
+                        f"{w.is_contiguous()}); want {shapes[name]} {self.dtype}, contiguous"
                     )
                 row.append(w.data_ptr())
             row += [k_cache[li].data_ptr(), v_cache[li].data_ptr()]
             rows.append(row)
         if k_cache.dtype != self.dtype or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
             raise ValueError(
-                f"decode_chain: caches {k_cache.dtype} strides {k_cache.stride()} / {v_cache.stride()}: want the weights'"
-                f" dtype {self.dtype}, one layout, a contiguous head dim"
+                f"decode_chain: caches {k_cache.dtype} strides {k_cache.stride()} / {v_cache.stride()}: want the "
+                f"weights' dtype {self.dtype}, one layout, a contiguous head dim"
             )
         cols = TABLE_COLUMNS
         misaligned = [f"layer {li} {cols[j]}" for li, row in enumerate(rows) for j, a in enumerate(row) if a % 16]
@@ -224,7 +227,8 @@ class DecodeChain:
         self.L, self.D, self.I, self.NKV, self.G, self.DH, self.TC = L, d, inter, nkv, num_heads // nkv, dh, tc
         self.biases, self.qk_norm, self.scale, self.eps = (qkv_bias, o_bias), qk_norm, scale, eps
         self.k_strides = (k_cache.stride(2), k_cache.stride(3))
-        self.act = torch.zeros(L * (2 * d + 2 * nq + 2 * nkv * dh + inter) + d, dtype=self.dtype, device=self.device)
+        self.layer_stride = 2 * d + 2 * nq + 2 * nkv * dh + inter  # x | qkv | o | xm | h (the kernel's A)
+        self.act = torch.zeros(L * self.layer_stride + d, dtype=self.dtype, device=self.device)
         self.block_tc = attention.default_block_tc(dh)
         self.max_splits = triton.cdiv(tc, self.block_tc)
         part = nkv * self.max_splits * self.G
@@ -235,7 +239,6 @@ class DecodeChain:
         self.bn = (slab_columns(d, 1, slab, elsize), slab_columns(nq, 1, slab, elsize),
                    slab_columns(d, 2, slab, elsize), slab_columns(inter, 1, slab, elsize))  # fmt: skip
         self.num_warps = num_warps or NUM_WARPS
-        self.layer_stride = 2 * d + 2 * nq + 2 * nkv * dh + inter
 
     def input(self) -> torch.Tensor:
         """[1, D]: where the caller writes layer 0's input (the embedding) before a step."""
@@ -247,6 +250,7 @@ class DecodeChain:
         return self.act[off : off + self.D].view(1, self.D)
 
     def items_per_layer(self, kv_len: int) -> int:
+        """Work items (programs) a layer has when a step attends ``kv_len`` positions."""
         p = (self.NKV * self.G + 2 * self.NKV) * self.DH
         splits, _ = self._splits(kv_len)
         bq, bo, bg, bd = self.bn
@@ -275,15 +279,16 @@ class DecodeChain:
         d, inter = self.D, self.I
         bq, bo, bg, bd = self.bn
         preload = attention.PRELOAD_TILE and split_len == self.block_tc
+        combine = self.counters[1 + N_PHASES * self.L :]  # the attention's split-combination counters
         _chain_kernel[(self.L * self.items_per_layer(kv_len),)](
-            self.table, self.act, self.acc, self.ml, self.counters, self.counters[1 + N_PHASES * self.L :], cos_1Dh, sin_1Dh, pos_1, lens_1,
+            self.table, self.act, self.acc, self.ml, self.counters, combine, cos_1Dh, sin_1Dh, pos_1, lens_1,
             self.eps, self.scale * attention.LOG2E, kv_len, self.k_strides[0], self.k_strides[1],
             self.NKV * self.max_splits * self.G * self.DH, self.NKV * self.max_splits * self.G * 2,
             D=d, DI=inter, NKV=self.NKV, G=self.G, DH=self.DH, BN_QKV=bq, BN_O=bo, BN_GU=bg, BN_DOWN=bd,
             KP_D=triton.next_power_of_2(d), KP_Q=triton.next_power_of_2(nq), KP_I=triton.next_power_of_2(inter),
             NUM_SPLITS=splits, SPLIT_LEN=split_len, BLOCK_G=max(16, triton.next_power_of_2(self.G)),
-            BLOCK_DH=max(16, triton.next_power_of_2(self.DH)), BLOCK_TC=self.block_tc, QKV_BIAS=self.biases[0], O_BIAS=self.biases[1],
-            QK_NORM=self.qk_norm, PRELOAD_TILE=preload, UPCAST=INTERPRET,
+            BLOCK_DH=max(16, triton.next_power_of_2(self.DH)), BLOCK_TC=self.block_tc, QKV_BIAS=self.biases[0],
+            O_BIAS=self.biases[1], QK_NORM=self.qk_norm, PRELOAD_TILE=preload, UPCAST=INTERPRET,
             IEEE=self.dtype == torch.float32 and not INTERPRET, RNE_EMU=INTERPRET and self.dtype == torch.bfloat16,
             num_warps=self.num_warps, num_stages=1,
         )  # fmt: skip
