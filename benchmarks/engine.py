@@ -83,6 +83,21 @@ def prompts(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
     return torch.randint(0, vocab, (batch, prompt_len), generator=g).tolist()
 
 
+def chain_variants(args) -> list[tuple[str, tuple[int, int]]]:
+    """("off", (0, 0)) and / or ("on", (slab bytes, warps)) for each pair of --chain-slab-bytes x --chain-warps."""
+    out = []
+    for chain in args.decode_chain.split(","):
+        if chain not in ("off", "on"):
+            raise SystemExit(f"--decode-chain {chain!r}: choose off or on")
+        if chain == "off":
+            out.append(("off", (0, 0)))
+            continue
+        for slab in args.chain_slab_bytes.split(","):
+            for warps in args.chain_warps.split(","):
+                out.append(("on", (int(slab), int(warps))))
+    return out
+
+
 def run_native(
     model,
     ids,
@@ -299,11 +314,13 @@ def main() -> None:
     )
     ap.add_argument(
         "--chain-slab-bytes",
-        type=int,
-        default=0,
-        help="decode chain: weight bytes a GEMV item loads before it waits (0: kernel.SLAB_BYTES; process-wide)",
+        default="0",
+        help="decode chain: comma list of weight bytes a GEMV item loads before it waits (0: kernel.SLAB_BYTES); "
+        "crossed with --chain-warps for the chain's rows",
     )
-    ap.add_argument("--chain-warps", type=int, default=0, help="decode chain: warps a program (0: kernel.NUM_WARPS)")
+    ap.add_argument(
+        "--chain-warps", default="0", help="decode chain: comma list of warps a program (0: kernel.NUM_WARPS)"
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -329,10 +346,6 @@ def main() -> None:
     from kernels.decode_linear import kernel as decode_linear_kernel
 
     decode_linear_kernel.set_gemv(not args.no_decode_gemv)
-    if args.chain_slab_bytes or args.chain_warps:
-        from kernels.decode_chain import kernel as decode_chain_kernel
-
-        decode_chain_kernel.set_config(args.chain_slab_bytes, args.chain_warps)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     max_len = args.prompt_len + args.new_tokens
     model = build_model(args.model_shape, max_len, device, dtype)
@@ -351,13 +364,15 @@ def main() -> None:
                     args.decode_linear.split(","),
                     args.sampler.split(","),
                     args.kv_cache.split(","),
-                    args.decode_chain.split(","),
+                    chain_variants(args),
                 )
-                for attn, lin, smp, kv, chain in variants:
-                    if chain not in ("off", "on"):
-                        raise SystemExit(f"--decode-chain {chain!r}: choose off or on")
+                for attn, lin, smp, kv, (chain, chain_cfg) in variants:
                     m = model if name == "native" else custom
                     graphs = not args.no_cuda_graphs
+                    if chain == "on":
+                        from kernels.decode_chain import kernel as decode_chain_kernel
+
+                        decode_chain_kernel.set_config(*chain_cfg)  # read when the engine builds its chain
                     secs, toks, ran = run_native(m, ids, args.new_tokens, device, graphs, attn, lin, smp, kv, args.pdl,
                                                  chain == "on")  # fmt: skip
                     attn, lin, smp = ran["decode_attention"], ran["decode_linear"], ran["sampler"]
@@ -382,7 +397,8 @@ def main() -> None:
                         row.update(token_agreement(base_tokens, toks))
                     rows.append(row)
                     extra = f", same tokens as the first: {row['same_tokens']:.3f}" if "same_tokens" in row else ""
-                    print(f"{name}[{attn},{lin},{smp},{kv}{',chain' if chain == 'on' else ''}] batch {bs:4d}: {row['tokens_per_s']:10.1f} tok/s ({secs:.2f} s){extra}",
+                    tag = f",chain {row['chain_slab_bytes']}B x{row['chain_warps']}" if chain == "on" else ""
+                    print(f"{name}[{attn},{lin},{smp},{kv}{tag}] batch {bs:4d}: {row['tokens_per_s']:10.1f} tok/s ({secs:.2f} s){extra}",
                           file=sys.stderr, flush=True)  # fmt: skip
                 continue
             elif name in ("hf", "hf-static"):
@@ -422,7 +438,7 @@ def main() -> None:
         label = r["engine"]
         if "decode_linear" in r:
             lin = r["decode_linear"] + ("-gemv" if r.get("decode_gemv") else "")
-            chain = ",chain" if r.get("decode_chain") else ""
+            chain = f",chain {r['chain_slab_bytes']}B x{r['chain_warps']}" if r.get("decode_chain") else ""
             label += f"[{r['decode_attention']},{lin},{r['sampler']},{r['kv_cache']}{chain}]"
         table.append([label, r["batch"], f"{tok_s:.0f}", vs, f"{roof:.0f}", f"{100 * frac:.1f}%"])
     common.print_markdown_table(["engine", "batch", "tokens/s", "vs hf", "decode roofline tok/s", "of roofline"], table)

@@ -136,19 +136,20 @@ def slab_columns(k: int, slabs: int, slab_bytes: int, elsize: int) -> int:
 # GPU: bytes of weights a GEMV item loads before it waits (its columns: slab_columns), and warps a program. Not yet
 # timed on a GPU; at 16 KB the Qwen3-0.6B shape has ~2,050 GEMV items a layer (qkv 8 columns an item, o 4, gate/up
 # 4, down 2); 4 warps: 168 registers at sm_90 (the attention's), 3 programs an SM (8 warps: 112, 2 programs).
-SLAB_BYTES = 16 * 1024
-NUM_WARPS = 4
+DEFAULT_SLAB_BYTES = 16 * 1024
+DEFAULT_NUM_WARPS = 4
+SLAB_BYTES, NUM_WARPS = DEFAULT_SLAB_BYTES, DEFAULT_NUM_WARPS
 # Under the interpreter: items of up to 1 KB of weights (tests' tiny models: several items a phase, ragged edges)
 INTERPRET_SLAB_BYTES = 1024
 
 
 def set_config(slab_bytes: int = 0, num_warps: int = 0) -> None:
-    """Process-wide defaults of later ``DecodeChain``s (0 keeps a value): benchmarks/engine.py --chain-* sweeps."""
+    """Process-wide settings of later ``DecodeChain``s (0: the built-in default): benchmarks/engine.py --chain-*."""
     global SLAB_BYTES, NUM_WARPS
     if slab_bytes < 0 or num_warps < 0 or (num_warps and num_warps & (num_warps - 1)):
-        raise ValueError(f"decode_chain: slab bytes {slab_bytes} >= 0, warps {num_warps} a power of two (0: keep)")
-    SLAB_BYTES = slab_bytes or SLAB_BYTES
-    NUM_WARPS = num_warps or NUM_WARPS
+        raise ValueError(f"decode_chain: slab bytes {slab_bytes} >= 0, warps {num_warps} a power of two (0: default)")
+    SLAB_BYTES = slab_bytes or DEFAULT_SLAB_BYTES
+    NUM_WARPS = num_warps or DEFAULT_NUM_WARPS
 
 
 class DecodeChain:

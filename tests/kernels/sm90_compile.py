@@ -199,7 +199,7 @@ def variants():
         )
     # the decode chain at the Qwen3-0.6B shape (its default items; 6 splits of one tile: 384 positions), and with the
     # preloaded attention tile
-    bn = [chain.slab_columns(k, s, chain.SLAB_BYTES, 2) for k, s in ((1024, 1), (2048, 1), (1024, 2), (3072, 1))]
+    bn = [chain.slab_columns(k, s, chain.DEFAULT_SLAB_BYTES, 2) for k, s in ((1024, 1), (2048, 1), (1024, 2), (3072, 1))]
     for preload in (False, True):
         yield (
             f"decode_chain qwen3-0.6b{' preload tile' if preload else ''}",

@@ -189,6 +189,18 @@ def test_bad_inputs_raise():
         c(cos, sin, pos_1, pos_1 + 1, TC + 1)
 
 
+def test_set_config():
+    try:
+        chain.set_config(32768, 8)
+        assert (chain.SLAB_BYTES, chain.NUM_WARPS) == (32768, 8)
+        chain.set_config(0, 0)
+        assert (chain.SLAB_BYTES, chain.NUM_WARPS) == (chain.DEFAULT_SLAB_BYTES, chain.DEFAULT_NUM_WARPS)
+        with pytest.raises(ValueError, match="warps 6"):
+            chain.set_config(0, 6)
+    finally:
+        chain.set_config(0, 0)
+
+
 def test_slab_columns():
     assert chain.slab_columns(1024, 1, 16384, 2) == 8  # Qwen3-0.6B qkv
     assert chain.slab_columns(3072, 1, 16384, 2) == 2  # down: K padded to 4,096
