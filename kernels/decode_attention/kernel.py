@@ -83,7 +83,7 @@ def _split_kernel(
     split_program(
         None, None, q_ptr, k_ptr, v_ptr, lens_ptr, o_ptr, acc_ptr, ml_ptr,
         sq_b, sq_n, sk_bc, sk_nkv, sk_tc, sv_bc, sv_nkv, sv_tc, so_b, so_n, max_len, qk_scale, table_ptr, st_b,
-        qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, s_cs, eps, cnt_ptr, None, 0,
+        qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, s_cs, eps, cnt_ptr, None, 0, None,
         NKV, G, DH, NUM_SPLITS, SPLIT_LEN, BLOCK_G, BLOCK_DH, BLOCK_TC, UPCAST, IEEE, SB, FUSE, QK_NORM, PRELOAD_TILE,
         False,
     )  # fmt: skip
@@ -94,14 +94,15 @@ def split_program(
     pid_s, pid_bnkv, q_ptr, k_ptr, v_ptr, lens_ptr, o_ptr, acc_ptr, ml_ptr,
     sq_b, sq_n, sk_bc, sk_nkv, sk_tc, sv_bc, sv_nkv, sv_tc, so_b, so_n,
     max_len, qk_scale, table_ptr, st_b,
-    qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, s_cs, eps, cnt_ptr, wait_ptr, wait_target,
+    qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, s_cs, eps, cnt_ptr, wait_ptr, wait_target, wait_err,
     NKV: tl.constexpr, G: tl.constexpr, DH: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_TC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     SB: tl.constexpr, FUSE: tl.constexpr, QK_NORM: tl.constexpr, PRELOAD_TILE: tl.constexpr, WAIT: tl.constexpr,
 ):  # fmt: skip
     """Program (``pid_s``, ``pid_bnkv``) of the split kernel (the module docstring). WAIT (a program of the decode
     chain, kernels/decode_chain): before it reads q (the QKV row another program of the same launch writes) it waits
-    for the counter ``wait_ptr`` to reach ``wait_target`` (kernels/counters.wait_count); the preloaded tile, which
+    for the counter ``wait_ptr`` to reach ``wait_target`` (kernels/counters.wait_count; ``wait_err`` counts a wait it
+    gives up on); the preloaded tile, which
     holds no entry of this step, is loaded before the wait. ``pid_s`` / ``pid_bnkv`` None: the launch's program ids."""
     if pid_s is None:
         pid_s = tl.program_id(0)
@@ -128,7 +129,7 @@ def split_program(
     if WAIT:
         if PRELOAD_TILE:  # keeps the tile loads issued before the spin (ptxas sinks loads below it otherwise)
             tl.debug_barrier()
-        wait_count(wait_ptr, wait_target)
+        wait_count(wait_ptr, wait_target, wait_err)
     if FUSE:  # q_ptr is the QKV projection [B, (N + 2 Nkv) Dh]: q/k norm, RoPE and the cache write happen here
         qkv_row = q_ptr + b.to(tl.int64) * sq_b
         cos_row, sin_row = cos_ptr + b * s_cs, sin_ptr + b * s_cs

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.counters import count_done
+from kernels.counters import SPIN_LIMIT, count_done
 from kernels.decode_attention import kernel as attention
 from kernels.decode_attention.kernel import split_program
 from kernels.decode_linear.kernel import gemv_preloaded
@@ -63,7 +63,7 @@ def _addr(tab_ptr, layer, col: tl.constexpr, like_ptr):
 
 @triton.jit
 def _chain_kernel(
-    tab_ptr, act_ptr, acc_ptr, ml_ptr, cnt_ptr, comb_ptr, cos_ptr, sin_ptr, pos_ptr, lens_ptr,
+    tab_ptr, act_ptr, acc_ptr, ml_ptr, cnt_ptr, comb_ptr, err_ptr, cos_ptr, sin_ptr, pos_ptr, lens_ptr,
     eps, qk_scale, max_len, sk_nkv, sk_tc, acc_stride, ml_stride,
     D: tl.constexpr, DI: tl.constexpr, NKV: tl.constexpr, G: tl.constexpr, DH: tl.constexpr,
     BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr,
@@ -95,7 +95,7 @@ def _chain_kernel(
     if r < N_QKV:  # x (the layer before's down phase wrote it; layer 0's was written before the launch)
         prev = cnt_ptr + tl.where(layer > 0, layer * PHASES, 0)  # the layer before's down count; layer 0: the ticket
         gemv_preloaded(x, _addr(tab_ptr, layer, 1, x), _addr(tab_ptr, layer, 2, x), _addr(tab_ptr, layer, 0, x),
-                       x, qkv, r, P, eps, D, prev, tl.where(layer > 0, N_DOWN, 0), D,
+                       x, qkv, r, P, eps, D, prev, tl.where(layer > 0, N_DOWN, 0), err_ptr, D,
                        QKV_BIAS, True, False, False, BN_QKV, KP_D, RNE_EMU, False, True)  # fmt: skip
         count_done(done)
     elif r < N_QKV + N_ATT:
@@ -105,24 +105,24 @@ def _chain_kernel(
             o, acc_ptr + layer * acc_stride, ml_ptr + layer * ml_stride,
             P, DH, 0, sk_nkv, sk_tc, 0, sk_nkv, sk_tc, NQ, DH, max_len, qk_scale, None, 1,
             _addr(tab_ptr, layer, 3, x), _addr(tab_ptr, layer, 4, x), cos_ptr, sin_ptr, pos_ptr, DH, eps,
-            comb_ptr + layer * NKV, done, N_QKV,
+            comb_ptr + layer * NKV, done, N_QKV, err_ptr,
             NKV, G, DH, NUM_SPLITS, SPLIT_LEN, BLOCK_G, BLOCK_DH, BLOCK_TC, UPCAST, IEEE, 0, True, QK_NORM,
             PRELOAD_TILE, True,
         )  # fmt: skip
         count_done(done + 1)
     elif r < N_QKV + N_ATT + N_O:
         gemv_preloaded(o, _addr(tab_ptr, layer, 5, x), _addr(tab_ptr, layer, 6, x), x, x, xm, r - N_QKV - N_ATT, D,
-                       eps, NQ, done + 1, N_ATT, NQ, O_BIAS, False, True, False, BN_O, KP_Q, RNE_EMU, False,
+                       eps, NQ, done + 1, N_ATT, err_ptr, NQ, O_BIAS, False, True, False, BN_O, KP_Q, RNE_EMU, False,
                        True)  # fmt: skip
         count_done(done + 2)
     elif r < N_QKV + N_ATT + N_O + N_GU:
         gemv_preloaded(xm, _addr(tab_ptr, layer, 8, x), x, _addr(tab_ptr, layer, 7, x), x, h,
-                       r - N_QKV - N_ATT - N_O, DI, eps, D, done + 2, N_O, D, False, True, False, True, BN_GU, KP_D,
+                       r - N_QKV - N_ATT - N_O, DI, eps, D, done + 2, N_O, err_ptr, D, False, True, False, True, BN_GU, KP_D,
                        RNE_EMU, False, True)  # fmt: skip
         count_done(done + 3)
     else:
         gemv_preloaded(h, _addr(tab_ptr, layer, 9, x), x, x, xm, x + A, r - N_QKV - N_ATT - N_O - N_GU, D, eps, DI,
-                       done + 3, N_GU, DI, False, False, True, False, BN_DOWN, KP_I, RNE_EMU, False, True)  # fmt: skip
+                       done + 3, N_GU, err_ptr, DI, False, False, True, False, BN_DOWN, KP_I, RNE_EMU, False, True)  # fmt: skip
         count_done(done + 4)
 
 
@@ -236,6 +236,7 @@ class DecodeChain:
         self.acc = torch.empty(L * part * dh, dtype=torch.float32, device=self.device)
         self.ml = torch.empty(L * part * 2, dtype=torch.float32, device=self.device)
         self.counters = torch.zeros(1 + N_PHASES * L + L * nkv, dtype=torch.int32, device=self.device)
+        self.timeouts = torch.zeros(1, dtype=torch.int32, device=self.device)  # waits given up (never reset)
         slab = slab_bytes or (INTERPRET_SLAB_BYTES if INTERPRET else SLAB_BYTES)
         self.bn = (slab_columns(d, 1, slab, elsize), slab_columns(nq, 1, slab, elsize),
                    slab_columns(d, 2, slab, elsize), slab_columns(inter, 1, slab, elsize))  # fmt: skip
@@ -249,6 +250,16 @@ class DecodeChain:
         """[1, D]: the last layer's output after a step (the final norm's input)."""
         off = self.L * self.layer_stride
         return self.act[off : off + self.D].view(1, self.D)
+
+    def check(self) -> None:
+        """RuntimeError if any wait of any step so far gave up (kernels/counters.SPIN_LIMIT): those steps' outputs are
+        wrong. Reads one int from the device (a sync): call it where the caller syncs anyway."""
+        n = int(self.timeouts.item())
+        if n:
+            raise RuntimeError(
+                f"decode_chain: {n} wait(s) gave up after {int(SPIN_LIMIT)} polls (a phase never finished: a bug in the "
+                "chain's order or memory ordering); the steps since are wrong. Run without --inference.decode_chain"
+            )
 
     def items_per_layer(self, kv_len: int) -> int:
         """Work items (programs) a layer has when a step attends ``kv_len`` positions."""
@@ -282,7 +293,7 @@ class DecodeChain:
         preload = attention.PRELOAD_TILE and split_len == self.block_tc
         combine = self.counters[1 + N_PHASES * self.L :]  # the attention's split-combination counters
         _chain_kernel[(self.L * self.items_per_layer(kv_len),)](
-            self.table, self.act, self.acc, self.ml, self.counters, combine, cos_1Dh, sin_1Dh, pos_1, lens_1,
+            self.table, self.act, self.acc, self.ml, self.counters, combine, self.timeouts, cos_1Dh, sin_1Dh, pos_1, lens_1,
             self.eps, self.scale * attention.LOG2E, kv_len, self.k_strides[0], self.k_strides[1],
             self.NKV * self.max_splits * self.G * self.DH, self.NKV * self.max_splits * self.G * 2,
             D=d, DI=inter, NKV=self.NKV, G=self.G, DH=self.DH, BN_QKV=bq, BN_O=bo, BN_GU=bg, BN_DOWN=bd,

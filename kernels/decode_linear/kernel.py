@@ -186,13 +186,14 @@ def _gemv_w(w_ptr, offs_n, mask_n, offs_k, mask_k, swn, NO, SILU_MUL: tl.constex
 
 @triton.jit
 def gemv_preloaded(
-    x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, o_ptr, pid, NO, eps, swn, wait_ptr, wait_target,
+    x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, o_ptr, pid, NO, eps, swn, wait_ptr, wait_target, wait_err,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr,
     BLOCK_N: tl.constexpr, KP: tl.constexpr, RNE_EMU: tl.constexpr, USE_PDL: tl.constexpr, WAIT: tl.constexpr,
 ):  # fmt: skip
     """Program ``pid`` of the GEMV's preloaded form: its whole w slab [BLOCK_N, KP] (K padded to the power of two KP)
     is loaded first, then it waits for its inputs: PDL's ``griddepcontrol.wait`` (``_gemv_kernel`` with PRELOAD), or
-    with WAIT the counter ``wait_ptr`` reaching ``wait_target`` (kernels/counters.wait_count: a program of the decode
+    with WAIT the counter ``wait_ptr`` reaching ``wait_target`` (kernels/counters.wait_count, which counts a wait it
+    gives up on at ``wait_err``: a program of the decode
     chain, kernels/decode_chain, whose x another program of the same launch writes). Then x (and the residual) are
     read and the columns written as ``_gemv_kernel`` writes them."""
     dtype = o_ptr.dtype.element_ty
@@ -204,7 +205,7 @@ def gemv_preloaded(
     if WAIT:
         # the CTA barrier keeps the w loads issued here: without it ptxas sank them below the spin loop (sm_90 SASS)
         tl.debug_barrier()
-        wait_count(wait_ptr, wait_target)
+        wait_count(wait_ptr, wait_target, wait_err)
     else:
         pdl_enter(USE_PDL)
     x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
@@ -244,7 +245,7 @@ def _gemv_kernel(
     w. (The tile kernel's form of this, a bulk prefetch into L2, lost 8% at batch 1 on the H200; this one moves
     the kernel's own loads, no extra traffic.)"""
     if PRELOAD:
-        gemv_preloaded(x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, o_ptr, tl.program_id(0), NO, eps, swn, None, 0, K,
+        gemv_preloaded(x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, o_ptr, tl.program_id(0), NO, eps, swn, None, 0, None, K,
                        HAS_BIAS, HAS_NORM, HAS_RES, SILU_MUL, BLOCK_N, KP, RNE_EMU, USE_PDL, False)  # fmt: skip
         return
     dtype = o_ptr.dtype.element_ty

@@ -247,6 +247,9 @@ class NativeEngine(InferenceEngine):
         if self._pending is not None:
             self._collect(self._pending, done)
         self._pending = launched
+        chain = getattr(self.runner, "chain", None)
+        if done and chain is not None:  # completions were read from the device: one more int is cheap
+            chain.check()  # RuntimeError if a decode-chain wait gave up (kernels/decode_chain): wrong tokens
         return done
 
     @torch.no_grad()

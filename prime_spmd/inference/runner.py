@@ -295,8 +295,11 @@ class LlamaStyleRunner:
                 ("decode attention", self.attention, "fused"),
                 ("decode linear", self.linear, "triton"),
                 ("KV cache", kv_cache, "slot"),
-                ("model", "dense Llama-style" if self.layer_args is not None else type(self.model).__name__,
-                 "dense Llama-style"),
+                (
+                    "model",
+                    "dense Llama-style" if self.layer_args is not None else type(self.model).__name__,
+                    "dense Llama-style",
+                ),
             )  # fmt: skip
             if got != want
         ]

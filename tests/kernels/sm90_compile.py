@@ -199,14 +199,16 @@ def variants():
         )
     # the decode chain at the Qwen3-0.6B shape (its default items; 6 splits of one tile: 384 positions), and with the
     # preloaded attention tile
-    bn = [chain.slab_columns(k, s, chain.DEFAULT_SLAB_BYTES, 2) for k, s in ((1024, 1), (2048, 1), (1024, 2), (3072, 1))]
+    bn = [
+        chain.slab_columns(k, s, chain.DEFAULT_SLAB_BYTES, 2) for k, s in ((1024, 1), (2048, 1), (1024, 2), (3072, 1))
+    ]
     for preload in (False, True):
         yield (
             f"decode_chain qwen3-0.6b{' preload tile' if preload else ''}",
             chain._chain_kernel,
-            sig("tab_ptr act_ptr acc_ptr ml_ptr cnt_ptr comb_ptr cos_ptr sin_ptr pos_ptr lens_ptr eps qk_scale max_len "
+            sig("tab_ptr act_ptr acc_ptr ml_ptr cnt_ptr comb_ptr err_ptr cos_ptr sin_ptr pos_ptr lens_ptr eps qk_scale max_len "
                 "sk_nkv sk_tc acc_stride ml_stride",
-                "*i64 *bf16 *fp32 *fp32 *i32 *i32 *bf16 *bf16 *i64 *i64 fp32 fp32 i32 i32 i32 i32 i32"),
+                "*i64 *bf16 *fp32 *fp32 *i32 *i32 *i32 *bf16 *bf16 *i64 *i64 fp32 fp32 i32 i32 i32 i32 i32"),
             {"D": 1024, "DI": 3072, "NKV": 8, "G": 2, "DH": 128, "BN_QKV": bn[0], "BN_O": bn[1], "BN_GU": bn[2],
              "BN_DOWN": bn[3], "KP_D": 1024, "KP_Q": 2048, "KP_I": 4096, "NUM_SPLITS": 6, "SPLIT_LEN": 64,
              "BLOCK_G": 16, "BLOCK_DH": 128, "BLOCK_TC": 64, "QKV_BIAS": False, "O_BIAS": False, "QK_NORM": True,

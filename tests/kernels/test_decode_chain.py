@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
+from kernels.counters import wait_count
 from kernels.decode_attention import kernel as attention
 from kernels.decode_chain import kernel as chain
 from kernels.decode_chain.reference import decode_chain_reference
@@ -61,6 +64,7 @@ def _run_chain(layers, x, k, v, cos, sin, pos, kv_len, **kw):
     c = chain.DecodeChain(layers, k, v, N, SCALE, EPS, **kw)
     c.input().copy_(x)
     out = c(cos, sin, pos, (pos + 1).clamp(max=kv_len), kv_len).clone()
+    c.check()  # interpreter: every wait was met when reached (the ticket order is the phases' order)
     return c, out
 
 
@@ -187,6 +191,31 @@ def test_bad_inputs_raise():
     c = chain.DecodeChain(layers, k, v, N, SCALE, EPS)
     with pytest.raises(ValueError, match="kv_len 97"):
         c(cos, sin, pos_1, pos_1 + 1, TC + 1)
+
+
+@triton.jit
+def _waiter(cnt_ptr, err_ptr, out_ptr, target):
+    wait_count(cnt_ptr, target, err_ptr)
+    tl.store(out_ptr, tl.load(cnt_ptr) + 1)
+
+
+def test_a_wait_that_is_never_met_is_counted_not_hung():
+    """kernels/counters.wait_count gives up after SPIN_LIMIT polls (1 under the interpreter) and counts it; a met wait
+    counts nothing. DecodeChain.check turns the count into an error."""
+    cnt = torch.tensor([3], dtype=torch.int32, device=DEVICE)
+    err = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    out = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    _waiter[(1,)](cnt, err, out, 3)
+    assert err.item() == 0 and out.item() == 4
+    _waiter[(2,)](cnt, err, out, 4)  # never met: each program gives up and goes on
+    assert err.item() == 2 and out.item() == 4
+    layers = _layers(torch.float32)
+    x, k, v, cos, sin, pos_1 = _inputs(torch.float32, 5)
+    c = chain.DecodeChain(layers, k, v, N, SCALE, EPS)
+    c.check()
+    c.timeouts.fill_(1)
+    with pytest.raises(RuntimeError, match="1 wait"):
+        c.check()
 
 
 def test_set_config():
