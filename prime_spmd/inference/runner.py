@@ -191,6 +191,12 @@ def make_decode_layer(
     return layer
 
 
+def chain_inputs(pos_B, cos_TcDh, sin_TcDh, kv_len: int):
+    """RoPE rows [B, Dh] at ``pos_B`` and the attended lengths min(pos + 1, kv_len): what a decode-chain step reads
+    besides its embedding row."""
+    return cos_TcDh[pos_B], sin_TcDh[pos_B], (pos_B + 1).clamp(max=kv_len)
+
+
 def attend_triton(q_BNDh, k_cache, v_cache, table_BcMb, lens_B, kv_len: int, scale: float) -> torch.Tensor:
     """The Triton decode attention over either cache layout (``make_decode_layer``'s cache arguments)."""
     if table_BcMb is None:
@@ -286,6 +292,10 @@ class LlamaStyleRunner:
         elif self.attention == "fused":  # the models' own modules compute q/k: the kernel cannot take them over
             self.attention = "triton"
         self.chain = self._build_chain(kv_cache) if decode_chain else None
+        # the chain step's inputs in one compiled kernel on CUDA (eager: four small ones)
+        self.chain_glue = torch.compile(chain_inputs) if decode_chain and compile_decode and device.type == "cuda" else (
+            chain_inputs
+        )  # fmt: skip
 
     def _build_chain(self, kv_cache: str):
         """The one-launch decode of one-row steps (kernels/decode_chain), or ValueError naming what it cannot take."""
@@ -434,14 +444,23 @@ class LlamaStyleRunner:
         h = self.inner.norm(x[:, 0])
         return self._lm_head(h) if head else h
 
+    def _decode_chain(self, ids_B: torch.Tensor, pos_B: torch.Tensor, kv_len: int, head: bool) -> torch.Tensor:
+        """A one-row step through kernels/decode_chain: the embedding row written straight into the chain's input (a
+        plain nn.Embedding), RoPE rows and the attended length in one compiled op (CUDA), the layers in one launch."""
+        embed = self.inner.embed_tokens
+        if type(embed) is torch.nn.Embedding:
+            torch.index_select(embed.weight, 0, ids_B, out=self.chain.input())
+        else:
+            self.chain.input().copy_(embed(ids_B))
+        cos, sin, lens = self.chain_glue(pos_B, self.cos_TcDh, self.sin_TcDh, kv_len)
+        h = self.final_norm(self.chain(cos, sin, pos_B, lens, kv_len), *self.final_norm_args)
+        return self._lm_head(h) if head else h
+
     def _decode_fused(self, ids_B: torch.Tensor, pos_B: torch.Tensor, kv_len: int, head: bool) -> torch.Tensor:
+        if self.chain is not None and ids_B.shape[0] == 1:  # all layers in one launch (kernels/decode_chain)
+            return self._decode_chain(ids_B, pos_B, kv_len, head)
         x = self.inner.embed_tokens(ids_B)  # [B, D]
         cos, sin = self.cos_TcDh[pos_B], self.sin_TcDh[pos_B]  # [B, Dh]
-        if self.chain is not None and ids_B.shape[0] == 1:  # all layers in one launch (kernels/decode_chain)
-            self.chain.input().copy_(x)
-            x = self.chain(cos, sin, pos_B, (pos_B + 1).clamp(max=kv_len), kv_len)
-            h = self.final_norm(x, *self.final_norm_args)
-            return self._lm_head(h) if head else h
         if self.attention in ("triton", "fused"):
             # row b attends positions <= pos_B[b]; rows past the bucket (free slots) are clamped to it
             mask_BTkv, lens_B, tkv = None, (pos_B + 1).clamp(max=kv_len), kv_len
