@@ -50,6 +50,11 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 TABLE_COLUMNS = ("ln1", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "o_b", "ln2", "gate_up_w", "down_w", "k", "v")
 """The address table's columns: reference.LAYER_WEIGHTS, then the layer's K and V cache (slot layout)."""
+# the columns as the kernel names them (constexpr globals)
+LN1, QKV_W, QKV_B, Q_NORM, K_NORM, O_W, O_B, LN2, GATE_UP_W, DOWN_W, K_CACHE, V_CACHE = (
+    tl.constexpr(i) for i in range(len(TABLE_COLUMNS))
+)
+N_COLUMNS = tl.constexpr(len(TABLE_COLUMNS))
 N_PHASES = 5
 PHASES = tl.constexpr(N_PHASES)  # kernels read it: a constexpr global
 
@@ -58,7 +63,7 @@ PHASES = tl.constexpr(N_PHASES)  # kernels read it: a constexpr global
 def _addr(tab_ptr, layer, col: tl.constexpr, like_ptr):
     """Column ``col`` of the address table at ``layer``, as a pointer of ``like_ptr``'s type, 16-byte aligned (checked
     on the host): without the hint every weight load is a 2-byte scalar (sm_90 PTX), with it 16-byte vectors."""
-    return tl.multiple_of(tl.load(tab_ptr + layer * 12 + col).to(like_ptr.dtype), 16)
+    return tl.multiple_of(tl.load(tab_ptr + layer * N_COLUMNS + col).to(like_ptr.dtype), 16)
 
 
 @triton.jit
@@ -94,35 +99,37 @@ def _chain_kernel(
     done = cnt_ptr + 1 + layer * PHASES  # this layer's done counts, one per phase
     if r < N_QKV:  # x (the layer before's down phase wrote it; layer 0's was written before the launch)
         prev = cnt_ptr + tl.where(layer > 0, layer * PHASES, 0)  # the layer before's down count; layer 0: the ticket
-        gemv_preloaded(x, _addr(tab_ptr, layer, 1, x), _addr(tab_ptr, layer, 2, x), _addr(tab_ptr, layer, 0, x),
-                       x, qkv, r, P, eps, D, prev, tl.where(layer > 0, N_DOWN, 0), err_ptr, D,
-                       QKV_BIAS, True, False, False, BN_QKV, KP_D, RNE_EMU, False, True)  # fmt: skip
+        gemv_preloaded(x, _addr(tab_ptr, layer, QKV_W, x), _addr(tab_ptr, layer, QKV_B, x),
+                       _addr(tab_ptr, layer, LN1, x), x, qkv, r, P, eps, D, prev, tl.where(layer > 0, N_DOWN, 0),
+                       err_ptr, D, QKV_BIAS, True, False, False, BN_QKV, KP_D, RNE_EMU, False, True)  # fmt: skip
         count_done(done)
     elif r < N_QKV + N_ATT:
         j = r - N_QKV
         split_program(
-            j % NUM_SPLITS, j // NUM_SPLITS, qkv, _addr(tab_ptr, layer, 10, x), _addr(tab_ptr, layer, 11, x), lens_ptr,
+            j % NUM_SPLITS, j // NUM_SPLITS, qkv, _addr(tab_ptr, layer, K_CACHE, x),
+            _addr(tab_ptr, layer, V_CACHE, x), lens_ptr,
             o, acc_ptr + layer * acc_stride, ml_ptr + layer * ml_stride,
             P, DH, 0, sk_nkv, sk_tc, 0, sk_nkv, sk_tc, NQ, DH, max_len, qk_scale, None, 1,
-            _addr(tab_ptr, layer, 3, x), _addr(tab_ptr, layer, 4, x), cos_ptr, sin_ptr, pos_ptr, DH, eps,
+            _addr(tab_ptr, layer, Q_NORM, x), _addr(tab_ptr, layer, K_NORM, x), cos_ptr, sin_ptr, pos_ptr, DH, eps,
             comb_ptr + layer * NKV, done, N_QKV, err_ptr,
             NKV, G, DH, NUM_SPLITS, SPLIT_LEN, BLOCK_G, BLOCK_DH, BLOCK_TC, UPCAST, IEEE, 0, True, QK_NORM,
             PRELOAD_TILE, True,
         )  # fmt: skip
         count_done(done + 1)
     elif r < N_QKV + N_ATT + N_O:
-        gemv_preloaded(o, _addr(tab_ptr, layer, 5, x), _addr(tab_ptr, layer, 6, x), x, x, xm, r - N_QKV - N_ATT, D,
-                       eps, NQ, done + 1, N_ATT, err_ptr, NQ, O_BIAS, False, True, False, BN_O, KP_Q, RNE_EMU, False,
-                       True)  # fmt: skip
+        gemv_preloaded(o, _addr(tab_ptr, layer, O_W, x), _addr(tab_ptr, layer, O_B, x), x, x, xm, r - N_QKV - N_ATT,
+                       D, eps, NQ, done + 1, N_ATT, err_ptr, NQ, O_BIAS, False, True, False, BN_O, KP_Q, RNE_EMU,
+                       False, True)  # fmt: skip
         count_done(done + 2)
     elif r < N_QKV + N_ATT + N_O + N_GU:
-        gemv_preloaded(xm, _addr(tab_ptr, layer, 8, x), x, _addr(tab_ptr, layer, 7, x), x, h,
-                       r - N_QKV - N_ATT - N_O, DI, eps, D, done + 2, N_O, err_ptr, D, False, True, False, True, BN_GU, KP_D,
-                       RNE_EMU, False, True)  # fmt: skip
+        gemv_preloaded(xm, _addr(tab_ptr, layer, GATE_UP_W, x), x, _addr(tab_ptr, layer, LN2, x), x, h,
+                       r - N_QKV - N_ATT - N_O, DI, eps, D, done + 2, N_O, err_ptr, D, False, True, False, True,
+                       BN_GU, KP_D, RNE_EMU, False, True)  # fmt: skip
         count_done(done + 3)
     else:
-        gemv_preloaded(h, _addr(tab_ptr, layer, 9, x), x, x, xm, x + A, r - N_QKV - N_ATT - N_O - N_GU, D, eps, DI,
-                       done + 3, N_GU, err_ptr, DI, False, False, True, False, BN_DOWN, KP_I, RNE_EMU, False, True)  # fmt: skip
+        gemv_preloaded(h, _addr(tab_ptr, layer, DOWN_W, x), x, x, xm, x + A, r - N_QKV - N_ATT - N_O - N_GU, D, eps,
+                       DI, done + 3, N_GU, err_ptr, DI, False, False, True, False, BN_DOWN, KP_I, RNE_EMU, False,
+                       True)  # fmt: skip
         count_done(done + 4)
 
 
@@ -257,8 +264,9 @@ class DecodeChain:
         n = int(self.timeouts.item())
         if n:
             raise RuntimeError(
-                f"decode_chain: {n} wait(s) gave up after {int(SPIN_LIMIT)} polls (a phase never finished: a bug in the "
-                "chain's order or memory ordering); the steps since are wrong. Run without --inference.decode_chain"
+                f"decode_chain: {n} wait(s) gave up after {int(SPIN_LIMIT)} polls (a phase never finished: a bug in "
+                "the chain's order or memory ordering); the steps since are wrong. Run without "
+                "--inference.decode_chain"
             )
 
     def items_per_layer(self, kv_len: int) -> int:
@@ -293,7 +301,8 @@ class DecodeChain:
         preload = attention.PRELOAD_TILE and split_len == self.block_tc
         combine = self.counters[1 + N_PHASES * self.L :]  # the attention's split-combination counters
         _chain_kernel[(self.L * self.items_per_layer(kv_len),)](
-            self.table, self.act, self.acc, self.ml, self.counters, combine, self.timeouts, cos_1Dh, sin_1Dh, pos_1, lens_1,
+            self.table, self.act, self.acc, self.ml, self.counters, combine, self.timeouts, cos_1Dh, sin_1Dh, pos_1,
+            lens_1,
             self.eps, self.scale * attention.LOG2E, kv_len, self.k_strides[0], self.k_strides[1],
             self.NKV * self.max_splits * self.G * self.DH, self.NKV * self.max_splits * self.G * 2,
             D=d, DI=inter, NKV=self.NKV, G=self.G, DH=self.DH, BN_QKV=bq, BN_O=bo, BN_GU=bg, BN_DOWN=bd,
