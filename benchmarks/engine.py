@@ -110,6 +110,7 @@ def run_native(
     kv_cache: str = "slot",
     pdl: bool = False,
     decode_chain: bool = False,
+    fused_prefill: bool = False,
 ) -> tuple[float, list]:
     """(seconds of the second ``generate``, its token ids per request, the attention / linear / sampler it ran)."""
     from prime_spmd.inference.engine import Request, SamplingParams
@@ -129,6 +130,7 @@ def run_native(
         kv_cache=kv_cache,
         pdl=pdl,
         decode_chain=decode_chain,
+        fused_prefill=fused_prefill,
     )
 
     def once() -> float:
@@ -321,6 +323,12 @@ def main() -> None:
     ap.add_argument(
         "--chain-warps", default="0", help="decode chain: comma list of warps a program (0: kernel.NUM_WARPS)"
     )
+    ap.add_argument(
+        "--fused-prefill",
+        default="off",
+        help="native engines: comma list of off, on (prefill through one compiled layer function instead of the "
+        "model's modules); crossed with the variants above",
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -365,8 +373,11 @@ def main() -> None:
                     args.sampler.split(","),
                     args.kv_cache.split(","),
                     chain_variants(args),
+                    args.fused_prefill.split(","),
                 )
-                for attn, lin, smp, kv, (chain, chain_cfg) in variants:
+                for attn, lin, smp, kv, (chain, chain_cfg), fprefill in variants:
+                    if fprefill not in ("off", "on"):
+                        raise SystemExit(f"--fused-prefill {fprefill!r}: choose off or on")
                     m = model if name == "native" else custom
                     graphs = not args.no_cuda_graphs
                     if chain == "on":
@@ -374,7 +385,7 @@ def main() -> None:
 
                         decode_chain_kernel.set_config(*chain_cfg)  # read when the engine builds its chain
                     secs, toks, ran = run_native(m, ids, args.new_tokens, device, graphs, attn, lin, smp, kv, args.pdl,
-                                                 chain == "on")  # fmt: skip
+                                                 chain == "on", fprefill == "on")  # fmt: skip
                     attn, lin, smp = ran["decode_attention"], ran["decode_linear"], ran["sampler"]
                     row = dict(engine=name, **ran, kv_cache=kv, pdl=args.pdl)
                     row["pdl_prefetch"] = args.pdl and not args.no_pdl_prefetch
@@ -383,6 +394,7 @@ def main() -> None:
                     row["attention_split_tiles"] = args.attention_split_tiles
                     row["attention_preload_tile"] = args.attention_preload_tile
                     row["decode_chain"] = chain == "on"
+                    row["fused_prefill"] = fprefill == "on"
                     if chain == "on":
                         from kernels.decode_chain import kernel as decode_chain_kernel
 
@@ -398,6 +410,7 @@ def main() -> None:
                     rows.append(row)
                     extra = f", same tokens as the first: {row['same_tokens']:.3f}" if "same_tokens" in row else ""
                     tag = f",chain {row['chain_slab_bytes']}B x{row['chain_warps']}" if chain == "on" else ""
+                    tag += ",fused prefill" if fprefill == "on" else ""
                     print(f"{name}[{attn},{lin},{smp},{kv}{tag}] batch {bs:4d}: {row['tokens_per_s']:10.1f} tok/s ({secs:.2f} s){extra}",
                           file=sys.stderr, flush=True)  # fmt: skip
                 continue
@@ -439,6 +452,7 @@ def main() -> None:
         if "decode_linear" in r:
             lin = r["decode_linear"] + ("-gemv" if r.get("decode_gemv") else "")
             chain = f",chain {r['chain_slab_bytes']}B x{r['chain_warps']}" if r.get("decode_chain") else ""
+            chain += ",fused prefill" if r.get("fused_prefill") else ""
             label += f"[{r['decode_attention']},{lin},{r['sampler']},{r['kv_cache']}{chain}]"
         table.append([label, r["batch"], f"{tok_s:.0f}", vs, f"{roof:.0f}", f"{100 * frac:.1f}%"])
     common.print_markdown_table(["engine", "batch", "tokens/s", "vs hf", "decode roofline tok/s", "of roofline"], table)

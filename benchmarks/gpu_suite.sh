@@ -85,18 +85,18 @@ case $PART in
     export PYTHONPATH=/tmp/site:$PWD
     run c_chain_tests 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_chain.py tests/unit/test_native_decode_chain.py
     run c_tests 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_linear.py tests/kernels/test_decode_attention.py tests/unit/test_native_engine.py tests/unit/test_native_decode_attention.py ;;
-  chain)  # issue 17, after chain_tests: batch 1 with the decode chain (its default first, then 16 / 32 KB items x 4 / 8 warps in one process), the 0.6B rows at the defaults, mismatch KL of the chain at one row, its profile, the chain with the preloaded attention tile, PDL + GEMV preload; each step its own process; ~9 min
+  chain)  # issue 17, after chain_tests: batch 1 with the decode chain (its default first, with and without the fused prefill, then 16 / 32 KB items x 4 / 8 warps in one process), the 0.6B rows at the defaults, mismatch KL of the chain at one row, its profile, the chain with the preloaded attention tile, PDL + GEMV preload; each step its own process; ~9 min
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
     export PYTHONPATH=/tmp/site:$PWD
     B1="--device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native"
-    run c_chain 75 python3 benchmarks/engine.py $B1 --decode-chain on --out "$OUT/engine_chain.json"
+    run c_chain 100 python3 benchmarks/engine.py $B1 --decode-chain on --fused-prefill off,on --out "$OUT/engine_chain.json"
     run c_engine 100 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,16,64,256 --prompt-len 128 --new-tokens 256 --engine native --out "$OUT/engine_defaults.json"
     run c_chain_mismatch 55 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --requests 1 --new-tokens 2048 --decode-chain --out "$OUT/mismatch_chain_one_row.json"
     mkdir -p "$OUT/profile_chain"
     run c_chain_profile 75 python3 benchmarks/engine_profile.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --decode-chain --out-dir "$OUT/profile_chain"
-    run c_chain_sweep 120 python3 benchmarks/engine.py $B1 --decode-chain on --chain-slab-bytes 32768,16384,8192 --chain-warps 4,8 --out "$OUT/engine_chain_sweep.json"
+    run c_chain_sweep 110 python3 benchmarks/engine.py $B1 --decode-chain on --chain-slab-bytes 32768,8192 --chain-warps 4,8 --out "$OUT/engine_chain_sweep.json"
     run c_chain_preload_tile 60 python3 benchmarks/engine.py $B1 --decode-chain on --attention-preload-tile --out "$OUT/engine_chain_preload_tile.json"
-    run c_pdl_preload 55 python3 benchmarks/engine.py $B1 --pdl --out "$OUT/engine_pdl_preload.json" ;;
+    run c_pdl_preload 50 python3 benchmarks/engine.py $B1 --pdl --out "$OUT/engine_pdl_preload.json" ;;
   gemv_pdl_tests)  # issue 17, before gemv_pdl: the CUDA tests of this session's untimed changes (GEMV, preloaded attention tile, compiled step glue, graph prefill, PDL tokens); ~5 min
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
     export PYTHONPATH=/tmp/site:$PWD

@@ -287,6 +287,8 @@ class InferenceConfig:
     """Native engine on CUDA: launch the decode step's Triton kernels (decode linears, fused attention) with programmatic dependent launch, so each one's launch overlaps the previous one's tail (kernels/pdl; not yet measured)."""
     decode_chain: bool = False
     """Native engine: one-row decode steps run every decoder layer in one Triton launch (kernels/decode_chain: ticket-ordered work items that load their weights before they wait for the phase before); needs decode_attention fused, decode_linear triton (the CUDA defaults at hidden size <= 1024), kv_cache slot and a dense Llama-style model. Not yet timed on a GPU."""
+    fused_prefill: bool = False
+    """Native engine: prefill runs one pure layer function (fused QKV and gate/up weights; compiled on CUDA, where the module path is ~50 kernels a layer) instead of the model's own modules; dense Llama-style models. Not yet timed on a GPU."""
     gpu_memory_utilization: float = 0.3
     """vLLM: fraction of GPU memory for the engine."""
     weight_bucket_mb: int = 256

@@ -101,7 +101,8 @@ class NativeEngine(InferenceEngine):
     the fused attention) with programmatic dependent launch (kernels/pdl; CUDA, process-wide; ``self.pdl`` says
     whether it is on). ``decode_chain``: one-row decode steps run every layer in one launch (kernels/decode_chain;
     needs attention "fused", linear "triton", the slot cache and a dense Llama-style model: CUDA, or the Triton
-    interpreter). Call every method from one thread.
+    interpreter). ``fused_prefill``: prefill through one pure layer function (fused QKV / gate-up weights, compiled
+    on CUDA) instead of the model's modules (dense Llama-style models). Call every method from one thread.
     """
 
     def __init__(
@@ -126,6 +127,7 @@ class NativeEngine(InferenceEngine):
         kv_cache_tokens: int = 0,
         pdl: bool = False,
         decode_chain: bool = False,
+        fused_prefill: bool = False,
     ) -> None:
         device = torch.device(device) if device is not None else next(model.parameters()).device
         from kernels.pdl import launch as pdl_launch
@@ -151,6 +153,7 @@ class NativeEngine(InferenceEngine):
             kv_block_size=kv_block_size,
             kv_cache_tokens=kv_cache_tokens,
             decode_chain=decode_chain,
+            fused_prefill=fused_prefill,
         )
         self.vocab_size = self.runner.vocab_size
         self.batch_buckets = bucket_sizes(max_batch_size, 1, "pow2")

@@ -197,6 +197,36 @@ def chain_inputs(pos_B, cos_TcDh, sin_TcDh, kv_len: int):
     return cos_TcDh[pos_B], sin_TcDh[pos_B], (pos_B + 1).clamp(max=kv_len)
 
 
+def make_prefill_layer(num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float):
+    """One decoder layer of a prefill as a pure function of tensors (``torch.compile`` fuses its norms, q/k norm, RoPE
+    and elementwise ops: the module path is ~50 kernels a layer), the op-for-op math of ``LlamaStyleRunner.prefill``'s
+    module path with the fused QKV and gate/up weights of ``layer_args``.
+
+    Args per call: ``x_BTD`` [B, T, D], the layer's weights (as ``make_decode_layer``), ``cos/sin_11TDh`` [1, 1, T, Dh].
+    Returns the new residual [B, T, D] and the layer's k, v [B, Nkv, T, Dh] (after norm and RoPE) for the cache."""
+    nq, nk = num_heads * head_dim, num_kv_heads * head_dim
+
+    def layer(x_BTD, ln1_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, o_b, ln2_w, gate_up_w, down_w, cos_11TDh,
+              sin_11TDh):  # fmt: skip
+        b, t, _ = x_BTD.shape
+        qkv = F.linear(rms_norm(x_BTD, ln1_w, eps), qkv_w, qkv_b)
+        q = qkv[..., :nq].view(b, t, num_heads, head_dim)
+        k = qkv[..., nq : nq + nk].view(b, t, num_kv_heads, head_dim)
+        v = qkv[..., nq + nk :].view(b, t, num_kv_heads, head_dim)
+        if q_norm_w is not None:
+            q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, N or Nkv, T, Dh]
+        q = q * cos_11TDh + _rotate_half(q) * sin_11TDh
+        k = k * cos_11TDh + _rotate_half(k) * sin_11TDh
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        x_BTD = x_BTD + F.linear(o.transpose(1, 2).reshape(b, t, nq), o_w, o_b)
+        gu = F.linear(rms_norm(x_BTD, ln2_w, eps), gate_up_w)
+        inter = gu.shape[-1] // 2
+        return x_BTD + F.linear(F.silu(gu[..., :inter]) * gu[..., inter:], down_w), k, v
+
+    return layer
+
+
 def attend_triton(q_BNDh, k_cache, v_cache, table_BcMb, lens_B, kv_len: int, scale: float) -> torch.Tensor:
     """The Triton decode attention over either cache layout (``make_decode_layer``'s cache arguments)."""
     if table_BcMb is None:
@@ -239,6 +269,8 @@ class LlamaStyleRunner:
     from a pool of ``kv_cache_tokens`` tokens; shared prompt blocks), read by both decode paths and both attentions.
     ``decode_chain``: one-row decode steps run all layers in one launch (kernels/decode_chain; needs the fused decode
     layer with attention "fused", linear "triton" and the slot cache, else ValueError naming what differs).
+    ``fused_prefill``: prefill runs ``make_prefill_layer`` (fused QKV / gate-up weights, compiled on CUDA) instead of
+    the model's modules (dense Llama-style models only, else ValueError).
     """
 
     def __init__(
@@ -254,6 +286,7 @@ class LlamaStyleRunner:
         kv_block_size: int = 16,
         kv_cache_tokens: int = 0,
         decode_chain: bool = False,
+        fused_prefill: bool = False,
     ) -> None:
         attention = resolve_decode_attention(attention, device)
         if attention in ("triton", "fused"):
@@ -292,6 +325,12 @@ class LlamaStyleRunner:
         elif self.attention == "fused":  # the models' own modules compute q/k: the kernel cannot take them over
             self.attention = "triton"
         self.chain = self._build_chain(kv_cache) if decode_chain else None
+        self.prefill_layer = None
+        if fused_prefill:
+            if self.layer_args is None:
+                raise ValueError(f"fused_prefill needs a dense Llama-style decoder, not {type(model).__name__}")
+            fn = make_prefill_layer(self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale)
+            self.prefill_layer = torch.compile(fn) if compile_decode and device.type == "cuda" else fn
         # the chain step's inputs in one compiled kernel on CUDA (eager: four small ones)
         self.chain_glue = torch.compile(chain_inputs) if decode_chain and compile_decode and device.type == "cuda" else (
             chain_inputs
@@ -394,6 +433,12 @@ class LlamaStyleRunner:
         x = self.inner.embed_tokens(ids_BT)
         cos = self.cos_TcDh[:t][None, None]
         sin = self.sin_TcDh[:t][None, None]
+        if self.prefill_layer is not None:  # the fused layer function (compiled on CUDA)
+            for li, args in enumerate(self.layer_args):
+                x, k, v = self.prefill_layer(x, *args, cos, sin)
+                self.cache.write_prefill(li, slots_B, k, v)
+            x_BD = x[torch.arange(b, device=x.device), last_B]
+            return self._lm_head(self.final_norm(x_BD, *self.final_norm_args))
         for li, layer in enumerate(self.inner.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
@@ -534,9 +579,11 @@ def build_runner(
     kv_block_size: int = 16,
     kv_cache_tokens: int = 0,
     decode_chain: bool = False,
+    fused_prefill: bool = False,
 ):
-    """The fastest runner that supports ``model`` (``attention``, ``linear``, ``kv_cache``, ``decode_chain``: see
-    ``LlamaStyleRunner``; the generic runner keeps token ids, no KV cache, and ignores them)."""
+    """The fastest runner that supports ``model`` (``attention``, ``linear``, ``kv_cache``, ``decode_chain``,
+    ``fused_prefill``: see ``LlamaStyleRunner``; the generic runner keeps token ids, no KV cache, and ignores the first
+    three)."""
     if adapter_for(model).supports_slot_cache():
         return LlamaStyleRunner(
             model,
@@ -550,7 +597,10 @@ def build_runner(
             kv_block_size,
             kv_cache_tokens,
             decode_chain,
+            fused_prefill,
         )
-    if decode_chain:
-        raise ValueError(f"decode_chain needs a Llama-style decoder with a KV cache, not {type(model).__name__}")
+    if decode_chain or fused_prefill:
+        raise ValueError(
+            f"decode_chain / fused_prefill need a Llama-style decoder with a KV cache, not {type(model).__name__}"
+        )
     return GenericRunner(model, num_slots, max_len, device)

@@ -83,3 +83,29 @@ def test_chain_needs_the_fused_triton_path():
     with pytest.raises(ValueError, match=r"KV cache 'paged'"):
         NativeEngine(_model("qwen3"), None, max_batch_size=1, max_model_len=16, device="cpu", decode_chain=True,
                      decode_attention="fused", decode_linear="triton", kv_cache="paged")  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama_bias"])
+def test_fused_prefill_matches_the_module_prefill(kind):
+    """``fused_prefill``: the pure prefill layer (fused QKV / gate-up weights; compiled on CUDA) gives the module
+    path's tokens and logprobs (bmm attention, torch linears: nothing else differs)."""
+    model = _model(kind)
+    outs = []
+    for fused in (False, True):
+        eng = NativeEngine(model, None, max_batch_size=3, max_model_len=64, device=DEVICE, fused_prefill=fused)
+        assert (eng.runner.prefill_layer is not None) == fused
+        outs.append(sorted(eng.generate(_requests(4)), key=lambda o: o.request_id))
+    for a, b in zip(*outs):
+        assert a.token_ids == b.token_ids, a.request_id
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < LOGPROB_ATOL
+
+
+def test_fused_prefill_needs_a_dense_llama_style_model():
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(vocab_size=97, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                         num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)  # fmt: skip
+    with pytest.raises(ValueError, match="fused_prefill need.* Llama-style decoder"):
+        NativeEngine(AutoModelForCausalLM.from_config(cfg), None, max_batch_size=1, max_model_len=16, device="cpu",
+                     fused_prefill=True)  # fmt: skip
