@@ -48,6 +48,7 @@ def profile_batch(model, bs: int, args, device: torch.device, out_dir: Path | No
         kv_cache=args.profile_kv_cache,
         pdl=args.pdl,
         decode_chain=args.decode_chain,
+        fused_prefill=args.fused_prefill,
     )
 
     def requests():
@@ -80,6 +81,7 @@ def profile_batch(model, bs: int, args, device: torch.device, out_dir: Path | No
     for e in kern:
         by_name.setdefault(e.name, []).append(e.device_time)
     top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:25]
+    timeline = step_timeline(kern, args.steps)
     res = dict(
         batch=bs,
         generate=phases,
@@ -88,11 +90,43 @@ def profile_batch(model, bs: int, args, device: torch.device, out_dir: Path | No
         kernels_per_step=len(kern) / args.steps,
         tok_s_decode=bs / wall_ms * 1e3,
         top=[dict(name=n[:120], calls_per_step=len(t) / args.steps, us_per_step=sum(t) / args.steps) for n, t in top],
+        gaps=timeline["gaps"],
     )
     if out_dir is not None:
         table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
         (out_dir / f"profile_b{bs}.txt").write_text(table)
+        (out_dir / f"timeline_b{bs}.txt").write_text(timeline["text"])
     return res
+
+
+def step_timeline(kern, steps: int) -> dict:
+    """The kernels of one profiled step in launch order (the middle step: ``len(kern) // steps`` kernels from the
+    middle one on), each with its start, duration and the idle gap since the previous kernel ended; and, over all
+    profiled steps, the idle time before each kernel name summed per step (``gaps``: where launch gaps, not kernels,
+    cost time; PDL kernels overlap the previous one's tail, so their gap can be negative)."""
+    kern = sorted(kern, key=lambda e: e.time_range.start)
+    per = max(1, len(kern) // max(1, steps))
+    lines, gap_by_name = [], {}
+    for i in range(1, len(kern)):
+        gap = kern[i].time_range.start - kern[i - 1].time_range.end
+        gap_by_name.setdefault(kern[i].name[:80], []).append(gap)
+    mid = kern[(steps // 2) * per : (steps // 2 + 1) * per]
+    t0 = mid[0].time_range.start if mid else 0
+    prev_end = None
+    for e in mid:
+        gap = 0.0 if prev_end is None else e.time_range.start - prev_end
+        lines.append(f"{e.time_range.start - t0:9.1f} {e.device_time:7.1f} gap {gap:6.1f}  {e.name[:100]}")
+        prev_end = e.time_range.end
+    total_gap = sum(max(0.0, g) for gs in gap_by_name.values() for g in gs) / max(1, steps)
+    gaps = sorted(
+        (
+            dict(name=n, calls_per_step=len(g) / steps, idle_us_per_step=sum(max(0.0, x) for x in g) / steps)
+            for n, g in gap_by_name.items()
+        ),
+        key=lambda d: -d["idle_us_per_step"],
+    )[:20]
+    text = f"idle between kernels: {total_gap:.1f} us a step\n" + "\n".join(lines) + "\n"
+    return dict(gaps=dict(idle_us_per_step=total_gap, by_kernel=gaps), text=text)
 
 
 def generate_phases(eng, reqs, device: torch.device) -> dict:
@@ -212,15 +246,25 @@ def main() -> None:
     ap.add_argument("--profile-kv-cache", default="slot", help="decode profile: the engine's KV cache")
     ap.add_argument("--pdl", action="store_true", help="decode profile: programmatic dependent launch")
     ap.add_argument("--decode-chain", action="store_true", help="decode profile: one-row steps in one launch")
+    ap.add_argument("--fused-prefill", action="store_true", help="decode profile: prefill through one layer function")
+    ap.add_argument(
+        "--attention-preload-tile", action="store_true", help="decode profile: fused attention preloads its K/V tile"
+    )
     ap.add_argument("--groups", type=int, default=0, help="prefill-sharing measurement: prompts (0: skip)")
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--group-prompt-len", type=int, default=1024)
     ap.add_argument("--group-new-tokens", type=int, default=1, help="prefill-sharing measurement: max_tokens")
     ap.add_argument("--kv-cache", default="slot", help="prefill-sharing measurement: comma list of slot, paged")
     args = ap.parse_args()
+    if args.attention_preload_tile:
+        from kernels.decode_attention import kernel as decode_attention_kernel
+
+        decode_attention_kernel.set_preload_tile(True)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out_dir = Path(args.out_dir) if args.out_dir else None
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
     model = build_model(args.model_shape, args.prompt_len + args.new_tokens, device, dtype)
     results = []
     sharing = measure_prefill_sharing(model, args, device) if args.groups else []
@@ -234,6 +278,9 @@ def main() -> None:
         )
         for t in r["top"][:12]:
             print(f"   {t['us_per_step']:9.1f} us  x{t['calls_per_step']:5.0f}  {t['name'][:90]}")
+        print(f"  idle between kernels {r['gaps']['idle_us_per_step']:.1f} us a step; before:")
+        for g in r["gaps"]["by_kernel"][:10]:
+            print(f"   {g['idle_us_per_step']:9.1f} us  x{g['calls_per_step']:5.0f}  {g['name']}")
     meta = common.run_metadata(device, model_shape=args.model_shape, command=" ".join(sys.argv))
     if out_dir is not None:
         (out_dir / f"profile_{args.model_shape}.json").write_text(
