@@ -108,9 +108,9 @@ def run_native(
     linear: str = "auto",
     sampler="auto",
     kv_cache: str = "slot",
-    pdl: bool = False,
+    pdl: bool = True,
     decode_chain: bool = False,
-    fused_prefill: bool = False,
+    fused_prefill: bool | None = None,
 ) -> tuple[float, list]:
     """(seconds of the second ``generate``, its token ids per request, the attention / linear / sampler it ran)."""
     from prime_spmd.inference.engine import Request, SamplingParams
@@ -157,6 +157,8 @@ def run_native(
         decode_attention=getattr(runner, "attention", attention),
         decode_linear=getattr(runner, "linear", linear),
         sampler=eng.sampler,
+        fused_prefill=getattr(runner, "prefill_layer", None) is not None,
+        pdl=eng.pdl,
     )
     return secs, toks, resolved
 
@@ -299,15 +301,26 @@ def main() -> None:
     )
     ap.add_argument(
         "--attention-preload-tile",
-        action="store_true",
-        help="fused decode attention, slot cache, one tile a split: load the tile before writing the new k/v (process-wide)",
+        nargs="?",
+        const="on",
+        default="on",
+        choices=["on", "off"],
+        help="fused decode attention, slot cache, one tile a split: load the tile before writing the new k/v "
+        "(process-wide; on: the default, also what the bare flag means)",
     )
     ap.add_argument(
         "--kv-cache",
         default="slot",
         help="native engines: comma list of slot, paged (KV cache, 16-position blocks); crossed with the three above",
     )
-    ap.add_argument("--pdl", action="store_true", help="native engines: programmatic dependent launch (kernels/pdl)")
+    ap.add_argument(
+        "--pdl",
+        nargs="?",
+        const="on",
+        default="on",
+        choices=["on", "off"],
+        help="native engines: programmatic dependent launch (kernels/pdl; on: the default, also what the bare flag means)",
+    )
     ap.add_argument(
         "--decode-chain",
         default="off",
@@ -325,9 +338,9 @@ def main() -> None:
     )
     ap.add_argument(
         "--fused-prefill",
-        default="off",
-        help="native engines: comma list of off, on (prefill through one compiled layer function instead of the "
-        "model's modules); crossed with the variants above",
+        default="auto",
+        help="native engines: comma list of auto, off, on (prefill through one compiled layer function instead of the "
+        "model's modules; auto: on CUDA for dense Llama-style models); crossed with the variants above",
     )
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     ap.add_argument("--out", default="")
@@ -346,11 +359,11 @@ def main() -> None:
         from kernels.pdl import launch as pdl_launch
 
         pdl_launch.set_prefetch(False)
-    if args.attention_split_tiles != 1 or args.attention_preload_tile:
-        from kernels.decode_attention import kernel as decode_attention_kernel
+    args.pdl = args.pdl == "on"
+    from kernels.decode_attention import kernel as decode_attention_kernel
 
-        decode_attention_kernel.set_split_tiles(args.attention_split_tiles)
-        decode_attention_kernel.set_preload_tile(args.attention_preload_tile)
+    decode_attention_kernel.set_split_tiles(args.attention_split_tiles)
+    decode_attention_kernel.set_preload_tile(args.attention_preload_tile == "on")
     from kernels.decode_linear import kernel as decode_linear_kernel
 
     decode_linear_kernel.set_gemv(not args.no_decode_gemv)
@@ -376,8 +389,8 @@ def main() -> None:
                     args.fused_prefill.split(","),
                 )
                 for attn, lin, smp, kv, (chain, chain_cfg), fprefill in variants:
-                    if fprefill not in ("off", "on"):
-                        raise SystemExit(f"--fused-prefill {fprefill!r}: choose off or on")
+                    if fprefill not in ("auto", "off", "on"):
+                        raise SystemExit(f"--fused-prefill {fprefill!r}: choose auto, off or on")
                     m = model if name == "native" else custom
                     graphs = not args.no_cuda_graphs
                     if chain == "on":
@@ -385,16 +398,16 @@ def main() -> None:
 
                         decode_chain_kernel.set_config(*chain_cfg)  # read when the engine builds its chain
                     secs, toks, ran = run_native(m, ids, args.new_tokens, device, graphs, attn, lin, smp, kv, args.pdl,
-                                                 chain == "on", fprefill == "on")  # fmt: skip
+                                                 chain == "on", {"auto": None, "on": True, "off": False}[fprefill])  # fmt: skip
                     attn, lin, smp = ran["decode_attention"], ran["decode_linear"], ran["sampler"]
-                    row = dict(engine=name, **ran, kv_cache=kv, pdl=args.pdl)
-                    row["pdl_prefetch"] = args.pdl and not args.no_pdl_prefetch
+                    row = dict(engine=name, **ran, kv_cache=kv)
+                    row["pdl_prefetch"] = ran["pdl"] and not args.no_pdl_prefetch
                     # one-row steps on the GEMV kernel (the ops whose K it takes: kernel.uses_gemv)
                     row["decode_gemv"] = lin == "triton" and bs <= decode_linear_kernel.GEMV_MAX_ROWS
                     row["attention_split_tiles"] = args.attention_split_tiles
-                    row["attention_preload_tile"] = args.attention_preload_tile
+                    row["attention_preload_tile"] = args.attention_preload_tile == "on"
                     row["decode_chain"] = chain == "on"
-                    row["fused_prefill"] = fprefill == "on"
+                    row["fused_prefill"] = ran["fused_prefill"]
                     if chain == "on":
                         from kernels.decode_chain import kernel as decode_chain_kernel
 
@@ -410,7 +423,7 @@ def main() -> None:
                     rows.append(row)
                     extra = f", same tokens as the first: {row['same_tokens']:.3f}" if "same_tokens" in row else ""
                     tag = f",chain {row['chain_slab_bytes']}B x{row['chain_warps']}" if chain == "on" else ""
-                    tag += ",fused prefill" if fprefill == "on" else ""
+                    tag += ",fused prefill" if ran["fused_prefill"] else ""
                     print(f"{name}[{attn},{lin},{smp},{kv}{tag}] batch {bs:4d}: {row['tokens_per_s']:10.1f} tok/s ({secs:.2f} s){extra}",
                           file=sys.stderr, flush=True)  # fmt: skip
                 continue

@@ -46,9 +46,9 @@ def profile_batch(model, bs: int, args, device: torch.device, out_dir: Path | No
         decode_attention=args.decode_attention,
         sampler=args.sampler,
         kv_cache=args.profile_kv_cache,
-        pdl=args.pdl,
+        pdl=args.pdl == "on",
         decode_chain=args.decode_chain,
-        fused_prefill=args.fused_prefill,
+        fused_prefill={"auto": None, "on": True, "off": False}[args.fused_prefill],
     )
 
     def requests():
@@ -244,11 +244,20 @@ def main() -> None:
     ap.add_argument("--decode-attention", default="auto", help="decode profile: the engine's attention")
     ap.add_argument("--sampler", default="auto", help="decode profile: the engine's sampler")
     ap.add_argument("--profile-kv-cache", default="slot", help="decode profile: the engine's KV cache")
-    ap.add_argument("--pdl", action="store_true", help="decode profile: programmatic dependent launch")
-    ap.add_argument("--decode-chain", action="store_true", help="decode profile: one-row steps in one launch")
-    ap.add_argument("--fused-prefill", action="store_true", help="decode profile: prefill through one layer function")
     ap.add_argument(
-        "--attention-preload-tile", action="store_true", help="decode profile: fused attention preloads its K/V tile"
+        "--pdl", nargs="?", const="on", default="on", choices=["on", "off"], help="decode profile: PDL (kernels/pdl)"
+    )
+    ap.add_argument("--decode-chain", action="store_true", help="decode profile: one-row steps in one launch")
+    ap.add_argument(
+        "--fused-prefill", default="auto", choices=["auto", "on", "off"], help="decode profile: one-function prefill"
+    )
+    ap.add_argument(
+        "--attention-preload-tile",
+        nargs="?",
+        const="on",
+        default="on",
+        choices=["on", "off"],
+        help="decode profile: the fused attention preloads its K/V tile",
     )
     ap.add_argument("--groups", type=int, default=0, help="prefill-sharing measurement: prompts (0: skip)")
     ap.add_argument("--group-size", type=int, default=8)
@@ -256,10 +265,9 @@ def main() -> None:
     ap.add_argument("--group-new-tokens", type=int, default=1, help="prefill-sharing measurement: max_tokens")
     ap.add_argument("--kv-cache", default="slot", help="prefill-sharing measurement: comma list of slot, paged")
     args = ap.parse_args()
-    if args.attention_preload_tile:
-        from kernels.decode_attention import kernel as decode_attention_kernel
+    from kernels.decode_attention import kernel as decode_attention_kernel
 
-        decode_attention_kernel.set_preload_tile(True)
+    decode_attention_kernel.set_preload_tile(args.attention_preload_tile == "on")
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out_dir = Path(args.out_dir) if args.out_dir else None

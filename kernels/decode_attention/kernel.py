@@ -304,9 +304,9 @@ def set_split_tiles(n: int) -> None:
 
 # Fused form, slot cache, one tile a split (batch 1 at short lengths): load the split's K/V tile first and substitute
 # the new token's k / v in registers, instead of writing them, a CTA barrier, then loading the tile
-# (set_preload_tile; benchmarks/engine.py --attention-preload-tile). H200, batch 1 with PDL + fused prefill: 1,378 vs
-# 1,345 tok/s (3836786); off until its CUDA tests have run.
-PRELOAD_TILE = False
+# (set_preload_tile; benchmarks/engine.py --attention-preload-tile on|off). H200, batch 1 with PDL + fused prefill: 1,378
+# vs 1,345 tok/s (3836786); its CUDA tests passed on an H100 at 3ad9528.
+PRELOAD_TILE = True
 
 
 def set_preload_tile(on: bool) -> None:

@@ -283,12 +283,12 @@ class InferenceConfig:
     """Native engine, paged KV cache: positions per block."""
     kv_cache_tokens: int = 0
     """Native engine, paged KV cache: pool size in tokens (0: max_batch_size x max_model_len, the slot cache's memory); smaller bounds KV memory, admission then waits for free blocks."""
-    pdl: bool = False
-    """Native engine on CUDA: launch the decode step's Triton kernels (decode linears, fused attention) with programmatic dependent launch, so each one's launch overlaps the previous one's tail (kernels/pdl; one-row GEMVs load their weights before the wait: H200, Qwen3-0.6B, batch 1: 1,331 vs 1,225 tok/s, commit 3836786; off by default until its CUDA tests run)."""
+    pdl: bool = True
+    """Native engine on CUDA: launch the decode step's Triton kernels (decode linears, fused attention, the step's glue) with programmatic dependent launch, so each one's launch overlaps the previous one's tail (kernels/pdl; one-row GEMVs load their weights before the wait: H200, Qwen3-0.6B, batch 1: 1,331 vs 1,225 tok/s without, commit 3836786). Ignored elsewhere."""
     decode_chain: bool = False
     """Native engine: one-row decode steps run every decoder layer in one Triton launch (kernels/decode_chain: ticket-ordered work items that load their weights before they wait for the phase before); needs decode_attention fused, decode_linear triton (the CUDA defaults at hidden size <= 1024), kv_cache slot and a dense Llama-style model. Slower than the per-kernel path on an H200 (Qwen3-0.6B batch 1: 870-1,262 vs 1,225 tok/s, commit 3836786)."""
-    fused_prefill: bool = False
-    """Native engine: prefill runs one pure layer function (fused QKV and gate/up weights; compiled on CUDA, where the module path is ~50 kernels a layer) instead of the model's own modules; dense Llama-style models. H200, Qwen3-0.6B, batch 1: +1% tok/s (commit 3836786)."""
+    fused_prefill: Literal["auto", "on", "off"] = "auto"
+    """Native engine: prefill runs one pure layer function (fused QKV and gate/up weights; compiled on CUDA, where the module path is ~50 kernels a layer) instead of the model's own modules. auto: on CUDA for dense Llama-style models; on: any device (ValueError for other models); off: the model's modules. H200, Qwen3-0.6B, batch 1: +1% tok/s (commit 3836786)."""
     gpu_memory_utilization: float = 0.3
     """vLLM: fraction of GPU memory for the engine."""
     weight_bucket_mb: int = 256

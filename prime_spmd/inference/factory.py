@@ -77,7 +77,7 @@ def build_engine(
         kv_cache_tokens=inference_cfg.kv_cache_tokens,
         pdl=inference_cfg.pdl,
         decode_chain=inference_cfg.decode_chain,
-        fused_prefill=inference_cfg.fused_prefill,
+        fused_prefill={"auto": None, "on": True, "off": False}[inference_cfg.fused_prefill],
     )
     warm = inference_cfg.warmup
     if warm == "on" or (warm == "auto" and engine.use_graphs):

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.decode_glue.reference import advance_reference as advance_decode_state
 from prime_spmd.inference.engine import Completion, InferenceEngine, Request
 from prime_spmd.inference.kv_cache import PagedKVCache, bucket_sizes, pick_bucket
 from prime_spmd.inference.runner import DecodeAttention, DecodeLinear, KVCacheKind, build_runner
@@ -39,17 +40,6 @@ from prime_spmd.models.registry import adapter_for
 # with the graph; docs/benchmarks.md).
 PREFILL_GRAPH_MAX_TOKENS = 8192
 PREFILL_MIN_LEN = 16  # the shortest prefill length bucket (powers of two up to max_model_len)
-
-
-def advance_decode_state(ids_B, pos_B, steps_B, out_2B, tokens_B, logprobs_B, max_pos: int) -> None:
-    """After a decode step, in place: next input ids, positions (+1, kept inside the cache: free rows keep decoding),
-    step indices (+1), and the step's output (tokens, logprobs as float64) for the host copy. The engine compiles it
-    on CUDA (one kernel or two, not six)."""
-    ids_B.copy_(tokens_B)
-    pos_B.add_(1).clamp_(max=max_pos)
-    steps_B.add_(1)
-    out_2B[0].copy_(tokens_B)
-    out_2B[1].copy_(logprobs_B)
 
 
 def pad_prefill(ids_BT: torch.Tensor, slots: list[int], last: list[int], rows: int, length: int):
@@ -125,9 +115,9 @@ class NativeEngine(InferenceEngine):
         kv_cache: KVCacheKind = "slot",
         kv_block_size: int = 16,
         kv_cache_tokens: int = 0,
-        pdl: bool = False,
+        pdl: bool = True,
         decode_chain: bool = False,
-        fused_prefill: bool = False,
+        fused_prefill: bool | None = None,
     ) -> None:
         device = torch.device(device) if device is not None else next(model.parameters()).device
         from kernels.pdl import launch as pdl_launch
@@ -164,7 +154,12 @@ class NativeEngine(InferenceEngine):
         # the torch sampler is ~30 elementwise/reduction passes over [B, V]; compiled (CUDA only) a few
         self.sampler = resolve_sampler(sampler, device)
         self._sample = make_sampler(self.sampler, compile_sampler and device.type == "cuda")
-        self._advance = torch.compile(advance_decode_state) if self.use_graphs else advance_decode_state
+        if getattr(self.runner, "glue", False):  # the Triton decode path: one launch (kernels/decode_glue)
+            from kernels.decode_glue.kernel import advance
+
+            self._advance = advance
+        else:
+            self._advance = torch.compile(advance_decode_state) if self.use_graphs else advance_decode_state
         # "fused": decode steps of few rows sample inside the LM head (kernels/gumbel_sample), logits never written
         self._head_rows = 0
         if self.sampler == "fused" and self.runner.cache is not None:

@@ -270,7 +270,7 @@ class LlamaStyleRunner:
     ``decode_chain``: one-row decode steps run all layers in one launch (kernels/decode_chain; needs the fused decode
     layer with attention "fused", linear "triton" and the slot cache, else ValueError naming what differs).
     ``fused_prefill``: prefill runs ``make_prefill_layer`` (fused QKV / gate-up weights, compiled on CUDA) instead of
-    the model's modules (dense Llama-style models only, else ValueError).
+    the model's modules (dense Llama-style models only, else ValueError); None: on CUDA where the model allows it.
     """
 
     def __init__(
@@ -286,7 +286,7 @@ class LlamaStyleRunner:
         kv_block_size: int = 16,
         kv_cache_tokens: int = 0,
         decode_chain: bool = False,
-        fused_prefill: bool = False,
+        fused_prefill: bool | None = None,
     ) -> None:
         attention = resolve_decode_attention(attention, device)
         if attention in ("triton", "fused"):
@@ -325,7 +325,21 @@ class LlamaStyleRunner:
         elif self.attention == "fused":  # the models' own modules compute q/k: the kernel cannot take them over
             self.attention = "triton"
         self.chain = self._build_chain(kv_cache) if decode_chain else None
+        # the Triton decode path (decode linears triton: CUDA's default at hidden size <= 1024) also takes the step's
+        # inputs and the engine's state advance from kernels/decode_glue: one launch each instead of five and four
+        self.glue = (
+            self.layer_args is not None
+            and self.linear == "triton"
+            and self.attention in ("triton", "fused")
+            and type(self.inner.embed_tokens) is torch.nn.Embedding
+        )
+        if self.glue:
+            from kernels.decode_glue.kernel import step_inputs
+
+            self.step_inputs = step_inputs
         self.prefill_layer = None
+        if fused_prefill is None:
+            fused_prefill = device.type == "cuda" and self.layer_args is not None
         if fused_prefill:
             if self.layer_args is None:
                 raise ValueError(f"fused_prefill needs a dense Llama-style decoder, not {type(model).__name__}")
@@ -504,12 +518,18 @@ class LlamaStyleRunner:
     def _decode_fused(self, ids_B: torch.Tensor, pos_B: torch.Tensor, kv_len: int, head: bool) -> torch.Tensor:
         if self.chain is not None and ids_B.shape[0] == 1:  # all layers in one launch (kernels/decode_chain)
             return self._decode_chain(ids_B, pos_B, kv_len, head)
-        x = self.inner.embed_tokens(ids_B)  # [B, D]
-        cos, sin = self.cos_TcDh[pos_B], self.sin_TcDh[pos_B]  # [B, Dh]
-        if self.attention in ("triton", "fused"):
+        if self.glue:  # the embedding / RoPE rows and lengths in one launch (kernels/decode_glue)
+            x, cos, sin, lens_B = self.step_inputs(ids_B, pos_B, self.inner.embed_tokens.weight, self.cos_TcDh,
+                                              self.sin_TcDh, kv_len)  # fmt: skip
+            mask_BTkv, tkv = None, kv_len
+        elif self.attention in ("triton", "fused"):
+            x = self.inner.embed_tokens(ids_B)  # [B, D]
+            cos, sin = self.cos_TcDh[pos_B], self.sin_TcDh[pos_B]  # [B, Dh]
             # row b attends positions <= pos_B[b]; rows past the bucket (free slots) are clamped to it
             mask_BTkv, lens_B, tkv = None, (pos_B + 1).clamp(max=kv_len), kv_len
         else:
+            x = self.inner.embed_tokens(ids_B)  # [B, D]
+            cos, sin = self.cos_TcDh[pos_B], self.sin_TcDh[pos_B]  # [B, Dh]
             visible = torch.arange(kv_len, device=ids_B.device)[None, :] <= pos_B[:, None]
             mask_BTkv = torch.zeros(visible.shape, device=ids_B.device).masked_fill(~visible, float("-inf"))
             lens_B, tkv = None, 0  # a constant: the bmm path reads Tkv from the mask's shape
@@ -579,11 +599,11 @@ def build_runner(
     kv_block_size: int = 16,
     kv_cache_tokens: int = 0,
     decode_chain: bool = False,
-    fused_prefill: bool = False,
+    fused_prefill: bool | None = None,
 ):
     """The fastest runner that supports ``model`` (``attention``, ``linear``, ``kv_cache``, ``decode_chain``,
     ``fused_prefill``: see ``LlamaStyleRunner``; the generic runner keeps token ids, no KV cache, and ignores the first
-    three)."""
+    three; ``fused_prefill`` None is off there)."""
     if adapter_for(model).supports_slot_cache():
         return LlamaStyleRunner(
             model,

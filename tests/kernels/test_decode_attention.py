@@ -15,6 +15,17 @@ import torch
 from kernels.decode_attention.op import decode_attention, fused_decode_attention, paged_decode_attention
 
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
+
+
+@pytest.fixture(autouse=True)
+def _plain_fused_form(monkeypatch):
+    """The fused form without its preloaded tile (the engine's default where it applies): these tests keep covering
+    the plain form; test_fused_preloaded_tile_matches_reference covers the preloaded one."""
+    from kernels.decode_attention import kernel
+
+    monkeypatch.setattr(kernel, "PRELOAD_TILE", False)
+
+
 # fp32: measured max error 1.3e-7 of max |ref| over the slot grid, 2.0e-7 over the paged grid (interpreter); on GPU
 # the dots are IEEE fp32 (no TF32)
 FP32_RTOL = 2e-6

@@ -77,6 +77,7 @@ def _tiles_of_16(monkeypatch):
     """16-position K/V tiles on a GPU too (its default is 128 at Dh 16): the steps then have one, two and six splits
     there (the interpreter's one split per 4 tiles: one, one and two)."""
     monkeypatch.setattr(attention, "default_block_tc", lambda head_dim: 16)
+    monkeypatch.setattr(attention, "PRELOAD_TILE", False)  # plain attention items (preload_tile below: the other form)
 
 
 @pytest.fixture

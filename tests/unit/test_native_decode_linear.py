@@ -79,15 +79,21 @@ def _model(kind: str):
     return model
 
 
-def _generate(model, linear: str):
-    eng = NativeEngine(model, None, max_batch_size=3, max_model_len=64, device=DEVICE, decode_linear=linear)
+def _generate(model, linear: str, attention: str = "auto", calls: list | None = None):
+    eng = NativeEngine(
+        model, None, max_batch_size=3, max_model_len=64, device=DEVICE, decode_linear=linear, decode_attention=attention
+    )
     assert eng.runner.linear == linear and eng.runner.layer_args is not None  # the fused decode layer
+    if calls is not None:  # count the glue kernels' launches (kernels/decode_glue)
+        step_inputs, advance = eng.runner.step_inputs, eng._advance
+        eng.runner.step_inputs = lambda *a: calls.append("inputs") or step_inputs(*a)
+        eng._advance = lambda *a: calls.append("advance") or advance(*a)
     return sorted(eng.generate(_requests()), key=lambda o: o.request_id)
 
 
-def _max_diff(model) -> float:
-    ref = _generate(model, "torch")
-    got = _generate(model, "triton")
+def _max_diff(model, attention: str = "auto", calls: list | None = None) -> float:
+    ref = _generate(model, "torch", attention)
+    got = _generate(model, "triton", attention, calls)
     worst = 0.0
     for a, b in zip(got, ref):
         assert a.token_ids == b.token_ids, a.request_id
@@ -99,6 +105,20 @@ def _max_diff(model) -> float:
 def test_fused_linears_match_torch(kind, record_property):
     worst = _max_diff(_model(kind))
     assert worst < LOGPROB_ATOL, worst
+    record_property("max_logprob_diff", worst)
+
+
+def test_triton_path_takes_the_glue_kernels(record_property):
+    """With the Triton attention and linears the step's inputs and the state advance are kernels/decode_glue's
+    launches (one each a step); same tokens and logprobs as the torch linears' path, which keeps the eager glue."""
+    model = _model("qwen3")
+    torch_path = NativeEngine(model, None, max_batch_size=3, max_model_len=64, device=DEVICE, decode_linear="torch",
+                              decode_attention="fused")  # fmt: skip
+    assert not torch_path.runner.glue
+    calls: list[str] = []
+    worst = _max_diff(model, "fused", calls)
+    assert worst < LOGPROB_ATOL, worst
+    assert calls and calls.count("inputs") == calls.count("advance"), calls[:6]
     record_property("max_logprob_diff", worst)
 
 
