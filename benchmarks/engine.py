@@ -111,6 +111,7 @@ def run_native(
     pdl: bool = True,
     decode_chain: bool = False,
     fused_prefill: bool | None = None,
+    decode_steps: int = 0,
 ) -> tuple[float, list]:
     """(seconds of the second ``generate``, its token ids per request, the attention / linear / sampler it ran)."""
     from prime_spmd.inference.engine import Request, SamplingParams
@@ -131,6 +132,7 @@ def run_native(
         pdl=pdl,
         decode_chain=decode_chain,
         fused_prefill=fused_prefill,
+        decode_steps_per_launch=decode_steps,
     )
 
     def once() -> float:
@@ -159,6 +161,7 @@ def run_native(
         sampler=eng.sampler,
         fused_prefill=getattr(runner, "prefill_layer", None) is not None,
         pdl=eng.pdl,
+        decode_steps_per_launch=eng.decode_steps,
     )
     return secs, toks, resolved
 
@@ -342,6 +345,12 @@ def main() -> None:
         help="native engines: comma list of auto, off, on (prefill through one compiled layer function instead of the "
         "model's modules; auto: on CUDA for dense Llama-style models); crossed with the variants above",
     )
+    ap.add_argument(
+        "--decode-steps",
+        default="0",
+        help="native engines: comma list of decode steps a launch (--inference.decode_steps_per_launch; 0: auto, 4 "
+        "with CUDA graphs); crossed with the variants above",
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -387,8 +396,9 @@ def main() -> None:
                     args.kv_cache.split(","),
                     chain_variants(args),
                     args.fused_prefill.split(","),
+                    [int(x) for x in args.decode_steps.split(",")],
                 )
-                for attn, lin, smp, kv, (chain, chain_cfg), fprefill in variants:
+                for attn, lin, smp, kv, (chain, chain_cfg), fprefill, dsteps in variants:
                     if fprefill not in ("auto", "off", "on"):
                         raise SystemExit(f"--fused-prefill {fprefill!r}: choose auto, off or on")
                     m = model if name == "native" else custom
@@ -398,7 +408,8 @@ def main() -> None:
 
                         decode_chain_kernel.set_config(*chain_cfg)  # read when the engine builds its chain
                     secs, toks, ran = run_native(m, ids, args.new_tokens, device, graphs, attn, lin, smp, kv, args.pdl,
-                                                 chain == "on", {"auto": None, "on": True, "off": False}[fprefill])  # fmt: skip
+                                                 chain == "on", {"auto": None, "on": True, "off": False}[fprefill],
+                                                 dsteps)  # fmt: skip
                     attn, lin, smp = ran["decode_attention"], ran["decode_linear"], ran["sampler"]
                     row = dict(engine=name, **ran, kv_cache=kv)
                     row["pdl_prefetch"] = ran["pdl"] and not args.no_pdl_prefetch
@@ -424,6 +435,7 @@ def main() -> None:
                     extra = f", same tokens as the first: {row['same_tokens']:.3f}" if "same_tokens" in row else ""
                     tag = f",chain {row['chain_slab_bytes']}B x{row['chain_warps']}" if chain == "on" else ""
                     tag += ",fused prefill" if ran["fused_prefill"] else ""
+                    tag += f",{ran['decode_steps_per_launch']} steps a launch"
                     print(f"{name}[{attn},{lin},{smp},{kv}{tag}] batch {bs:4d}: {row['tokens_per_s']:10.1f} tok/s ({secs:.2f} s){extra}",
                           file=sys.stderr, flush=True)  # fmt: skip
                 continue
@@ -466,6 +478,7 @@ def main() -> None:
             lin = r["decode_linear"] + ("-gemv" if r.get("decode_gemv") else "")
             chain = f",chain {r['chain_slab_bytes']}B x{r['chain_warps']}" if r.get("decode_chain") else ""
             chain += ",fused prefill" if r.get("fused_prefill") else ""
+            chain += f",{r['decode_steps_per_launch']} steps/launch" if r.get("decode_steps_per_launch", 1) > 1 else ""
             label += f"[{r['decode_attention']},{lin},{r['sampler']},{r['kv_cache']}{chain}]"
         table.append([label, r["batch"], f"{tok_s:.0f}", vs, f"{roof:.0f}", f"{100 * frac:.1f}%"])
     common.print_markdown_table(["engine", "batch", "tokens/s", "vs hf", "decode roofline tok/s", "of roofline"], table)

@@ -1,7 +1,8 @@
 """Where a native-engine decode step's time goes: wall time per step vs GPU kernel time, kernel counts.
 
 Runs the native engine on a random-weight model (same model as benchmarks/engine.py), warms it up,
-then profiles ``--steps`` decode steps with torch.profiler and reports, per step: host wall time,
+then profiles ``--steps`` engine steps (each one launch of ``decode_steps_per_launch`` decode steps, 4 by default with
+CUDA graphs at small batch) with torch.profiler and reports, per engine step: host wall time,
 summed GPU kernel time, the number of kernels launched, and the top kernels. GPU busy < wall means
 the step is bound by host work or launch gaps, not by the kernels. Then one whole ``generate`` timed step by step
 (``generate`` in the JSON: the first step with the prefill, the decode steps, the total), which splits the
@@ -49,6 +50,7 @@ def profile_batch(model, bs: int, args, device: torch.device, out_dir: Path | No
         pdl=args.pdl == "on",
         decode_chain=args.decode_chain,
         fused_prefill={"auto": None, "on": True, "off": False}[args.fused_prefill],
+        decode_steps_per_launch=args.decode_steps,
     )
 
     def requests():
@@ -62,11 +64,12 @@ def profile_batch(model, bs: int, args, device: torch.device, out_dir: Path | No
     for _ in range(4):
         eng.step()
     common.sync(device)
-    t0 = time.perf_counter()
+    t0, tokens0 = time.perf_counter(), eng.num_generated_tokens
     for _ in range(args.steps):
         eng.step()
     common.sync(device)
     wall_ms = (time.perf_counter() - t0) * 1e3 / args.steps
+    tokens_per_launch = (eng.num_generated_tokens - tokens0) / args.steps / bs  # decode steps a launch ran
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
             eng.step()
@@ -88,7 +91,8 @@ def profile_batch(model, bs: int, args, device: torch.device, out_dir: Path | No
         wall_ms_per_step=wall_ms,
         gpu_kernel_ms_per_step=gpu_ms,
         kernels_per_step=len(kern) / args.steps,
-        tok_s_decode=bs / wall_ms * 1e3,
+        decode_steps_per_launch=tokens_per_launch,
+        tok_s_decode=bs * tokens_per_launch / wall_ms * 1e3,
         top=[dict(name=n[:120], calls_per_step=len(t) / args.steps, us_per_step=sum(t) / args.steps) for n, t in top],
         gaps=timeline["gaps"],
     )
@@ -259,6 +263,9 @@ def main() -> None:
         choices=["on", "off"],
         help="decode profile: the fused attention preloads its K/V tile",
     )
+    ap.add_argument(
+        "--decode-steps", type=int, default=0, help="decode profile: decode steps a launch (0: auto, 4 with graphs)"
+    )
     ap.add_argument("--groups", type=int, default=0, help="prefill-sharing measurement: prompts (0: skip)")
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--group-prompt-len", type=int, default=1024)
@@ -280,8 +287,9 @@ def main() -> None:
         r = profile_batch(model, bs, args, device, out_dir)
         results.append(r)
         print(
-            f"batch {bs}: wall {r['wall_ms_per_step']:.3f} ms/step, GPU kernels {r['gpu_kernel_ms_per_step']:.3f} ms "
-            f"({r['kernels_per_step']:.0f} kernels), decode {r['tok_s_decode']:.0f} tok/s",
+            f"batch {bs}: wall {r['wall_ms_per_step']:.3f} ms/step ({r['decode_steps_per_launch']:.1f} decode steps a "
+            f"launch), GPU kernels {r['gpu_kernel_ms_per_step']:.3f} ms ({r['kernels_per_step']:.0f} kernels), decode "
+            f"{r['tok_s_decode']:.0f} tok/s",
             flush=True,
         )
         for t in r["top"][:12]:

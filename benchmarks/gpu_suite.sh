@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU runs recorded in docs/benchmarks.md, in parts that fit one device call each.
-#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | engine_profile | issue17 | issue17b | issue17c | issue17d | issue17e | attn_splits | chain_key | chain_tests | best_tests | glue | glue_b | chain | gemv_pdl_tests | gemv_pdl | pdl_prefetch | sampler | paged | fused_attn | decode_attn | decode_linear_sweep | decode_linear_splitk | decode_linear_engine | loss | moe | trainer | train_step | lora | env_bridge | engine_warmup | rl_e2e | sample_parity | rl
+#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | engine_profile | issue17 | issue17b | issue17c | issue17d | issue17e | attn_splits | chain_key | chain_tests | best_tests | steps | steps_b | chain | gemv_pdl_tests | gemv_pdl | pdl_prefetch | sampler | paged | fused_attn | decode_attn | decode_linear_sweep | decode_linear_splitk | decode_linear_engine | loss | moe | trainer | train_step | lora | env_bridge | engine_warmup | rl_e2e | sample_parity | rl
 # Each step has its own time limit so that one slow step does not lose the others' results. Parts run at the defaults
-# of their day: since the glue part, PDL, the fused prefill and the preloaded attention tile are on by default on CUDA.
+# of their day: since the steps part, PDL, the fused prefill, the preloaded attention tile,
+# the glue kernels and 4 decode steps a launch are the CUDA defaults.
 set -uo pipefail
 PART=$1; OUT=${2:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -96,22 +97,22 @@ case $PART in
     export PYTHONPATH=/tmp/site:$PWD
     run c_chain_tests 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_chain.py tests/unit/test_native_decode_chain.py
     run c_tests 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_linear.py tests/kernels/test_decode_attention.py tests/unit/test_native_engine.py tests/unit/test_native_decode_attention.py ;;
-  glue)  # issue 17, the new CUDA defaults (PDL, fused prefill, preloaded attention tile) + the glue kernels (kernels/decode_glue): the 0.6B rows at the defaults, batch 1 of the previous commit's best flags from ../snap_base when carried (same machine), then the CUDA tests; ~9.5 min
+  steps)  # issue 17, the new CUDA defaults (PDL, fused prefill, preloaded attention tile, glue kernels, 4 decode steps a launch): the 0.6B rows at 1 / 16 / 64 / 256 with 1 and 4 steps a launch in one process, batch 1 of the previous commit's best flags from ../snap_base when carried (same machine), then the CUDA tests; ~9.5 min
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
     export PYTHONPATH=/tmp/site:$PWD
-    run u_engine 120 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,16,64,256 --prompt-len 128 --new-tokens 256 --engine native --out "$OUT/engine_defaults.json"
+    run s_engine 180 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,16,64,256 --prompt-len 128 --new-tokens 256 --engine native --decode-steps 1,4 --out "$OUT/engine_defaults.json"
     if [ -d ../snap_base ]; then
-      (cd ../snap_base && PYTHONPATH=/tmp/site:$PWD run u_base_b1 60 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --pdl --fused-prefill on --attention-preload-tile --out "$OUT/engine_base_b1.json")
+      (cd ../snap_base && PYTHONPATH=/tmp/site:$PWD run s_base_b1 60 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --pdl --fused-prefill on --attention-preload-tile --out "$OUT/engine_base_b1.json")
     fi
-    run u_tests 330 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_glue.py tests/unit/test_native_decode_linear.py tests/unit/test_native_engine.py tests/unit/test_native_decode_attention.py tests/kernels/test_decode_attention.py ;;
-  glue_b)  # issue 17, after glue: batch 1 at the defaults again (its own process), the profile at batch 1 with its one-step timeline, mismatch KL at one row (2,048 tokens) and at the default 64 rows; ~5 min
+    run s_tests 270 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_glue.py tests/unit/test_native_engine.py tests/unit/test_native_decode_linear.py tests/unit/test_native_decode_attention.py ;;
+  steps_b)  # issue 17, after steps: batch 1 at the defaults again (its own process), the profile at batch 1 and 64 with its one-launch kernel timeline, mismatch KL at one row (2,048 tokens) and at the default 64 rows; ~5 min
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
     export PYTHONPATH=/tmp/site:$PWD
-    run v_engine_b1 50 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --out "$OUT/engine_b1_rerun.json"
+    run t_engine_b1 50 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --out "$OUT/engine_b1_rerun.json"
     mkdir -p "$OUT/profile"
-    run v_profile 90 python3 benchmarks/engine_profile.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,64 --out-dir "$OUT/profile"
-    run v_mismatch_1row 60 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --requests 1 --new-tokens 2048 --out "$OUT/mismatch_one_row.json"
-    run v_mismatch 60 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --out "$OUT/mismatch_defaults.json" ;;
+    run t_profile 90 python3 benchmarks/engine_profile.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,64 --out-dir "$OUT/profile"
+    run t_mismatch_1row 60 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --requests 1 --new-tokens 2048 --out "$OUT/mismatch_one_row.json"
+    run t_mismatch 60 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --out "$OUT/mismatch_defaults.json" ;;
   best_tests)  # issue 17, batch 1: the CUDA tests of what the 39.6% ran on (GEMV + PDL preload, preloaded attention tile, compiled glue, graph prefill), then the profile of that configuration with its one-step kernel timeline (launch gaps) and its engine row again; ~8 min
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
     export PYTHONPATH=/tmp/site:$PWD

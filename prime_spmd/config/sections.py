@@ -289,6 +289,8 @@ class InferenceConfig:
     """Native engine: one-row decode steps run every decoder layer in one Triton launch (kernels/decode_chain: ticket-ordered work items that load their weights before they wait for the phase before); needs decode_attention fused, decode_linear triton (the CUDA defaults at hidden size <= 1024), kv_cache slot and a dense Llama-style model. Slower than the per-kernel path on an H200 (Qwen3-0.6B batch 1: 870-1,262 vs 1,225 tok/s, commit 3836786)."""
     fused_prefill: Literal["auto", "on", "off"] = "auto"
     """Native engine: prefill runs one pure layer function (fused QKV and gate/up weights; compiled on CUDA, where the module path is ~50 kernels a layer) instead of the model's own modules. auto: on CUDA for dense Llama-style models; on: any device (ValueError for other models); off: the model's modules. H200, Qwen3-0.6B, batch 1: +1% tok/s (commit 3836786)."""
+    decode_steps_per_launch: int = 0
+    """Native engine: decode steps one launch (CUDA-graph replay) runs for row buckets of <= 16 rows while no request waits for admission and every row has room for them; the host's per-launch work and the gap between replays are paid once for them. 0: auto (4 with CUDA graphs, else 1)."""
     gpu_memory_utilization: float = 0.3
     """vLLM: fraction of GPU memory for the engine."""
     weight_bucket_mb: int = 256
@@ -298,6 +300,12 @@ class InferenceConfig:
         _check(self.max_batch_size >= 1, "inference.max_batch_size", self.max_batch_size, "must be >= 1")
         _check(self.max_model_len >= 0, "inference.max_model_len", self.max_model_len, "must be >= 0")
         _check(self.weight_bucket_mb >= 1, "inference.weight_bucket_mb", self.weight_bucket_mb, "must be >= 1")
+        _check(
+            self.decode_steps_per_launch >= 0,
+            "inference.decode_steps_per_launch",
+            self.decode_steps_per_launch,
+            "must be >= 0 (0: auto)",
+        )
         _check(self.kv_block_size >= 1, "inference.kv_block_size", self.kv_block_size, "must be >= 1")
         _check(self.kv_cache_tokens >= 0, "inference.kv_cache_tokens", self.kv_cache_tokens, "must be >= 0")
         _check(

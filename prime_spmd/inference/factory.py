@@ -23,6 +23,7 @@ NATIVE_ONLY = (
     "pdl",
     "decode_chain",
     "fused_prefill",
+    "decode_steps_per_launch",
 )
 
 
@@ -78,6 +79,7 @@ def build_engine(
         pdl=inference_cfg.pdl,
         decode_chain=inference_cfg.decode_chain,
         fused_prefill={"auto": None, "on": True, "off": False}[inference_cfg.fused_prefill],
+        decode_steps_per_launch=inference_cfg.decode_steps_per_launch,
     )
     warm = inference_cfg.warmup
     if warm == "on" or (warm == "auto" and engine.use_graphs):

@@ -40,6 +40,12 @@ from prime_spmd.models.registry import adapter_for
 # with the graph; docs/benchmarks.md).
 PREFILL_GRAPH_MAX_TOKENS = 8192
 PREFILL_MIN_LEN = 16  # the shortest prefill length bucket (powers of two up to max_model_len)
+MULTI_STEP_MAX_ROWS = 16
+"""Row buckets up to this size may run several decode steps a launch (``decode_steps_per_launch``): there the gap
+between two graph replays (~16 us on an H100, docs/inference.md) is >= 1% of a step; larger steps run one a launch
+(fewer graphs to capture at warm-up)."""
+AUTO_DECODE_STEPS = 4
+"""``decode_steps_per_launch`` 0 (auto): this many with CUDA graphs, else 1."""
 
 
 def pad_prefill(ids_BT: torch.Tensor, slots: list[int], last: list[int], rows: int, length: int):
@@ -118,8 +124,11 @@ class NativeEngine(InferenceEngine):
         pdl: bool = True,
         decode_chain: bool = False,
         fused_prefill: bool | None = None,
+        decode_steps_per_launch: int = 0,
     ) -> None:
         device = torch.device(device) if device is not None else next(model.parameters()).device
+        if decode_steps_per_launch < 0:
+            raise ValueError(f"decode_steps_per_launch must be >= 0 (0: auto), got {decode_steps_per_launch}")
         from kernels.pdl import launch as pdl_launch
 
         # process-wide: the last engine built decides (one engine per process in rl / eval)
@@ -166,7 +175,12 @@ class NativeEngine(InferenceEngine):
             from kernels.gumbel_sample.kernel import LM_HEAD_MAX_ROWS
 
             self._head_rows = LM_HEAD_MAX_ROWS
-        self._graphs: dict[tuple[int, int, bool, bool], torch.cuda.CUDAGraph] = {}
+        # decode steps one launch (graph replay) may run: each launch's host work and the gap between two replays
+        # are paid once for k tokens; a launch takes k > 1 only while nothing waits for admission and every row has
+        # room for k more tokens (a row that stops early discards the rest of its launch's tokens, as it does today
+        # with the step launched before the host saw its stop)
+        self.decode_steps = decode_steps_per_launch or (AUTO_DECODE_STEPS if self.use_graphs else 1)
+        self._graphs: dict[tuple[int, int, bool, bool, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
         # prefill graphs by (row bucket, length bucket): the graph and its static inputs (ids, slots, last); all of
         # them write their logits into one buffer [max_batch_size, V] (allocated at the first capture)
@@ -181,11 +195,12 @@ class NativeEngine(InferenceEngine):
         self._seeds = torch.zeros(s_, dtype=torch.long, device=device)
         self._top_k = torch.zeros(s_, dtype=torch.long, device=device)
         self._floats = torch.ones(3, s_, dtype=torch.float32, device=device)  # temperature, top_p, min_p
-        self._out = torch.zeros(2, s_, dtype=torch.float64, device=device)  # token, logprob
+        k_ = self.decode_steps
+        self._out = torch.zeros(k_, 2, s_, dtype=torch.float64, device=device)  # per step of a launch: token, logprob
         pin = device.type == "cuda"
-        self._host_out = [torch.zeros(2, s_, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
+        self._host_out = [torch.zeros(k_, 2, s_, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
         self._num_launches = 0
-        self._pending: tuple[list[_Seq], torch.Tensor, torch.cuda.Event | None] | None = None
+        self._pending: tuple[list[_Seq], torch.Tensor, torch.cuda.Event | None, int] | None = None
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: dict[int, _Seq] = {}
         self._free = list(range(max_batch_size))
@@ -275,7 +290,9 @@ class NativeEngine(InferenceEngine):
         logits = self.runner.prefill(ids, slots, zeros)
         self._sample(logits, ones, zeros, ones, 0 * ones, zeros, zeros, False, False)
         top = pick_bucket(self.len_buckets, min(max_len or self.max_model_len, self.max_model_len))
-        keys = [(nb, kv, False, False) for kv in self.len_buckets if kv <= top for nb in self.batch_buckets]
+        keys = [(nb, kv, False, False, 1) for kv in self.len_buckets if kv <= top for nb in self.batch_buckets]
+        if self.decode_steps > 1:
+            keys += [(nb, kv, s, m, self.decode_steps) for nb, kv, s, m, _ in keys if nb <= MULTI_STEP_MAX_ROWS]
         for key in keys:
             if not self.use_graphs:
                 self._decode_step(*key)
@@ -462,8 +479,21 @@ class NativeEngine(InferenceEngine):
         n = q.num_launched
         return not q.finished and n < q.req.sampling.max_tokens and len(q.req.prompt_ids) + n < self.max_model_len
 
-    def _launch_decode(self) -> tuple[list[_Seq], torch.Tensor, torch.cuda.Event | None] | None:
-        """Launch one decode step for the running sequences that may need a token; no host sync."""
+    def _steps_for(self, seqs: list[_Seq], nb: int) -> int:
+        """Decode steps the next launch runs: ``self.decode_steps`` while nothing waits for admission, the row bucket
+        is small (``MULTI_STEP_MAX_ROWS``) and every row may take that many more tokens (max_tokens, the cache
+        length), else 1."""
+        k = self.decode_steps
+        if k == 1 or nb > MULTI_STEP_MAX_ROWS or self._waiting:
+            return 1
+        room = min(
+            min(q.req.sampling.max_tokens, self.max_model_len - len(q.req.prompt_ids)) - q.num_launched for q in seqs
+        )
+        return k if room >= k else 1
+
+    def _launch_decode(self) -> tuple[list[_Seq], torch.Tensor, torch.cuda.Event | None, int] | None:
+        """Launch the next decode step (or ``_steps_for`` steps) for the running sequences that may need a token; no
+        host sync."""
         seqs = [q for q in self._running.values() if self._needs_more(q)]
         if not seqs:
             return None
@@ -471,11 +501,12 @@ class NativeEngine(InferenceEngine):
             self.runner.cache.sync()  # released slots' table rows back to scratch before their rows decode again
         nb = pick_bucket(self.batch_buckets, max(q.slot for q in seqs) + 1)
         max_pos = max(len(q.req.prompt_ids) + q.num_launched - 1 for q in seqs)
-        kv_len = pick_bucket(self.len_buckets, max_pos + 1)
+        k = self._steps_for(seqs, nb)
+        kv_len = pick_bucket(self.len_buckets, max_pos + k)  # the launch's last step attends max_pos + k positions
         sp = [q.req.sampling for q in seqs]
         needs_sort = any(s.temperature > 0 and (s.top_k > 0 or s.top_p < 1.0) for s in sp)
         needs_min_p = any(s.temperature > 0 and s.min_p > 0 for s in sp)
-        key = (nb, kv_len, needs_sort, needs_min_p)
+        key = (nb, kv_len, needs_sort, needs_min_p, k)
         if not self.use_graphs:
             self._decode_step(*key)
         else:
@@ -483,18 +514,23 @@ class NativeEngine(InferenceEngine):
                 self._graphs[key] = self._capture(*key)
             self._graphs[key].replay()
         for q in seqs:
-            q.num_launched += 1
+            q.num_launched += k
         host = self._host_out[self._num_launches % 2]
         self._num_launches += 1
-        host[:, :nb].copy_(self._out[:, :nb], non_blocking=True)
+        host[:k, :, :nb].copy_(self._out[:k, :, :nb], non_blocking=True)
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        return seqs, host, event
+        return seqs, host, event, k
 
-    def _decode_step(self, nb: int, kv_len: int, needs_sort: bool, needs_min_p: bool) -> None:
-        """One decode of slots 0..nb-1 from and into the device state; graph-capturable (no host sync)."""
+    def _decode_step(self, nb: int, kv_len: int, needs_sort: bool, needs_min_p: bool, k: int = 1) -> None:
+        """``k`` decodes of slots 0..nb-1 from and into the device state, step i's output in ``self._out[i]``;
+        graph-capturable (no host sync)."""
+        for i in range(k):
+            self._decode_one(nb, kv_len, needs_sort, needs_min_p, self._out[i, :, :nb])
+
+    def _decode_one(self, nb: int, kv_len: int, needs_sort: bool, needs_min_p: bool, out_2B: torch.Tensor) -> None:
         ids, pos = self._ids[:nb], self._pos[:nb]
         f = self._floats[:, :nb]
         if nb <= self._head_rows and not (needs_sort or needs_min_p):
@@ -508,29 +544,29 @@ class NativeEngine(InferenceEngine):
             tokens, logprobs = self._sample(
                 logits, f[0], self._top_k[:nb], f[1], f[2], self._seeds[:nb], self._steps[:nb], needs_sort, needs_min_p
             )
-        self._advance(ids, pos, self._steps[:nb], self._out[:, :nb], tokens, logprobs, self.max_model_len - 1)
+        self._advance(ids, pos, self._steps[:nb], out_2B, tokens, logprobs, self.max_model_len - 1)
 
-    def _capture(self, nb: int, kv_len: int, needs_sort: bool, needs_min_p: bool) -> torch.cuda.CUDAGraph:
-        """Capture one decode step; the graphs share one memory pool. Warm-up runs (compiles,
+    def _capture(self, nb: int, kv_len: int, needs_sort: bool, needs_min_p: bool, k: int) -> torch.cuda.CUDAGraph:
+        """Capture one launch (``k`` decode steps); the graphs share one memory pool. Warm-up runs (compiles,
         allocator, cuBLAS workspaces) advance the device state, so it is saved and restored; the
         K/V they write past each sequence's position are overwritten before they are attended."""
         saved = [t.clone() for t in (self._ids, self._pos, self._steps)]
-        graph = self._capture_graph(lambda: self._decode_step(nb, kv_len, needs_sort, needs_min_p), warmups=2)
+        graph = self._capture_graph(lambda: self._decode_step(nb, kv_len, needs_sort, needs_min_p, k), warmups=2)
         for t, v in zip((self._ids, self._pos, self._steps), saved):  # (the capture itself ran nothing)
             t.copy_(v)
         return graph
 
     def _collect(
-        self, pending: tuple[list[_Seq], torch.Tensor, torch.cuda.Event | None], done: list[Completion]
+        self, pending: tuple[list[_Seq], torch.Tensor, torch.cuda.Event | None, int], done: list[Completion]
     ) -> None:
-        seqs, host, event = pending
+        seqs, host, event, k = pending
         if event is not None:
-            event.synchronize()  # the step's one wait, a step after its launch
-        live = [q for q in seqs if not q.finished]
-        # one tolist per step, not two tensor indexings per row: 482 -> 49 us a step at 64 rows on
+            event.synchronize()  # the launch's one wait, a launch after it
+        # one tolist per launch, not two tensor indexings per row: 482 -> 49 us a step at 64 rows on
         # the 2-core dev VM (1.79 ms -> 31 us at 256), host time that must stay under the GPU's step
-        tok_S, lp_S = host.tolist()
-        self._record(live, [int(tok_S[q.slot]) for q in live], [lp_S[q.slot] for q in live], done)
+        for tok_S, lp_S in host[:k].tolist():
+            live = [q for q in seqs if not q.finished]  # a row that stopped drops the launch's later tokens
+            self._record(live, [int(tok_S[q.slot]) for q in live], [lp_S[q.slot] for q in live], done)
 
     def _sampling_tensors(self, seqs: list[_Seq]) -> SamplingTensors:
         sp = [q.req.sampling for q in seqs]

@@ -28,6 +28,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from kernels.decode_attention import kernel as attention  # noqa: E402
 from kernels.decode_chain import kernel as chain  # noqa: E402
+from kernels.decode_glue import kernel as glue  # noqa: E402
 from kernels.decode_linear import kernel as linear  # noqa: E402
 from kernels.gumbel_sample import kernel as sampler  # noqa: E402
 from kernels.lm_logprob import fused_kernel as lm_fused  # noqa: E402
@@ -259,6 +260,15 @@ def variants():
         for i, cfg in enumerate(tuner.configs):
             yield (f"lm_logprob fused {part} config {i}", fn, signature, {**cfg.kwargs, **flags},
                    {"num_warps": cfg.num_warps})  # fmt: skip
+    for use_pdl in (False, True):  # the glue kernels as the engine launches them (0.6B: D 1024, Dh 128, bf16)
+        yield (f"decode_glue step_inputs{' trigger' if use_pdl else ''}", glue._step_inputs_kernel,
+               sig("ids_ptr pos_ptr emb_ptr cos_ptr sin_ptr x_ptr cos_out_ptr sin_out_ptr lens_ptr D DH kv_len s_emb "
+                   "s_cos s_sin", "*i64 *i64 *bf16 *bf16 *bf16 *bf16 *bf16 *bf16 *i64 " + "i32 " * 6),
+               {"BLOCK_D": 1024, "BLOCK_DH": 128, "USE_PDL": use_pdl}, {"num_warps": 4})  # fmt: skip
+        yield (f"decode_glue advance{' pdl' if use_pdl else ''}", glue._advance_kernel,
+               sig("ids_ptr pos_ptr steps_ptr out_ptr tok_ptr lp_ptr B s_out max_pos",
+                   "*i64 *i64 *i64 *fp64 *i64 *fp32 i32 i32 i32"),
+               {"BLOCK": 1, "USE_PDL": use_pdl}, {"num_warps": 4})  # fmt: skip
     yield ("decode_attention reduce", attention._reduce_kernel,
            sig("acc_ptr ml_ptr lens_ptr o_ptr so_b so_n max_len", "*fp32 *fp32 *i64 *bf16 i32 i32 i32"), heads,
            {"num_warps": 4})  # fmt: skip
@@ -335,6 +345,10 @@ def main() -> int:
         if name.endswith(" preload") and not -1 < ptx.find("ld.global") < ptx.find("griddepcontrol.wait"):
             failed += 1
             print(f"FAILED  {name}: no global load before griddepcontrol.wait in the PTX", flush=True)
+            continue
+        if name.endswith(" trigger") and "griddepcontrol.launch_dependents" not in ptx:
+            failed += 1
+            print(f"FAILED  {name}: no griddepcontrol.launch_dependents in the PTX", flush=True)
             continue
         if " pdl" in name and not all(f"griddepcontrol.{i}" in compiled.asm["ptx"] for i in PDL_INSTRUCTIONS):
             failed += 1

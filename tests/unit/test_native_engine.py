@@ -181,6 +181,49 @@ def test_stop_ids_stop_strings_eos_and_max_len(model_dir, device):
         eng.add_request(Request(prompt_ids=[5] * 64))
 
 
+def test_multi_step_launches_match_single_steps(model_dir, device):
+    """``decode_steps_per_launch`` 4 against 1: the same tokens, logprobs and finish reasons, with launches of 4
+    steps once nothing waits for admission (6 requests through 2 slots; the last two run long), a row that stops
+    inside a launch (a stop id), max_tokens that are not multiples of 4 and the cache length capping a row; no
+    launch takes a row past its max_tokens or the cache (the paged cache reserves only that much)."""
+    sp = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    one, _, tok = _engine(model_dir, device, decode_steps_per_launch=1)
+    four, _, _ = _engine(model_dir, device, decode_steps_per_launch=4)
+    assert one.decode_steps == 1 and four.decode_steps == 4
+
+    def reqs(stop=None):
+        rs = _reqs(tok, sp, seed0=3)
+        for r, n in zip(rs, (16, 5, 11, 7, 1000, 1000)):  # the last two: capped by the cache length (64)
+            r.sampling.max_tokens = n
+        rs[5].sampling.stop_token_ids = [stop] if stop is not None else []
+        return rs
+
+    launches = []  # (k, request 5's tokens launched before)
+    real = four._steps_for
+
+    def steps_for(seqs, nb):
+        k = real(seqs, nb)
+        for q in seqs:
+            room = min(q.req.sampling.max_tokens, four.max_model_len - len(q.req.prompt_ids)) - q.num_launched
+            assert k <= room, (q.req.request_id, k, room)
+        launches.append((k, next((q.num_launched for q in seqs if q.req.request_id == 5), None)))
+        return k
+
+    four._steps_for = steps_for
+    free = four.generate(reqs())[5].token_ids
+    # a stop id first drawn inside a launch of 4 (at its 1st-3rd step: a launch after n tokens draws n .. n + 3)
+    mid = {n + j for k, n in launches if k == 4 and n is not None for j in range(3)}
+    at = next(i for i, t in enumerate(free) if i in mid and free.index(t) == i)
+    launches.clear()
+    want, got = one.generate(reqs(free[at])), four.generate(reqs(free[at]))
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason, g.request_id
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), rtol=0, atol=1e-6)
+    assert want[5].finish_reason == "stop" and len(want[5].token_ids) == at + 1
+    assert want[4].finish_reason == "length" and len(want[4].prompt_ids) + len(want[4].token_ids) == 64
+    assert [k for k, _ in launches].count(4) >= 4, launches  # the last rows' steps ran 4 a launch
+
+
 def test_async_engine_batches_concurrent_callers(model_dir, device):
     eng, model, tok = _engine(model_dir, device, max_batch_size=4)
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -330,10 +373,11 @@ def test_warmup_runs_every_decode_bucket_and_changes_no_output(model_dir, device
     cold, _, tok = _engine(model_dir, device, max_batch_size=4, max_model_len=512)
     want = cold.generate(_reqs(tok, sp, seed0=5))
     warm, _, _ = _engine(model_dir, device, max_batch_size=4, max_model_len=512)
-    assert warm.warmup(max_len=100) == 3  # the 256 bucket only
-    assert warm.warmup() == 6
+    ks = (1, warm.decode_steps) if warm.decode_steps > 1 else (1,)  # CUDA graphs: launches of 1 and 4 steps
+    assert warm.warmup(max_len=100) == 3 * len(ks)  # the 256 bucket only
+    assert warm.warmup() == 6 * len(ks)
     if warm.use_graphs:
-        assert set(warm._graphs) == {(nb, kv, False, False) for nb in (1, 2, 4) for kv in (256, 512)}
+        assert set(warm._graphs) == {(nb, kv, False, False, k) for nb in (1, 2, 4) for kv in (256, 512) for k in ks}
     assert warm.num_prefill_tokens == 0 and warm.num_generated_tokens == 0
     got = warm.generate(_reqs(tok, sp, seed0=5))
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
