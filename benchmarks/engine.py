@@ -351,6 +351,12 @@ def main() -> None:
         help="native engines: comma list of decode steps a launch (--inference.decode_steps_per_launch; 0: auto, 4 "
         "with CUDA graphs); crossed with the variants above",
     )
+    ap.add_argument(
+        "--lm-head-programs-per-sm",
+        type=int,
+        default=2,
+        help="fused LM-head sampler: programs per SM it aims at (kernels/gumbel_sample; process-wide; 2: the default)",
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -373,6 +379,9 @@ def main() -> None:
 
     decode_attention_kernel.set_split_tiles(args.attention_split_tiles)
     decode_attention_kernel.set_preload_tile(args.attention_preload_tile == "on")
+    from kernels.gumbel_sample import kernel as gumbel_kernel
+
+    gumbel_kernel.set_lm_head_programs_per_sm(args.lm_head_programs_per_sm)
     from kernels.decode_linear import kernel as decode_linear_kernel
 
     decode_linear_kernel.set_gemv(not args.no_decode_gemv)
@@ -417,6 +426,7 @@ def main() -> None:
                     row["decode_gemv"] = lin == "triton" and bs <= decode_linear_kernel.GEMV_MAX_ROWS
                     row["attention_split_tiles"] = args.attention_split_tiles
                     row["attention_preload_tile"] = args.attention_preload_tile == "on"
+                    row["lm_head_programs_per_sm"] = args.lm_head_programs_per_sm
                     row["decode_chain"] = chain == "on"
                     row["fused_prefill"] = ran["fused_prefill"]
                     if chain == "on":

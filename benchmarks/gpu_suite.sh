@@ -105,10 +105,11 @@ case $PART in
       (cd ../snap_base && PYTHONPATH=/tmp/site:$PWD run s_base_b1 60 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --pdl --fused-prefill on --attention-preload-tile --out "$OUT/engine_base_b1.json")
     fi
     run s_tests 270 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_glue.py tests/unit/test_native_engine.py tests/unit/test_native_decode_linear.py tests/unit/test_native_decode_attention.py ;;
-  steps_b)  # issue 17, after steps: batch 1 at the defaults again (its own process), the profile at batch 1 and 64 with its one-launch kernel timeline, mismatch KL at one row (2,048 tokens) and at the default 64 rows; ~5 min
+  steps_b)  # issue 17, after steps: batch 1 at the defaults again (its own process), then with the LM-head sampler at one program an SM (one full wave), the profile at batch 1 and 64 with its one-launch kernel timeline, mismatch KL at one row (2,048 tokens) and at the default 64 rows; ~5 min
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
     export PYTHONPATH=/tmp/site:$PWD
     run t_engine_b1 50 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --out "$OUT/engine_b1_rerun.json"
+    run t_engine_b1_head1 50 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --lm-head-programs-per-sm 1 --out "$OUT/engine_b1_head1.json"
     mkdir -p "$OUT/profile"
     run t_profile 90 python3 benchmarks/engine_profile.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,64 --out-dir "$OUT/profile"
     run t_mismatch_1row 60 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --requests 1 --new-tokens 2048 --out "$OUT/mismatch_one_row.json"

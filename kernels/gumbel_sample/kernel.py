@@ -188,14 +188,14 @@ def _combine_kernel(
     tl.store(logprobs_ptr + b, x_tok - log_z)
 
 
-def num_chunks(rows: int, vocab: int, block_v: int, device: torch.device) -> int:
-    """Vocab chunks per row: enough programs to fill the GPU about twice (rows x chunks), at least one tile
-    each; the interpreter takes 3 chunks at most, so tests cover the merge cheaply."""
+def num_chunks(rows: int, vocab: int, block_v: int, device: torch.device, per_sm: int = 2) -> int:
+    """Vocab chunks per row: enough programs to fill the GPU about ``per_sm`` times (rows x chunks), at least one
+    tile each; the interpreter takes 3 chunks at most, so tests cover the merge cheaply."""
     tiles = triton.cdiv(vocab, block_v)
     if INTERPRET or device.type != "cuda":
         return min(3, tiles)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(tiles, triton.cdiv(2 * sms, rows), 1024))
+    return max(1, min(tiles, triton.cdiv(per_sm * sms, rows), 1024))
 
 
 def _sample(src, weight, temperature_B, seeds_B, steps_B, vocab, chunks, block_b, block_v, block_d, warps, stages):
@@ -237,6 +237,18 @@ def gumbel_sample(
 
 LM_HEAD_MAX_ROWS = 64
 """Rows the fused LM-head sampler takes in one row block (so each chunk of the weight is read once)."""
+LM_HEAD_PROGRAMS_PER_SM = [2]
+"""Programs per SM the fused LM-head sampler aims at (``set_lm_head_programs_per_sm``). Its bf16 configs run one
+program per SM (226-248 registers x 8 warps), so 2 is two waves; at Qwen3's 151,936-row head in 128-row tiles that
+rounds to 238 programs of 5 tiles on 132 SMs (the second wave 80% full), 1 to 132 programs of 9 (one full wave)."""
+
+
+def set_lm_head_programs_per_sm(n: int) -> None:
+    """Process-wide (benchmarks/engine.py --lm-head-programs-per-sm); read at each launch, so set it before an engine
+    captures its graphs."""
+    if n < 1:
+        raise ValueError(f"gumbel_sample: programs per SM must be >= 1, got {n}")
+    LM_HEAD_PROGRAMS_PER_SM[0] = n
 
 
 def lm_head_config(block_b: int, elsize: int) -> tuple[int, int, int, int]:
@@ -266,6 +278,6 @@ def gumbel_sample_lm_head(
     assert B <= LM_HEAD_MAX_ROWS, B
     block_b = max(16, triton.next_power_of_2(B))
     block_v, block_d, warps, stages = lm_head_config(block_b, hidden_BD.element_size())
-    chunks = num_chunks(1, V, block_v, hidden_BD.device)
+    chunks = num_chunks(1, V, block_v, hidden_BD.device, LM_HEAD_PROGRAMS_PER_SM[0])
     return _sample(hidden_BD, weight_VD, temperature_B, seeds_B, steps_B, V, chunks, block_b, block_v, block_d,
                    warps, stages)  # fmt: skip
