@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU runs recorded in docs/benchmarks.md, in parts that fit one device call each.
-#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | engine_profile | issue17 | issue17b | issue17c | issue17d | issue17e | attn_splits | chain_key | chain_tests | best_tests | steps | steps_b | chain | gemv_pdl_tests | gemv_pdl | pdl_prefetch | sampler | paged | fused_attn | decode_attn | decode_linear_sweep | decode_linear_splitk | decode_linear_engine | loss | moe | trainer | train_step | lora | env_bridge | engine_warmup | rl_e2e | sample_parity | rl
+#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | engine_profile | issue17 | issue17b | issue17c | issue17d | issue17e | attn_splits | chain_key | chain_tests | best_tests | steps_one | steps | steps_b | chain | gemv_pdl_tests | gemv_pdl | pdl_prefetch | sampler | paged | fused_attn | decode_attn | decode_linear_sweep | decode_linear_splitk | decode_linear_engine | loss | moe | trainer | train_step | lora | env_bridge | engine_warmup | rl_e2e | sample_parity | rl
 # Each step has its own time limit so that one slow step does not lose the others' results. Parts run at the defaults
 # of their day: since the steps part, PDL, the fused prefill, the preloaded attention tile,
 # the glue kernels and 4 decode steps a launch are the CUDA defaults.
@@ -97,6 +97,17 @@ case $PART in
     export PYTHONPATH=/tmp/site:$PWD
     run c_chain_tests 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_chain.py tests/unit/test_native_decode_chain.py
     run c_tests 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_linear.py tests/kernels/test_decode_attention.py tests/unit/test_native_engine.py tests/unit/test_native_decode_attention.py ;;
+  steps_one)  # issue 17, steps and steps_b in one call when only one may run: the 0.6B rows at 1 / 16 / 64 / 256 with 1 and 4 decode steps a launch, batch 1 of ../snap_base's best flags, batch 1 with the LM head at one program an SM, mismatch KL at one row and at 64, then the CUDA tests of the new paths; ~9.8 min
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
+    export PYTHONPATH=/tmp/site:$PWD
+    run s_engine 170 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,16,64,256 --prompt-len 128 --new-tokens 256 --engine native --decode-steps 1,4 --out "$OUT/engine_defaults.json"
+    if [ -d ../snap_base ]; then
+      (cd ../snap_base && PYTHONPATH=/tmp/site:$PWD run s_base_b1 55 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --pdl --fused-prefill on --attention-preload-tile --out "$OUT/engine_base_b1.json")
+    fi
+    run t_engine_b1_head1 45 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --lm-head-programs-per-sm 1 --out "$OUT/engine_b1_head1.json"
+    run t_mismatch_1row 55 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --requests 1 --new-tokens 2048 --out "$OUT/mismatch_one_row.json"
+    run t_mismatch 50 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --out "$OUT/mismatch_defaults.json"
+    run s_tests 195 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_glue.py tests/unit/test_native_engine.py tests/unit/test_native_decode_linear.py ;;
   steps)  # issue 17, the new CUDA defaults (PDL, fused prefill, preloaded attention tile, glue kernels, 4 decode steps a launch): the 0.6B rows at 1 / 16 / 64 / 256 with 1 and 4 steps a launch in one process, batch 1 of the previous commit's best flags from ../snap_base when carried (same machine), then the CUDA tests; ~9.5 min
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
     export PYTHONPATH=/tmp/site:$PWD
