@@ -131,6 +131,12 @@ def train_step_flops(model_dir: str | Path, num_params: int, model_tokens: float
     return 6.0 * (blocks * model_tokens + head * head_tokens)
 
 
+def add_on_off(ap, flag: str, help: str) -> None:
+    """An on/off switch that is on by default: ``--flag`` alone means on (what older commands pass), ``--flag off``
+    turns it off."""
+    ap.add_argument(flag, nargs="?", const="on", default="on", choices=["on", "off"], help=f"{help} (on by default)")
+
+
 def write_json(path: str | Path, payload: dict[str, Any]) -> None:
     """Write ``payload`` as indented JSON at ``path``, creating its folder."""
     path = Path(path)

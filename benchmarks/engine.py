@@ -302,28 +302,17 @@ def main() -> None:
         default=1,
         help="CUDA decode attention: each length split spans at least this many K/V tiles (process-wide; 1: the default)",
     )
-    ap.add_argument(
+    common.add_on_off(
+        ap,
         "--attention-preload-tile",
-        nargs="?",
-        const="on",
-        default="on",
-        choices=["on", "off"],
-        help="fused decode attention, slot cache, one tile a split: load the tile before writing the new k/v "
-        "(process-wide; on: the default, also what the bare flag means)",
+        "fused decode attention, slot cache, one tile a split: load the tile before writing the new k/v (process-wide)",
     )
     ap.add_argument(
         "--kv-cache",
         default="slot",
         help="native engines: comma list of slot, paged (KV cache, 16-position blocks); crossed with the three above",
     )
-    ap.add_argument(
-        "--pdl",
-        nargs="?",
-        const="on",
-        default="on",
-        choices=["on", "off"],
-        help="native engines: programmatic dependent launch (kernels/pdl; on: the default, also what the bare flag means)",
-    )
+    common.add_on_off(ap, "--pdl", "native engines: programmatic dependent launch (kernels/pdl)")
     ap.add_argument(
         "--decode-chain",
         default="off",

@@ -248,21 +248,12 @@ def main() -> None:
     ap.add_argument("--decode-attention", default="auto", help="decode profile: the engine's attention")
     ap.add_argument("--sampler", default="auto", help="decode profile: the engine's sampler")
     ap.add_argument("--profile-kv-cache", default="slot", help="decode profile: the engine's KV cache")
-    ap.add_argument(
-        "--pdl", nargs="?", const="on", default="on", choices=["on", "off"], help="decode profile: PDL (kernels/pdl)"
-    )
+    common.add_on_off(ap, "--pdl", "decode profile: PDL (kernels/pdl)")
     ap.add_argument("--decode-chain", action="store_true", help="decode profile: one-row steps in one launch")
     ap.add_argument(
         "--fused-prefill", default="auto", choices=["auto", "on", "off"], help="decode profile: one-function prefill"
     )
-    ap.add_argument(
-        "--attention-preload-tile",
-        nargs="?",
-        const="on",
-        default="on",
-        choices=["on", "off"],
-        help="decode profile: the fused attention preloads its K/V tile",
-    )
+    common.add_on_off(ap, "--attention-preload-tile", "decode profile: the fused attention preloads its K/V tile")
     ap.add_argument(
         "--decode-steps", type=int, default=0, help="decode profile: decode steps a launch (0: auto, 4 with graphs)"
     )
