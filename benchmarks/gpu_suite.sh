@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU runs recorded in docs/benchmarks.md, in parts that fit one device call each.
-#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | engine_profile | issue17 | issue17b | issue17c | issue17d | issue17e | attn_splits | chain_key | chain_tests | best_tests | steps_check | rows_h200 | steps_one | steps | steps_b | chain | gemv_pdl_tests | gemv_pdl | pdl_prefetch | sampler | paged | fused_attn | decode_attn | decode_linear_sweep | decode_linear_splitk | decode_linear_engine | loss | moe | trainer | train_step | lora | env_bridge | engine_warmup | rl_e2e | sample_parity | rl
+#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | engine_profile | issue17 | issue17b | issue17c | issue17d | issue17e | attn_splits | chain_key | chain_tests | best_tests | steps_final | steps_check | rows_h200 | steps_one | steps | steps_b | chain | gemv_pdl_tests | gemv_pdl | pdl_prefetch | sampler | paged | fused_attn | decode_attn | decode_linear_sweep | decode_linear_splitk | decode_linear_engine | loss | moe | trainer | train_step | lora | env_bridge | engine_warmup | rl_e2e | sample_parity | rl
 # Each step has its own time limit so that one slow step does not lose the others' results. Parts run at the defaults
 # of their day: since the steps part, PDL, the fused prefill, the preloaded attention tile,
 # the glue kernels and 4 decode steps a launch are the CUDA defaults.
@@ -97,6 +97,16 @@ case $PART in
     export PYTHONPATH=/tmp/site:$PWD
     run c_chain_tests 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_chain.py tests/unit/test_native_decode_chain.py
     run c_tests 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_linear.py tests/kernels/test_decode_attention.py tests/unit/test_native_engine.py tests/unit/test_native_decode_attention.py ;;
+  steps_final)  # issue 17, the new defaults in one call of ~8 min: the 0.6B rows at 1 / 16 / 64 / 256 (4 decode steps a launch at <= 16 rows), batch 1 of ../snap_base's best flags (same machine), mismatch KL at one row and at 64, the CUDA tests of the new paths
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
+    export PYTHONPATH=/tmp/site:$PWD
+    run f_engine 130 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,16,64,256 --prompt-len 128 --new-tokens 256 --engine native --out "$OUT/engine_defaults.json"
+    if [ -d ../snap_base ]; then
+      (cd ../snap_base && PYTHONPATH=/tmp/site:$PWD run f_base_b1 55 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --pdl --fused-prefill on --attention-preload-tile --out "$OUT/engine_base_b1.json")
+    fi
+    run f_mismatch_1row 55 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --requests 1 --new-tokens 2048 --out "$OUT/mismatch_one_row.json"
+    run f_mismatch 50 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --out "$OUT/mismatch_defaults.json"
+    run f_tests 170 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_glue.py tests/unit/test_native_engine.py tests/unit/test_native_decode_linear.py ;;
   steps_check)  # issue 17, the new defaults' check on any Hopper (when the H200 does not come): batch 1 with 1 and 4 decode steps a launch, ../snap_base's best flags (same machine), the LM head at one program an SM, then the CUDA tests of the new paths; ~6 min
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
     export PYTHONPATH=/tmp/site:$PWD
