@@ -58,6 +58,12 @@ def main() -> None:
     ap.add_argument(
         "--decode-chain", action="store_true", help="the engine's one-row steps in one launch (with --requests 1)"
     )
+    ap.add_argument(
+        "--fused-prefill",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="the engine's prefill: one fused layer function (auto: on CUDA) or the model's modules",
+    )
     ap.add_argument("--out", default="")
     args = ap.parse_args()
 
@@ -87,6 +93,7 @@ def main() -> None:
             decode_attention=args.decode_attention,
             kv_cache=args.kv_cache,
             decode_chain=args.decode_chain,
+            fused_prefill={"auto": None, "on": True, "off": False}[args.fused_prefill],
         )
         trainer_lm = load_model(mcfg, device, dtype).eval()
     vocab = engine.vocab_size
@@ -120,7 +127,12 @@ def main() -> None:
         "model_shape": args.model_shape,
         "init_std": shape["overrides"].get("initializer_range", 0.02),
         "loss_impl": policy.loss_impl,
-        "engine": {k: getattr(args, k) for k in ("decode_attention", "decode_linear", "sampler", "kv_cache")},
+        "engine": {
+            k: getattr(args, k) for k in ("decode_attention", "decode_linear", "sampler", "kv_cache", "fused_prefill")
+        },
+        "fused_prefill_ran": engine.runner.prefill_layer is not None
+        if hasattr(engine.runner, "prefill_layer")
+        else False,
         "tokens": d.numel(),
         "mean_abs_diff": d.abs().mean().item(),
         "max_abs_diff": d.abs().max().item(),
