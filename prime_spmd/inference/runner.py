@@ -99,6 +99,14 @@ def fp32_out_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], w.shape[0])
 
 
+def compile_exact(fn, **kwargs):
+    """``torch.compile(fn)`` that rounds where the code casts: inductor otherwise keeps a fused kernel's intermediates
+    in fp32 across explicit ``.to(bf16)`` casts (``emulate_precision_casts`` is off by default), so a compiled RMSNorm
+    (``rms_norm``: fp32 statistics, cast back, then scale) differs from HF's eager one in ~1 of 4 bf16 outputs by an
+    ulp (CPU, 2026-12-05) and the engine's logprobs drift from the trainer's. With it they are bit-equal."""
+    return torch.compile(fn, options={"emulate_precision_casts": True}, **kwargs)
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's Llama/Qwen RMSNorm, op for op: fp32 statistics, cast back, then scale by ``w``."""
     xf = x.float()
@@ -344,9 +352,9 @@ class LlamaStyleRunner:
             if self.layer_args is None:
                 raise ValueError(f"fused_prefill needs a dense Llama-style decoder, not {type(model).__name__}")
             fn = make_prefill_layer(self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale)
-            self.prefill_layer = torch.compile(fn) if compile_decode and device.type == "cuda" else fn
+            self.prefill_layer = compile_exact(fn) if compile_decode and device.type == "cuda" else fn
         # the chain step's inputs in one compiled kernel on CUDA (eager: four small ones)
-        self.chain_glue = torch.compile(chain_inputs) if decode_chain and compile_decode and device.type == "cuda" else (
+        self.chain_glue = compile_exact(chain_inputs) if decode_chain and compile_decode and device.type == "cuda" else (
             chain_inputs
         )  # fmt: skip
 
@@ -379,12 +387,12 @@ class LlamaStyleRunner:
         )
         # one compiled graph serves all layers (same shapes, weights passed as arguments); B and Tkv
         # become dynamic after the first recompile, so every (rows, length) bucket reuses it
-        self.decode_layer = torch.compile(fn, fullgraph=True) if compile_decode else fn
+        self.decode_layer = compile_exact(fn, fullgraph=True) if compile_decode else fn
         # the final norm, compiled with the layers: eager, HF's RMSNorm is ~6 kernels a step (0.6B, batch 1, H200:
         # ~2 us each, next to a ~0.85 ms step)
         final = model.model.norm
         self.final_norm_args = (final.weight, getattr(final, "variance_epsilon", getattr(final, "eps", self.eps)))
-        self.final_norm = torch.compile(rms_norm) if compile_decode else rms_norm
+        self.final_norm = compile_exact(rms_norm) if compile_decode else rms_norm
         self.layer_args = []
         with torch.no_grad():
             for layer in layers:
