@@ -110,7 +110,7 @@ def run_native(
     kv_cache: str = "slot",
     pdl: bool = True,
     decode_chain: bool = False,
-    fused_prefill: bool | None = None,
+    fused_prefill: bool | None = False,
     decode_steps: int = 0,
 ) -> tuple[float, list]:
     """(seconds of the second ``generate``, its token ids per request, the attention / linear / sampler it ran)."""
@@ -330,9 +330,9 @@ def main() -> None:
     )
     ap.add_argument(
         "--fused-prefill",
-        default="auto",
+        default="off",
         help="native engines: comma list of auto, off, on (prefill through one compiled layer function instead of the "
-        "model's modules; auto: on CUDA for dense Llama-style models); crossed with the variants above",
+        "model's modules; auto: on CUDA for dense Llama-style models; off: the default); crossed with the variants above",
     )
     ap.add_argument(
         "--decode-steps",

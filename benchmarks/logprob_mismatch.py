@@ -60,9 +60,9 @@ def main() -> None:
     )
     ap.add_argument(
         "--fused-prefill",
-        default="auto",
+        default="off",
         choices=["auto", "on", "off"],
-        help="the engine's prefill: one fused layer function (auto: on CUDA) or the model's modules",
+        help="the engine's prefill: one fused layer function (auto: on CUDA) or the model's modules (off: the default)",
     )
     ap.add_argument("--out", default="")
     args = ap.parse_args()

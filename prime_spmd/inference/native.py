@@ -123,7 +123,7 @@ class NativeEngine(InferenceEngine):
         kv_cache_tokens: int = 0,
         pdl: bool = True,
         decode_chain: bool = False,
-        fused_prefill: bool | None = None,
+        fused_prefill: bool | None = False,
         decode_steps_per_launch: int = 0,
     ) -> None:
         device = torch.device(device) if device is not None else next(model.parameters()).device
