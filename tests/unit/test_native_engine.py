@@ -181,14 +181,15 @@ def test_stop_ids_stop_strings_eos_and_max_len(model_dir, device):
         eng.add_request(Request(prompt_ids=[5] * 64))
 
 
-def test_multi_step_launches_match_single_steps(model_dir, device):
+@pytest.mark.parametrize("kv_cache", ["slot", "paged"])
+def test_multi_step_launches_match_single_steps(model_dir, device, kv_cache):
     """``decode_steps_per_launch`` 4 against 1: the same tokens, logprobs and finish reasons, with launches of 4
     steps once nothing waits for admission (6 requests through 2 slots; the last two run long), a row that stops
     inside a launch (a stop id), max_tokens that are not multiples of 4 and the cache length capping a row; no
     launch takes a row past its max_tokens or the cache (the paged cache reserves only that much)."""
     sp = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
-    one, _, tok = _engine(model_dir, device, decode_steps_per_launch=1)
-    four, _, _ = _engine(model_dir, device, decode_steps_per_launch=4)
+    one, _, tok = _engine(model_dir, device, decode_steps_per_launch=1, kv_cache=kv_cache)
+    four, _, _ = _engine(model_dir, device, decode_steps_per_launch=4, kv_cache=kv_cache)
     assert one.decode_steps == 1 and four.decode_steps == 4
 
     def reqs(stop=None):
