@@ -97,7 +97,7 @@ case $PART in
     export PYTHONPATH=/tmp/site:$PWD
     run c_chain_tests 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_chain.py tests/unit/test_native_decode_chain.py
     run c_tests 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_linear.py tests/kernels/test_decode_attention.py tests/unit/test_native_engine.py tests/unit/test_native_decode_attention.py ;;
-  mismatch_check)  # issue 17, first call of the next session: mismatch KL at the defaults (64 rows, one row) with the fused prefill on and off, after 394ec3e's rounding fix (compile_exact); batch 1 with the fused prefill off / on in one process, then with the LM-head sampler at one program an SM; the step-helper test (bf16 compiled norm bit-equal on CUDA); ~5 min
+  mismatch_check)  # issue 17, first call of the next session: mismatch KL at the defaults (64 rows, one row) with the fused prefill on and off, after 394ec3e's rounding fix (compile_exact); batch 1 with the fused prefill off / on in one process, then with the LM-head sampler at one program an SM; the step-helper test (bf16 compiled norm bit-equal on CUDA), the 8B rows at 1 / 64 (PDL on by default since); ~8 min
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
     export PYTHONPATH=/tmp/site:$PWD
     for fp in on off; do
@@ -106,7 +106,8 @@ case $PART in
     done
     run m_engine_b1 70 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --fused-prefill off,on --out "$OUT/engine_b1_fp.json"
     run m_engine_b1_head1 50 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --lm-head-programs-per-sm 1 --out "$OUT/engine_b1_head1.json"
-    run m_tests 60 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/unit/test_native_engine.py -k "step_helpers or multi_step" ;;
+    run m_tests 60 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/unit/test_native_engine.py -k "step_helpers or multi_step"
+    run m_engine_8b 150 python3 benchmarks/engine.py --device cuda --model-shape qwen3-8b --batch-sizes 1,64 --prompt-len 128 --new-tokens 256 --engine native --out "$OUT/engine_8b.json" ;;
   steps_final)  # issue 17, the new defaults in one call of ~8 min: the 0.6B rows at 1 / 16 / 64 / 256 (4 decode steps a launch at <= 16 rows), batch 1 of ../snap_base's best flags (same machine), mismatch KL at one row and at 64, the CUDA tests of the new paths
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
     export PYTHONPATH=/tmp/site:$PWD
