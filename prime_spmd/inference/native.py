@@ -474,10 +474,13 @@ class NativeEngine(InferenceEngine):
             st.needs_min_p,
         )
 
+    def _room(self, q: _Seq) -> int:
+        """Tokens ``q`` may still be launched: up to its max_tokens and the cache length."""
+        return min(q.req.sampling.max_tokens, self.max_model_len - len(q.req.prompt_ids)) - q.num_launched
+
     def _needs_more(self, q: _Seq) -> bool:
         """Can ``q`` still need a token beyond those launched (as far as the host knows now)?"""
-        n = q.num_launched
-        return not q.finished and n < q.req.sampling.max_tokens and len(q.req.prompt_ids) + n < self.max_model_len
+        return not q.finished and self._room(q) > 0
 
     def _steps_for(self, seqs: list[_Seq], nb: int) -> int:
         """Decode steps the next launch runs: ``self.decode_steps`` while nothing waits for admission, the row bucket
@@ -486,10 +489,7 @@ class NativeEngine(InferenceEngine):
         k = self.decode_steps
         if k == 1 or nb > MULTI_STEP_MAX_ROWS or self._waiting:
             return 1
-        room = min(
-            min(q.req.sampling.max_tokens, self.max_model_len - len(q.req.prompt_ids)) - q.num_launched for q in seqs
-        )
-        return k if room >= k else 1
+        return k if min(self._room(q) for q in seqs) >= k else 1
 
     def _launch_decode(self) -> tuple[list[_Seq], torch.Tensor, torch.cuda.Event | None, int] | None:
         """Launch the next decode step (or ``_steps_for`` steps) for the running sequences that may need a token; no
