@@ -36,6 +36,7 @@ def profile_batch(model, bs: int, args, device: torch.device, out_dir: Path | No
 
     from prime_spmd.inference.engine import Request, SamplingParams
     from prime_spmd.inference.native import NativeEngine
+    from prime_spmd.inference.runner import fused_prefill_choice
 
     ids = prompts(bs, args.prompt_len, model.config.vocab_size)
     eng = NativeEngine(
@@ -49,7 +50,7 @@ def profile_batch(model, bs: int, args, device: torch.device, out_dir: Path | No
         kv_cache=args.profile_kv_cache,
         pdl=args.pdl == "on",
         decode_chain=args.decode_chain,
-        fused_prefill={"auto": None, "on": True, "off": False}[args.fused_prefill],
+        fused_prefill=fused_prefill_choice(args.fused_prefill),
         decode_steps_per_launch=args.decode_steps,
     )
 

@@ -70,6 +70,7 @@ def main() -> None:
     from prime_spmd.config.sections import ModelConfig
     from prime_spmd.inference.engine import Request, SamplingParams
     from prime_spmd.inference.native import NativeEngine
+    from prime_spmd.inference.runner import fused_prefill_choice
     from prime_spmd.models.loading import load_model, resolve_dtype
     from prime_spmd.models.tiny import build_char_tokenizer, build_tiny_model
     from prime_spmd.trainer.policy import PolicyModel
@@ -93,7 +94,7 @@ def main() -> None:
             decode_attention=args.decode_attention,
             kv_cache=args.kv_cache,
             decode_chain=args.decode_chain,
-            fused_prefill={"auto": None, "on": True, "off": False}[args.fused_prefill],
+            fused_prefill=fused_prefill_choice(args.fused_prefill),
         )
         trainer_lm = load_model(mcfg, device, dtype).eval()
     vocab = engine.vocab_size
@@ -130,9 +131,7 @@ def main() -> None:
         "engine": {
             k: getattr(args, k) for k in ("decode_attention", "decode_linear", "sampler", "kv_cache", "fused_prefill")
         },
-        "fused_prefill_ran": engine.runner.prefill_layer is not None
-        if hasattr(engine.runner, "prefill_layer")
-        else False,
+        "fused_prefill_ran": getattr(engine.runner, "prefill_layer", None) is not None,
         "tokens": d.numel(),
         "mean_abs_diff": d.abs().mean().item(),
         "max_abs_diff": d.abs().max().item(),

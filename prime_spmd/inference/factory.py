@@ -9,6 +9,7 @@ import torch
 from prime_spmd.config.sections import InferenceConfig, ModelConfig
 from prime_spmd.inference.engine import InferenceEngine
 from prime_spmd.inference.native import NativeEngine
+from prime_spmd.inference.runner import fused_prefill_choice
 from prime_spmd.log import logger
 from prime_spmd.models.loading import load_model, load_tokenizer, resolve_dtype
 
@@ -78,7 +79,7 @@ def build_engine(
         kv_cache_tokens=inference_cfg.kv_cache_tokens,
         pdl=inference_cfg.pdl,
         decode_chain=inference_cfg.decode_chain,
-        fused_prefill={"auto": None, "on": True, "off": False}[inference_cfg.fused_prefill],
+        fused_prefill=fused_prefill_choice(inference_cfg.fused_prefill),
         decode_steps_per_launch=inference_cfg.decode_steps_per_launch,
     )
     warm = inference_cfg.warmup

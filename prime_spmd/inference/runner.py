@@ -99,6 +99,17 @@ def fp32_out_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], w.shape[0])
 
 
+FUSED_PREFILL_CHOICES = {"auto": None, "on": True, "off": False}
+"""``--inference.fused_prefill`` (and the benchmarks' ``--fused-prefill``) -> the runner's ``fused_prefill`` argument."""
+
+
+def fused_prefill_choice(name: str) -> bool | None:
+    """``FUSED_PREFILL_CHOICES[name]``, or ValueError naming the bad value."""
+    if name not in FUSED_PREFILL_CHOICES:
+        raise ValueError(f"fused prefill {name!r}: choose one of {sorted(FUSED_PREFILL_CHOICES)}")
+    return FUSED_PREFILL_CHOICES[name]
+
+
 def compile_exact(fn, **kwargs):
     """``torch.compile(fn)`` that rounds where the code casts: inductor otherwise keeps a fused kernel's intermediates
     in fp32 across explicit ``.to(bf16)`` casts (``emulate_precision_casts`` is off by default), so a compiled RMSNorm
@@ -294,7 +305,7 @@ class LlamaStyleRunner:
         kv_block_size: int = 16,
         kv_cache_tokens: int = 0,
         decode_chain: bool = False,
-        fused_prefill: bool | None = None,
+        fused_prefill: bool | None = False,
     ) -> None:
         attention = resolve_decode_attention(attention, device)
         if attention in ("triton", "fused"):
@@ -530,17 +541,16 @@ class LlamaStyleRunner:
             x, cos, sin, lens_B = self.step_inputs(ids_B, pos_B, self.inner.embed_tokens.weight, self.cos_TcDh,
                                               self.sin_TcDh, kv_len)  # fmt: skip
             mask_BTkv, tkv = None, kv_len
-        elif self.attention in ("triton", "fused"):
-            x = self.inner.embed_tokens(ids_B)  # [B, D]
-            cos, sin = self.cos_TcDh[pos_B], self.sin_TcDh[pos_B]  # [B, Dh]
-            # row b attends positions <= pos_B[b]; rows past the bucket (free slots) are clamped to it
-            mask_BTkv, lens_B, tkv = None, (pos_B + 1).clamp(max=kv_len), kv_len
         else:
             x = self.inner.embed_tokens(ids_B)  # [B, D]
             cos, sin = self.cos_TcDh[pos_B], self.sin_TcDh[pos_B]  # [B, Dh]
-            visible = torch.arange(kv_len, device=ids_B.device)[None, :] <= pos_B[:, None]
-            mask_BTkv = torch.zeros(visible.shape, device=ids_B.device).masked_fill(~visible, float("-inf"))
-            lens_B, tkv = None, 0  # a constant: the bmm path reads Tkv from the mask's shape
+            if self.attention in ("triton", "fused"):
+                # row b attends positions <= pos_B[b]; rows past the bucket (free slots) are clamped to it
+                mask_BTkv, lens_B, tkv = None, (pos_B + 1).clamp(max=kv_len), kv_len
+            else:
+                visible = torch.arange(kv_len, device=ids_B.device)[None, :] <= pos_B[:, None]
+                mask_BTkv = torch.zeros(visible.shape, device=ids_B.device).masked_fill(~visible, float("-inf"))
+                lens_B, tkv = None, 0  # a constant: the bmm path reads Tkv from the mask's shape
         k, v, table = self.cache.k, self.cache.v, self.cache.block_table
         for li, args in enumerate(self.layer_args):
             x = self.decode_layer(x, *args, k[li], v[li], table, cos, sin, pos_B, mask_BTkv, lens_B, tkv)
@@ -607,7 +617,7 @@ def build_runner(
     kv_block_size: int = 16,
     kv_cache_tokens: int = 0,
     decode_chain: bool = False,
-    fused_prefill: bool | None = None,
+    fused_prefill: bool | None = False,
 ):
     """The fastest runner that supports ``model`` (``attention``, ``linear``, ``kv_cache``, ``decode_chain``,
     ``fused_prefill``: see ``LlamaStyleRunner``; the generic runner keeps token ids, no KV cache, and ignores the first

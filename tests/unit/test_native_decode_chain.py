@@ -109,3 +109,12 @@ def test_fused_prefill_needs_a_dense_llama_style_model():
     with pytest.raises(ValueError, match="fused_prefill need.* Llama-style decoder"):
         NativeEngine(AutoModelForCausalLM.from_config(cfg), None, max_batch_size=1, max_model_len=16, device="cpu",
                      fused_prefill=True)  # fmt: skip
+
+
+def test_fused_prefill_choice_maps_the_flag():
+    """``--inference.fused_prefill`` auto / on / off -> None / True / False; anything else is named in the error."""
+    from prime_spmd.inference.runner import fused_prefill_choice
+
+    assert [fused_prefill_choice(c) for c in ("auto", "on", "off")] == [None, True, False]
+    with pytest.raises(ValueError, match="fused prefill 'yes': choose one of"):
+        fused_prefill_choice("yes")
