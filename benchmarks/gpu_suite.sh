@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU runs recorded in docs/benchmarks.md, in parts that fit one device call each.
-#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | engine_profile | issue17 | issue17b | issue17c | issue17d | issue17e | attn_splits | chain_key | chain_tests | best_tests | mismatch_check | steps_final | steps_check | rows_h200 | steps_one | steps | steps_b | chain | gemv_pdl_tests | gemv_pdl | pdl_prefetch | sampler | paged | fused_attn | decode_attn | decode_linear_sweep | decode_linear_splitk | decode_linear_engine | loss | moe | trainer | train_step | lora | env_bridge | engine_warmup | rl_e2e | sample_parity | rl
+#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | engine_profile | issue17 | issue17b | issue17c | issue17d | issue17e | attn_splits | chain_key | chain_tests | best_tests | mismatch_check | resolve | resolve_tests | steps_final | steps_check | rows_h200 | steps_one | steps | steps_b | chain | gemv_pdl_tests | gemv_pdl | pdl_prefetch | sampler | paged | fused_attn | decode_attn | decode_linear_sweep | decode_linear_splitk | decode_linear_engine | loss | moe | trainer | train_step | lora | env_bridge | engine_warmup | rl_e2e | sample_parity | rl
 # Each step has its own time limit so that one slow step does not lose the others' results. Parts run at the defaults
 # of their day: since the steps part, PDL, the fused prefill, the preloaded attention tile,
 # the glue kernels and 4 decode steps a launch are the CUDA defaults.
@@ -108,6 +108,20 @@ case $PART in
     run m_engine_b1_head1 50 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --lm-head-programs-per-sm 1 --out "$OUT/engine_b1_head1.json"
     run m_tests 60 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/unit/test_native_engine.py -k "step_helpers or multi_step"
     run m_engine_8b 150 python3 benchmarks/engine.py --device cuda --model-shape qwen3-8b --batch-sizes 1,64 --prompt-len 128 --new-tokens 256 --engine native --out "$OUT/engine_8b.json" ;;
+  resolve)  # issue 17 at HEAD's defaults (fused prefill off since 1a15249, compile_exact): mismatch KL at 64 rows and one row, the 0.6B rows at 1 / 16 / 64 / 256, batch 1 with the fused prefill on, the 8B rows at 1 / 64; ~8 min
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
+    export PYTHONPATH=/tmp/site:$PWD
+    run r_mismatch 55 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --out "$OUT/mismatch_defaults.json"
+    run r_engine 130 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,16,64,256 --prompt-len 128 --new-tokens 256 --engine native --out "$OUT/engine_defaults.json"
+    run r_mismatch_1row 55 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --requests 1 --new-tokens 2048 --out "$OUT/mismatch_one_row.json"
+    run r_engine_8b 150 python3 benchmarks/engine.py --device cuda --model-shape qwen3-8b --batch-sizes 1,64 --prompt-len 128 --new-tokens 256 --engine native --out "$OUT/engine_8b.json"
+    run r_engine_b1_fp 60 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --fused-prefill off,on --out "$OUT/engine_b1_fp.json" ;;
+  resolve_tests)  # issue 17, after resolve: the CUDA tests of the engine's paths at HEAD, mismatch KL with the fused prefill on, batch 1 with the LM-head sampler at one program an SM; ~6 min
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
+    export PYTHONPATH=/tmp/site:$PWD
+    run t_tests 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_glue.py tests/unit/test_native_engine.py tests/unit/test_native_decode_linear.py
+    run t_mismatch_fp_on 55 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --fused-prefill on --out "$OUT/mismatch_fp_on.json"
+    run t_engine_b1_head1 50 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --lm-head-programs-per-sm 1 --out "$OUT/engine_b1_head1.json" ;;
   steps_final)  # issue 17, the new defaults in one call of ~8 min: the 0.6B rows at 1 / 16 / 64 / 256 (4 decode steps a launch at <= 16 rows), batch 1 of ../snap_base's best flags (same machine), mismatch KL at one row and at 64, the CUDA tests of the new paths
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
     export PYTHONPATH=/tmp/site:$PWD
