@@ -110,7 +110,7 @@ def run_native(
     kv_cache: str = "slot",
     pdl: bool = True,
     decode_chain: bool = False,
-    fused_prefill: bool | None = False,
+    fused_prefill: bool | None = None,
     decode_steps: int = 0,
 ) -> tuple[float, list]:
     """(seconds of the second ``generate``, its token ids per request, the attention / linear / sampler it ran)."""
@@ -330,9 +330,9 @@ def main() -> None:
     )
     ap.add_argument(
         "--fused-prefill",
-        default="off",
+        default="auto",
         help="native engines: comma list of auto, off, on (prefill through one compiled layer function instead of the "
-        "model's modules; auto: on CUDA for dense Llama-style models; off: the default); crossed with the variants above",
+        "model's modules; auto, the default: on CUDA for dense Llama-style models); crossed with the variants above",
     )
     ap.add_argument(
         "--decode-steps",
@@ -345,12 +345,6 @@ def main() -> None:
         type=int,
         default=2,
         help="fused LM-head sampler: programs per SM it aims at (kernels/gumbel_sample; process-wide; 2: the default)",
-    )
-    ap.add_argument(
-        "--prefill-split-linears",
-        action="store_true",
-        help="fused prefill: one GEMM per projection on slices of the fused weights (runner.PREFILL_SPLIT_LINEARS; "
-        "process-wide)",
     )
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     ap.add_argument("--out", default="")
@@ -371,9 +365,7 @@ def main() -> None:
         pdl_launch.set_prefetch(False)
     args.pdl = args.pdl == "on"
     from kernels.decode_attention import kernel as decode_attention_kernel
-    from prime_spmd.inference.runner import FUSED_PREFILL_CHOICES, set_prefill_split_linears
-
-    set_prefill_split_linears(args.prefill_split_linears)
+    from prime_spmd.inference.runner import FUSED_PREFILL_CHOICES
 
     decode_attention_kernel.set_split_tiles(args.attention_split_tiles)
     decode_attention_kernel.set_preload_tile(args.attention_preload_tile == "on")
@@ -427,7 +419,6 @@ def main() -> None:
                     row["lm_head_programs_per_sm"] = args.lm_head_programs_per_sm
                     row["decode_chain"] = chain == "on"
                     row["fused_prefill"] = ran["fused_prefill"]
-                    row["prefill_split_linears"] = ran["fused_prefill"] and args.prefill_split_linears
                     if chain == "on":
                         from kernels.decode_chain import kernel as decode_chain_kernel
 

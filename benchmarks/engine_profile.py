@@ -252,7 +252,7 @@ def main() -> None:
     common.add_on_off(ap, "--pdl", "decode profile: PDL (kernels/pdl)")
     ap.add_argument("--decode-chain", action="store_true", help="decode profile: one-row steps in one launch")
     ap.add_argument(
-        "--fused-prefill", default="off", choices=["auto", "on", "off"], help="decode profile: one-function prefill"
+        "--fused-prefill", default="auto", choices=["auto", "on", "off"], help="decode profile: one-function prefill"
     )
     common.add_on_off(ap, "--attention-preload-tile", "decode profile: the fused attention preloads its K/V tile")
     ap.add_argument(

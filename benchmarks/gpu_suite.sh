@@ -108,7 +108,7 @@ case $PART in
     run m_engine_b1_head1 50 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --lm-head-programs-per-sm 1 --out "$OUT/engine_b1_head1.json"
     run m_tests 60 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/unit/test_native_engine.py -k "step_helpers or multi_step"
     run m_engine_8b 150 python3 benchmarks/engine.py --device cuda --model-shape qwen3-8b --batch-sizes 1,64 --prompt-len 128 --new-tokens 256 --engine native --out "$OUT/engine_8b.json" ;;
-  kl_same_machine)  # issue 17 on any Hopper: mismatch KL (64 rows) at HEAD with the fused prefill off / on / on with split GEMMs, and at ../snap_base (2cb9112, the KL the issue compares to) on the same machine; batch 1 at HEAD with the fused prefill off / on / split, and at ../snap_adb (adb9e5d, whose H200 rows met the speed goals); ~8 min
+  kl_same_machine)  # issue 17 on any Hopper: mismatch KL (64 rows) at HEAD with the fused prefill off / on (at 9715fa2 also on with one GEMM per projection: no better, removed), and at ../snap_base (2cb9112, the KL the issue compares to) on the same machine; batch 1 at HEAD with the fused prefill off / on, and at ../snap_adb (adb9e5d, whose H200 rows met the speed goals); ~8 min
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
     export PYTHONPATH=/tmp/site:$PWD
     run k_mismatch_fp_off 55 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --out "$OUT/mismatch_fp_off.json"
@@ -116,9 +116,7 @@ case $PART in
       (cd ../snap_base && PYTHONPATH=/tmp/site:$PWD run k_base_mismatch 55 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --out "$OUT/mismatch_base.json")
     fi
     run k_mismatch_fp_on 55 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --fused-prefill on --out "$OUT/mismatch_fp_on.json"
-    run k_mismatch_fp_split 55 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --fused-prefill on --prefill-split-linears --out "$OUT/mismatch_fp_split.json"
     run k_engine_b1 60 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --fused-prefill off,on --out "$OUT/engine_b1_fp.json"
-    run k_engine_b1_split 50 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --fused-prefill on --prefill-split-linears --out "$OUT/engine_b1_fp_split.json"
     if [ -d ../snap_adb ]; then
       (cd ../snap_adb && PYTHONPATH=/tmp/site:$PWD run k_adb_b1 55 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --out "$OUT/engine_adb_b1.json")
     fi ;;
@@ -130,13 +128,11 @@ case $PART in
     run r_mismatch_1row 55 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --requests 1 --new-tokens 2048 --out "$OUT/mismatch_one_row.json"
     run r_engine_8b 150 python3 benchmarks/engine.py --device cuda --model-shape qwen3-8b --batch-sizes 1,64 --prompt-len 128 --new-tokens 256 --engine native --out "$OUT/engine_8b.json"
     run r_engine_b1_fp 60 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --fused-prefill off,on --out "$OUT/engine_b1_fp.json" ;;
-  resolve_tests)  # issue 17, after resolve: the CUDA tests of the engine's paths at HEAD, mismatch KL and batch 1 with the fused prefill on (fused GEMMs, then split ones), batch 1 with the LM-head sampler at one program an SM; ~6 min
+  resolve_tests)  # issue 17, after resolve: the CUDA tests of the engine's paths at HEAD, mismatch KL with the fused prefill on, batch 1 with the LM-head sampler at one program an SM; ~6 min
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
     export PYTHONPATH=/tmp/site:$PWD
     run t_tests 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_decode_glue.py tests/unit/test_native_engine.py tests/unit/test_native_decode_linear.py
     run t_mismatch_fp_on 55 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --fused-prefill on --out "$OUT/mismatch_fp_on.json"
-    run t_mismatch_fp_split 55 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --fused-prefill on --prefill-split-linears --out "$OUT/mismatch_fp_split.json"
-    run t_engine_b1_fp_split 60 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --fused-prefill off,on --prefill-split-linears --out "$OUT/engine_b1_fp_split.json"
     run t_engine_b1_head1 50 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --lm-head-programs-per-sm 1 --out "$OUT/engine_b1_head1.json" ;;
   steps_final)  # issue 17, the new defaults in one call of ~8 min: the 0.6B rows at 1 / 16 / 64 / 256 (4 decode steps a launch at <= 16 rows), batch 1 of ../snap_base's best flags (same machine), mismatch KL at one row and at 64, the CUDA tests of the new paths
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
@@ -186,8 +182,6 @@ case $PART in
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
     export PYTHONPATH=/tmp/site:$PWD
     run t_engine_b1 50 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --out "$OUT/engine_b1_rerun.json"
-    run t_mismatch_fp_split 55 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --fused-prefill on --prefill-split-linears --out "$OUT/mismatch_fp_split.json"
-    run t_engine_b1_fp_split 60 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --fused-prefill off,on --prefill-split-linears --out "$OUT/engine_b1_fp_split.json"
     run t_engine_b1_head1 50 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --lm-head-programs-per-sm 1 --out "$OUT/engine_b1_head1.json"
     mkdir -p "$OUT/profile"
     run t_profile 90 python3 benchmarks/engine_profile.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,64 --out-dir "$OUT/profile"

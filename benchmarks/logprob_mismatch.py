@@ -60,14 +60,9 @@ def main() -> None:
     )
     ap.add_argument(
         "--fused-prefill",
-        default="off",
+        default="auto",
         choices=["auto", "on", "off"],
-        help="the engine's prefill: one fused layer function (auto: on CUDA) or the model's modules (off: the default)",
-    )
-    ap.add_argument(
-        "--prefill-split-linears",
-        action="store_true",
-        help="fused prefill: one GEMM per projection on slices of the fused weights (runner.PREFILL_SPLIT_LINEARS)",
+        help="the engine's prefill: one fused layer function (auto, the default: on CUDA) or the model's modules",
     )
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -75,12 +70,11 @@ def main() -> None:
     from prime_spmd.config.sections import ModelConfig
     from prime_spmd.inference.engine import Request, SamplingParams
     from prime_spmd.inference.native import NativeEngine
-    from prime_spmd.inference.runner import fused_prefill_choice, set_prefill_split_linears
+    from prime_spmd.inference.runner import fused_prefill_choice
     from prime_spmd.models.loading import load_model, resolve_dtype
     from prime_spmd.models.tiny import build_char_tokenizer, build_tiny_model
     from prime_spmd.trainer.policy import PolicyModel
 
-    set_prefill_split_linears(args.prefill_split_linears)
     device = torch.device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     shape = SHAPES[args.model_shape]
@@ -135,15 +129,7 @@ def main() -> None:
         "init_std": shape["overrides"].get("initializer_range", 0.02),
         "loss_impl": policy.loss_impl,
         "engine": {
-            k: getattr(args, k)
-            for k in (
-                "decode_attention",
-                "decode_linear",
-                "sampler",
-                "kv_cache",
-                "fused_prefill",
-                "prefill_split_linears",
-            )
+            k: getattr(args, k) for k in ("decode_attention", "decode_linear", "sampler", "kv_cache", "fused_prefill")
         },
         "fused_prefill_ran": getattr(engine.runner, "prefill_layer", None) is not None,
         "tokens": d.numel(),

@@ -98,7 +98,7 @@ class NativeEngine(InferenceEngine):
     whether it is on). ``decode_chain``: one-row decode steps run every layer in one launch (kernels/decode_chain;
     needs attention "fused", linear "triton", the slot cache and a dense Llama-style model: CUDA, or the Triton
     interpreter). ``fused_prefill``: prefill through one pure layer function (fused QKV / gate-up weights, compiled
-    on CUDA) instead of the model's modules (dense Llama-style models). Call every method from one thread.
+    on CUDA) instead of the model's modules (dense Llama-style models; None: on CUDA). Call every method from one thread.
     """
 
     def __init__(
@@ -123,7 +123,7 @@ class NativeEngine(InferenceEngine):
         kv_cache_tokens: int = 0,
         pdl: bool = True,
         decode_chain: bool = False,
-        fused_prefill: bool | None = False,
+        fused_prefill: bool | None = None,
         decode_steps_per_launch: int = 0,
     ) -> None:
         device = torch.device(device) if device is not None else next(model.parameters()).device

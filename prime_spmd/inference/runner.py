@@ -99,17 +99,6 @@ def fp32_out_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], w.shape[0])
 
 
-PREFILL_SPLIT_LINEARS = False
-"""The fused prefill's projections: one GEMM each on slices of the fused weights (True) or one fused GEMM (False);
-``make_prefill_layer``'s ``split_linears``; process-wide, read when a runner is built (benchmarks:
-``--prefill-split-linears``)."""
-
-
-def set_prefill_split_linears(on: bool) -> None:
-    global PREFILL_SPLIT_LINEARS
-    PREFILL_SPLIT_LINEARS = on
-
-
 FUSED_PREFILL_CHOICES = {"auto": None, "on": True, "off": False}
 """``--inference.fused_prefill`` (and the benchmarks' ``--fused-prefill``) -> the runner's ``fused_prefill`` argument."""
 
@@ -227,14 +216,10 @@ def chain_inputs(pos_B, cos_TcDh, sin_TcDh, kv_len: int):
     return cos_TcDh[pos_B], sin_TcDh[pos_B], (pos_B + 1).clamp(max=kv_len)
 
 
-def make_prefill_layer(
-    num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float, split_linears: bool = False
-):
+def make_prefill_layer(num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float):
     """One decoder layer of a prefill as a pure function of tensors (``torch.compile`` fuses its norms, q/k norm, RoPE
     and elementwise ops: the module path is ~50 kernels a layer), the op-for-op math of ``LlamaStyleRunner.prefill``'s
-    module path with the fused QKV and gate/up weights of ``layer_args``. ``split_linears``: one GEMM per projection
-    on the row slices of those fused weights (the shapes the model's own q/k/v, gate and up projections run, so a
-    GPU GEMM picks the same algorithm, and summation order, as the trainer's forward) instead of one fused GEMM each.
+    module path with the fused QKV and gate/up weights of ``layer_args``.
 
     Args per call: ``x_BTD`` [B, T, D], the layer's weights (as ``make_decode_layer``), ``cos/sin_11TDh`` [1, 1, T, Dh].
     Returns the new residual [B, T, D] and the layer's k, v [B, Nkv, T, Dh] (after norm and RoPE) for the cache."""
@@ -243,17 +228,10 @@ def make_prefill_layer(
     def layer(x_BTD, ln1_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, o_b, ln2_w, gate_up_w, down_w, cos_11TDh,
               sin_11TDh):  # fmt: skip
         b, t, _ = x_BTD.shape
-        h = rms_norm(x_BTD, ln1_w, eps)
-        if split_linears:
-            bq, bk, bv = (None, None, None) if qkv_b is None else (qkv_b[:nq], qkv_b[nq : nq + nk], qkv_b[nq + nk :])
-            q = F.linear(h, qkv_w[:nq], bq).view(b, t, num_heads, head_dim)
-            k = F.linear(h, qkv_w[nq : nq + nk], bk).view(b, t, num_kv_heads, head_dim)
-            v = F.linear(h, qkv_w[nq + nk :], bv).view(b, t, num_kv_heads, head_dim)
-        else:
-            qkv = F.linear(h, qkv_w, qkv_b)
-            q = qkv[..., :nq].view(b, t, num_heads, head_dim)
-            k = qkv[..., nq : nq + nk].view(b, t, num_kv_heads, head_dim)
-            v = qkv[..., nq + nk :].view(b, t, num_kv_heads, head_dim)
+        qkv = F.linear(rms_norm(x_BTD, ln1_w, eps), qkv_w, qkv_b)
+        q = qkv[..., :nq].view(b, t, num_heads, head_dim)
+        k = qkv[..., nq : nq + nk].view(b, t, num_kv_heads, head_dim)
+        v = qkv[..., nq + nk :].view(b, t, num_kv_heads, head_dim)
         if q_norm_w is not None:
             q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, N or Nkv, T, Dh]
@@ -261,14 +239,9 @@ def make_prefill_layer(
         k = k * cos_11TDh + _rotate_half(k) * sin_11TDh
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         x_BTD = x_BTD + F.linear(o.transpose(1, 2).reshape(b, t, nq), o_w, o_b)
-        h = rms_norm(x_BTD, ln2_w, eps)
-        inter = gate_up_w.shape[0] // 2
-        if split_linears:
-            gate, up = F.linear(h, gate_up_w[:inter]), F.linear(h, gate_up_w[inter:])
-        else:
-            gu = F.linear(h, gate_up_w)
-            gate, up = gu[..., :inter], gu[..., inter:]
-        return x_BTD + F.linear(F.silu(gate) * up, down_w), k, v
+        gu = F.linear(rms_norm(x_BTD, ln2_w, eps), gate_up_w)
+        inter = gu.shape[-1] // 2
+        return x_BTD + F.linear(F.silu(gu[..., :inter]) * gu[..., inter:], down_w), k, v
 
     return layer
 
@@ -332,7 +305,7 @@ class LlamaStyleRunner:
         kv_block_size: int = 16,
         kv_cache_tokens: int = 0,
         decode_chain: bool = False,
-        fused_prefill: bool | None = False,
+        fused_prefill: bool | None = None,
     ) -> None:
         attention = resolve_decode_attention(attention, device)
         if attention in ("triton", "fused"):
@@ -389,9 +362,7 @@ class LlamaStyleRunner:
         if fused_prefill:
             if self.layer_args is None:
                 raise ValueError(f"fused_prefill needs a dense Llama-style decoder, not {type(model).__name__}")
-            fn = make_prefill_layer(
-                self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale, PREFILL_SPLIT_LINEARS
-            )
+            fn = make_prefill_layer(self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale)
             self.prefill_layer = compile_exact(fn) if compile_decode and device.type == "cuda" else fn
         # the chain step's inputs in one compiled kernel on CUDA (eager: four small ones)
         self.chain_glue = compile_exact(chain_inputs) if decode_chain and compile_decode and device.type == "cuda" else (
@@ -646,7 +617,7 @@ def build_runner(
     kv_block_size: int = 16,
     kv_cache_tokens: int = 0,
     decode_chain: bool = False,
-    fused_prefill: bool | None = False,
+    fused_prefill: bool | None = None,
 ):
     """The fastest runner that supports ``model`` (``attention``, ``linear``, ``kv_cache``, ``decode_chain``,
     ``fused_prefill``: see ``LlamaStyleRunner``; the generic runner keeps token ids, no KV cache, and ignores the first

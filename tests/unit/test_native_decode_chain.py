@@ -85,14 +85,10 @@ def test_chain_needs_the_fused_triton_path():
                      decode_attention="fused", decode_linear="triton", kv_cache="paged")  # fmt: skip
 
 
-@pytest.mark.parametrize("kind,split", [("qwen3", False), ("llama_bias", False), ("llama_bias", True)])
-def test_fused_prefill_matches_the_module_prefill(kind, split, monkeypatch):
-    """``fused_prefill``: the pure prefill layer (fused QKV / gate-up weights, or one GEMM per projection on their
-    slices with ``split``; compiled on CUDA) gives the module path's tokens and logprobs (bmm attention, torch
-    linears: nothing else differs)."""
-    from prime_spmd.inference import runner
-
-    monkeypatch.setattr(runner, "PREFILL_SPLIT_LINEARS", split)
+@pytest.mark.parametrize("kind", ["qwen3", "llama_bias"])
+def test_fused_prefill_matches_the_module_prefill(kind):
+    """``fused_prefill``: the pure prefill layer (fused QKV / gate-up weights; compiled on CUDA) gives the module
+    path's tokens and logprobs (bmm attention, torch linears: nothing else differs)."""
     model = _model(kind)
     outs = []
     for fused in (False, True):
