@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU runs recorded in docs/benchmarks.md, in parts that fit one device call each.
-#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | engine_profile | issue17 | issue17b | issue17c | issue17d | issue17e | attn_splits | chain_key | chain_tests | best_tests | mismatch_check | kl_same_machine | resolve | resolve_tests | steps_final | steps_check | rows_h200 | steps_one | steps | steps_b | chain | gemv_pdl_tests | gemv_pdl | pdl_prefetch | sampler | paged | fused_attn | decode_attn | decode_linear_sweep | decode_linear_splitk | decode_linear_engine | loss | moe | trainer | train_step | lora | env_bridge | engine_warmup | rl_e2e | sample_parity | rl
+#   bash benchmarks/gpu_suite.sh PART OUTDIR     PART: tests | engine | engine_profile | issue17 | issue17b | issue17c | issue17d | issue17e | attn_splits | chain_key | chain_tests | best_tests | mismatch_check | head_rows | kl_same_machine | resolve | resolve_tests | steps_final | steps_check | rows_h200 | steps_one | steps | steps_b | chain | gemv_pdl_tests | gemv_pdl | pdl_prefetch | sampler | paged | fused_attn | decode_attn | decode_linear_sweep | decode_linear_splitk | decode_linear_engine | loss | moe | trainer | train_step | lora | env_bridge | engine_warmup | rl_e2e | sample_parity | rl
 # Each step has its own time limit so that one slow step does not lose the others' results. Parts run at the defaults
 # of their day: since the steps part, PDL, the fused prefill, the preloaded attention tile,
 # the glue kernels and 4 decode steps a launch are the CUDA defaults.
@@ -120,6 +120,9 @@ case $PART in
     if [ -d ../snap_adb ]; then
       (cd ../snap_adb && PYTHONPATH=/tmp/site:$PWD run k_adb_b1 55 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --out "$OUT/engine_adb_b1.json")
     fi ;;
+  head_rows)  # issue 17, HEAD's defaults in ~2 min: the 0.6B rows at 1 / 16 / 64 / 256 and the mismatch KL at 64 rows
+    run h_engine 130 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,16,64,256 --prompt-len 128 --new-tokens 256 --engine native --out "$OUT/engine_defaults.json"
+    run h_mismatch 55 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --out "$OUT/mismatch_defaults.json" ;;
   resolve)  # issue 17 at HEAD's defaults (fused prefill off since 1a15249, compile_exact): mismatch KL at 64 rows and one row, the 0.6B rows at 1 / 16 / 64 / 256, batch 1 with the fused prefill on, the 8B rows at 1 / 64; ~8 min
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
     export PYTHONPATH=/tmp/site:$PWD
