@@ -121,6 +121,8 @@ case $PART in
       (cd ../snap_adb && PYTHONPATH=/tmp/site:$PWD run k_adb_b1 55 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1 --prompt-len 128 --new-tokens 256 --engine native --out "$OUT/engine_adb_b1.json")
     fi ;;
   head_rows)  # issue 17, HEAD's defaults in ~2 min: the 0.6B rows at 1 / 16 / 64 / 256 and the mismatch KL at 64 rows
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/tyro-*.whl .whl/docstring_parser-*.whl .whl/typeguard-*.whl
+    export PYTHONPATH=/tmp/site:$PWD
     run h_engine 130 python3 benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,16,64,256 --prompt-len 128 --new-tokens 256 --engine native --out "$OUT/engine_defaults.json"
     run h_mismatch 55 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --out "$OUT/mismatch_defaults.json" ;;
   resolve)  # issue 17 at HEAD's defaults (fused prefill off since 1a15249, compile_exact): mismatch KL at 64 rows and one row, the 0.6B rows at 1 / 16 / 64 / 256, batch 1 with the fused prefill on, the 8B rows at 1 / 64; ~8 min
