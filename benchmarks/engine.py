@@ -365,8 +365,9 @@ def main() -> None:
         pdl_launch.set_prefetch(False)
     args.pdl = args.pdl == "on"
     from kernels.decode_attention import kernel as decode_attention_kernel
-    from prime_spmd.inference.runner import FUSED_PREFILL_CHOICES
+    from prime_spmd.inference.runner import fused_prefill_choice
 
+    fused_prefills = [fused_prefill_choice(f) for f in args.fused_prefill.split(",")]  # a bad one fails before any run
     decode_attention_kernel.set_split_tiles(args.attention_split_tiles)
     decode_attention_kernel.set_preload_tile(args.attention_preload_tile == "on")
     from kernels.gumbel_sample import kernel as gumbel_kernel
@@ -394,12 +395,10 @@ def main() -> None:
                     args.sampler.split(","),
                     args.kv_cache.split(","),
                     chain_variants(args),
-                    args.fused_prefill.split(","),
+                    fused_prefills,
                     [int(x) for x in args.decode_steps.split(",")],
                 )
                 for attn, lin, smp, kv, (chain, chain_cfg), fprefill, dsteps in variants:
-                    if fprefill not in FUSED_PREFILL_CHOICES:
-                        raise SystemExit(f"--fused-prefill {fprefill!r}: choose auto, off or on")
                     m = model if name == "native" else custom
                     graphs = not args.no_cuda_graphs
                     if chain == "on":
@@ -407,7 +406,7 @@ def main() -> None:
 
                         decode_chain_kernel.set_config(*chain_cfg)  # read when the engine builds its chain
                     secs, toks, ran = run_native(m, ids, args.new_tokens, device, graphs, attn, lin, smp, kv, args.pdl,
-                                                 chain == "on", FUSED_PREFILL_CHOICES[fprefill],
+                                                 chain == "on", fprefill,
                                                  dsteps)  # fmt: skip
                     attn, lin, smp = ran["decode_attention"], ran["decode_linear"], ran["sampler"]
                     row = dict(engine=name, **ran, kv_cache=kv)

@@ -237,7 +237,7 @@ def gumbel_sample(
 
 LM_HEAD_MAX_ROWS = 64
 """Rows the fused LM-head sampler takes in one row block (so each chunk of the weight is read once)."""
-LM_HEAD_PROGRAMS_PER_SM = [2]
+LM_HEAD_PROGRAMS_PER_SM = 2
 """Programs per SM the fused LM-head sampler aims at (``set_lm_head_programs_per_sm``). Its bf16 configs run one
 program per SM (226-248 registers x 8 warps), so 2 is two waves; at Qwen3's 151,936-row head in 128-row tiles that
 rounds to 238 programs of 5 tiles on 132 SMs (the second wave 80% full), 1 to 132 programs of 9 (one full wave)."""
@@ -248,7 +248,8 @@ def set_lm_head_programs_per_sm(n: int) -> None:
     captures its graphs."""
     if n < 1:
         raise ValueError(f"gumbel_sample: programs per SM must be >= 1, got {n}")
-    LM_HEAD_PROGRAMS_PER_SM[0] = n
+    global LM_HEAD_PROGRAMS_PER_SM
+    LM_HEAD_PROGRAMS_PER_SM = n
 
 
 def lm_head_config(block_b: int, elsize: int) -> tuple[int, int, int, int]:
@@ -278,6 +279,6 @@ def gumbel_sample_lm_head(
     assert B <= LM_HEAD_MAX_ROWS, B
     block_b = max(16, triton.next_power_of_2(B))
     block_v, block_d, warps, stages = lm_head_config(block_b, hidden_BD.element_size())
-    chunks = num_chunks(1, V, block_v, hidden_BD.device, LM_HEAD_PROGRAMS_PER_SM[0])
+    chunks = num_chunks(1, V, block_v, hidden_BD.device, LM_HEAD_PROGRAMS_PER_SM)
     return _sample(hidden_BD, weight_VD, temperature_B, seeds_B, steps_B, V, chunks, block_b, block_v, block_d,
                    warps, stages)  # fmt: skip
