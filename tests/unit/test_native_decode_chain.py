@@ -109,6 +109,15 @@ def test_fused_prefill_needs_a_dense_llama_style_model():
     with pytest.raises(ValueError, match="fused_prefill need.* Llama-style decoder"):
         NativeEngine(AutoModelForCausalLM.from_config(cfg), None, max_batch_size=1, max_model_len=16, device="cpu",
                      fused_prefill=True)  # fmt: skip
+    # the default (auto, None) takes the model's modules where the fused layer cannot run, without an error
+    eng = NativeEngine(AutoModelForCausalLM.from_config(cfg), None, max_batch_size=1, max_model_len=16, device=DEVICE)
+    assert getattr(eng.runner, "prefill_layer", None) is None
+
+
+def test_fused_prefill_auto_is_on_for_cuda_only():
+    """The default (``--inference.fused_prefill auto``): the fused prefill on CUDA, the model's modules elsewhere."""
+    eng = NativeEngine(_model("qwen3"), None, max_batch_size=1, max_model_len=16, device=DEVICE)
+    assert (eng.runner.prefill_layer is not None) == (DEVICE.type == "cuda")
 
 
 def test_fused_prefill_choice_maps_the_flag():
