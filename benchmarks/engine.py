@@ -360,20 +360,20 @@ def main() -> None:
     # Dynamo's default of 8 compiles per code object it would run the rest eagerly and time that instead
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     if args.no_pdl_prefetch:
-        from kernels.pdl import launch as pdl_launch
+        from prime_spmd.kernels.pdl import launch as pdl_launch
 
         pdl_launch.set_prefetch(False)
     args.pdl = args.pdl == "on"
-    from kernels.decode_attention import kernel as decode_attention_kernel
+    from prime_spmd.kernels.decode_attention import kernel as decode_attention_kernel
     from prime_spmd.inference.runner import fused_prefill_choice
 
     fused_prefills = [fused_prefill_choice(f) for f in args.fused_prefill.split(",")]  # a bad one fails before any run
     decode_attention_kernel.set_split_tiles(args.attention_split_tiles)
     decode_attention_kernel.set_preload_tile(args.attention_preload_tile == "on")
-    from kernels.gumbel_sample import kernel as gumbel_kernel
+    from prime_spmd.kernels.gumbel_sample import kernel as gumbel_kernel
 
     gumbel_kernel.set_lm_head_programs_per_sm(args.lm_head_programs_per_sm)
-    from kernels.decode_linear import kernel as decode_linear_kernel
+    from prime_spmd.kernels.decode_linear import kernel as decode_linear_kernel
 
     decode_linear_kernel.set_gemv(not args.no_decode_gemv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -402,7 +402,7 @@ def main() -> None:
                     m = model if name == "native" else custom
                     graphs = not args.no_cuda_graphs
                     if chain == "on":
-                        from kernels.decode_chain import kernel as decode_chain_kernel
+                        from prime_spmd.kernels.decode_chain import kernel as decode_chain_kernel
 
                         decode_chain_kernel.set_config(*chain_cfg)  # read when the engine builds its chain
                     secs, toks, ran = run_native(m, ids, args.new_tokens, device, graphs, attn, lin, smp, kv, args.pdl,
@@ -419,7 +419,7 @@ def main() -> None:
                     row["decode_chain"] = chain == "on"
                     row["fused_prefill"] = ran["fused_prefill"]
                     if chain == "on":
-                        from kernels.decode_chain import kernel as decode_chain_kernel
+                        from prime_spmd.kernels.decode_chain import kernel as decode_chain_kernel
 
                         row["chain_slab_bytes"] = decode_chain_kernel.SLAB_BYTES
                         row["chain_warps"] = decode_chain_kernel.NUM_WARPS

@@ -264,7 +264,7 @@ def main() -> None:
     ap.add_argument("--group-new-tokens", type=int, default=1, help="prefill-sharing measurement: max_tokens")
     ap.add_argument("--kv-cache", default="slot", help="prefill-sharing measurement: comma list of slot, paged")
     args = ap.parse_args()
-    from kernels.decode_attention import kernel as decode_attention_kernel
+    from prime_spmd.kernels.decode_attention import kernel as decode_attention_kernel
 
     decode_attention_kernel.set_preload_tile(args.attention_preload_tile == "on")
     device = torch.device(args.device)

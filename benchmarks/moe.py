@@ -62,8 +62,8 @@ if ARGS.device == "cpu":
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common  # noqa: E402
-from kernels.moe import configs, kernel  # noqa: E402
-from kernels.moe.op import moe_experts  # noqa: E402
+from prime_spmd.kernels.moe import configs, kernel  # noqa: E402
+from prime_spmd.kernels.moe.op import moe_experts  # noqa: E402
 
 NAMES = {"reference": "per-expert loop", "grouped_mm": "torch._grouped_mm", "triton": "ours (triton)"}
 

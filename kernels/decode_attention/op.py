@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-from kernels.decode_attention.reference import (
+from prime_spmd.kernels.decode_attention.reference import (
     decode_attention_reference,
     fused_decode_attention_reference,
     paged_decode_attention_reference,
@@ -96,7 +96,7 @@ def decode_attention_op(
     num_splits: int,
 ) -> torch.Tensor:
     """The Triton kernels (kernel.decode_attention); inputs as ``decode_attention`` above."""
-    from kernels.decode_attention import kernel
+    from prime_spmd.kernels.decode_attention import kernel
 
     return kernel.decode_attention(q_BNDh, k_BcNkvTcDh, v_BcNkvTcDh, lens_B, max_len, scale, num_splits)
 
@@ -178,7 +178,7 @@ def paged_decode_attention_op(
     num_splits: int,
 ) -> torch.Tensor:
     """The Triton kernels (kernel.paged_decode_attention); inputs as ``paged_decode_attention`` above."""
-    from kernels.decode_attention import kernel
+    from prime_spmd.kernels.decode_attention import kernel
 
     return kernel.paged_decode_attention(q_BNDh, k_pool, v_pool, block_table, lens_B, max_len, scale, num_splits)
 
@@ -283,7 +283,7 @@ def fused_decode_attention_op(
     num_splits: int,
 ) -> torch.Tensor:
     """The Triton kernels (kernel.fused_decode_attention); inputs as ``fused_decode_attention`` above."""
-    from kernels.decode_attention import kernel
+    from prime_spmd.kernels.decode_attention import kernel
 
     return kernel.fused_decode_attention(
         qkv_BP, num_heads, q_norm_w, k_norm_w, cos_BDh, sin_BDh, pos_B, k_cache, v_cache, block_table, lens_B,

@@ -41,10 +41,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.counters import SPIN_LIMIT, count_done
-from kernels.decode_attention import kernel as attention
-from kernels.decode_attention.kernel import split_program
-from kernels.decode_linear.kernel import gemv_preloaded
+from prime_spmd.kernels.counters import SPIN_LIMIT, count_done
+from prime_spmd.kernels.decode_attention import kernel as attention
+from prime_spmd.kernels.decode_attention.kernel import split_program
+from prime_spmd.kernels.decode_linear.kernel import gemv_preloaded
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.decode_attention.reference import fused_decode_attention_reference
-from kernels.decode_linear.reference import decode_linear_reference
+from prime_spmd.kernels.decode_attention.reference import fused_decode_attention_reference
+from prime_spmd.kernels.decode_linear.reference import decode_linear_reference
 
 LAYER_WEIGHTS = ("ln1", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "o_b", "ln2", "gate_up_w", "down_w")
 """A layer's weights, in the order ``LlamaStyleRunner.layer_args`` holds them (biases and q/k norms may be None)."""

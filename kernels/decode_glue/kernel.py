@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl.launch import enabled as pdl_enabled
-from kernels.pdl.launch import gdc_launch_dependents, launch_options, pdl_enter
+from prime_spmd.kernels.pdl.launch import enabled as pdl_enabled
+from prime_spmd.kernels.pdl.launch import gdc_launch_dependents, launch_options, pdl_enter
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -24,9 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.counters import wait_count, zeroed_counters
-from kernels.pdl import launch as pdl
-from kernels.pdl.launch import pdl_enter, prefetch_rows_l2
+from prime_spmd.kernels.counters import wait_count, zeroed_counters
+from prime_spmd.kernels.pdl import launch as pdl
+from prime_spmd.kernels.pdl.launch import pdl_enter, prefetch_rows_l2
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-from kernels.decode_linear.reference import ACTS, decode_linear_reference
+from prime_spmd.kernels.decode_linear.reference import ACTS, decode_linear_reference
 
 DecodeLinearImpl = Literal["reference", "triton"]
 
@@ -75,7 +75,7 @@ def decode_linear_op(
     silu_mul: bool,
 ) -> torch.Tensor:
     """The Triton kernel (kernel.decode_linear); inputs as ``decode_linear`` above."""
-    from kernels.decode_linear import kernel
+    from prime_spmd.kernels.decode_linear import kernel
 
     return kernel.decode_linear(x_MK, w_NK, bias_N, norm_w_K, eps, residual_MNo, silu_mul)
 

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gumbel_sample import reference
+from prime_spmd.kernels.gumbel_sample import reference
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-from kernels.gumbel_sample.reference import gumbel_sample_lm_head_reference, gumbel_sample_reference
+from prime_spmd.kernels.gumbel_sample.reference import gumbel_sample_lm_head_reference, gumbel_sample_reference
 
 GumbelSampleImpl = Literal["reference", "triton"]
 
@@ -57,7 +57,7 @@ def gumbel_sample_op(
     logits_BV: torch.Tensor, temperature_B: torch.Tensor, seeds_B: torch.Tensor, steps_B: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernels (kernel.gumbel_sample); inputs as ``gumbel_sample`` above."""
-    from kernels.gumbel_sample import kernel
+    from prime_spmd.kernels.gumbel_sample import kernel
 
     return kernel.gumbel_sample(logits_BV, temperature_B, seeds_B, steps_B)
 
@@ -78,7 +78,7 @@ def gumbel_sample_lm_head(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``gumbel_sample`` of the logits ``hidden_BD @ weight_VD.T`` (fp32 accumulation). "triton" computes them
     tile by tile inside the sampling kernel (never written out), for B <= ``kernel.LM_HEAD_MAX_ROWS``."""
-    from kernels.gumbel_sample.kernel import LM_HEAD_MAX_ROWS
+    from prime_spmd.kernels.gumbel_sample.kernel import LM_HEAD_MAX_ROWS
 
     if hidden_BD.ndim != 2 or weight_VD.ndim != 2 or hidden_BD.shape[1] != weight_VD.shape[1]:
         raise ValueError(
@@ -109,7 +109,7 @@ def gumbel_sample_lm_head_op(
     steps_B: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernels (kernel.gumbel_sample_lm_head); inputs as ``gumbel_sample_lm_head`` above."""
-    from kernels.gumbel_sample import kernel
+    from prime_spmd.kernels.gumbel_sample import kernel
 
     return kernel.gumbel_sample_lm_head(hidden_BD, weight_VD, temperature_B, seeds_B, steps_B)
 

@@ -10,7 +10,7 @@ Shape legend (docs/conventions.md): T tokens, D hidden size, V vocabulary size, 
 import torch
 from torch import Tensor
 
-from kernels.lm_logprob.reference import grad_logits
+from prime_spmd.kernels.lm_logprob.reference import grad_logits
 
 DEFAULT_CHUNK_TOKENS = 2048
 

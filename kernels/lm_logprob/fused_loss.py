@@ -22,8 +22,8 @@ import torch
 import triton
 from torch import Tensor
 
-from kernels.lm_logprob import fused_kernel
-from kernels.lm_logprob.reference import temperature_per_token
+from prime_spmd.kernels.lm_logprob import fused_kernel
+from prime_spmd.kernels.lm_logprob.reference import temperature_per_token
 
 # the per-token loss, e.g. a bound prime_spmd.rl.loss.TokenLoss.token_loss: (logprob, entropy, fields) -> [T]
 TokenLossFn = Callable[[Tensor, Tensor, dict[str, Tensor]], Tensor]

@@ -15,9 +15,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from kernels.lm_logprob import kernel
-from kernels.lm_logprob.chunked import chunked_logprobs
-from kernels.lm_logprob.reference import reference_logprobs, temperature_per_token
+from prime_spmd.kernels.lm_logprob import kernel
+from prime_spmd.kernels.lm_logprob.chunked import chunked_logprobs
+from prime_spmd.kernels.lm_logprob.reference import reference_logprobs, temperature_per_token
 
 
 @torch.library.custom_op("prime_spmd::lm_logprob_fwd", mutates_args=())
@@ -108,4 +108,4 @@ def lm_head_logprobs(
     return logprob, (entropy if return_entropy else None)
 
 
-from kernels.lm_logprob.fused_loss import fused_lm_head_loss  # noqa: E402,F401  (the 3-pass loss-fused variant)
+from prime_spmd.kernels.lm_logprob.fused_loss import fused_lm_head_loss  # noqa: E402,F401  (the 3-pass loss-fused variant)

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe import configs
+from prime_spmd.kernels.moe import configs
 
 INTERPRET = configs.INTERPRET
 BLOCK_M = 32 if INTERPRET else 128  # rows per tile: fixed (the tile table depends on it), not autotuned

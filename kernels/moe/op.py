@@ -23,7 +23,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from kernels.moe.reference import experts_reference, sort_by_expert
+from prime_spmd.kernels.moe.reference import experts_reference, sort_by_expert
 
 MoeImpl = Literal["reference", "grouped_mm", "triton"]
 
@@ -79,7 +79,7 @@ def moe_experts_fwd(
     store_for_backward: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out [T, D], gate|up pre-activations [M, F] (0 rows unless stored), h [M, I], perm [M], offs [E])."""
-    from kernels.moe import kernel
+    from prime_spmd.kernels.moe import kernel
 
     T, K = ids_TK.shape
     M = T * K
@@ -120,7 +120,7 @@ def moe_experts_bwd(
     offs_E: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx [T, D], dweights [T, K], dw13 [E, F, D], dw2 [E, D, I]) for the forward above."""
-    from kernels.moe import kernel
+    from prime_spmd.kernels.moe import kernel
 
     T, K = weights_TK.shape
     M, inter = h_MI.shape

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.decode_glue.reference import advance_reference as advance_decode_state
+from prime_spmd.kernels.decode_glue.reference import advance_reference as advance_decode_state
 from prime_spmd.inference.engine import Completion, InferenceEngine, Request
 from prime_spmd.inference.kv_cache import PagedKVCache, bucket_sizes, pick_bucket
 from prime_spmd.inference.runner import DecodeAttention, DecodeLinear, KVCacheKind, build_runner
@@ -129,7 +129,7 @@ class NativeEngine(InferenceEngine):
         device = torch.device(device) if device is not None else next(model.parameters()).device
         if decode_steps_per_launch < 0:
             raise ValueError(f"decode_steps_per_launch must be >= 0 (0: auto), got {decode_steps_per_launch}")
-        from kernels.pdl import launch as pdl_launch
+        from prime_spmd.kernels.pdl import launch as pdl_launch
 
         # process-wide: the last engine built decides (one engine per process in rl / eval)
         self.pdl = pdl_launch.set_enabled(pdl and device.type == "cuda")
@@ -164,7 +164,7 @@ class NativeEngine(InferenceEngine):
         self.sampler = resolve_sampler(sampler, device)
         self._sample = make_sampler(self.sampler, compile_sampler and device.type == "cuda")
         if getattr(self.runner, "glue", False):  # the Triton decode path: one launch (kernels/decode_glue)
-            from kernels.decode_glue.kernel import advance
+            from prime_spmd.kernels.decode_glue.kernel import advance
 
             self._advance = advance
         else:
@@ -172,7 +172,7 @@ class NativeEngine(InferenceEngine):
         # "fused": decode steps of few rows sample inside the LM head (kernels/gumbel_sample), logits never written
         self._head_rows = 0
         if self.sampler == "fused" and self.runner.cache is not None:
-            from kernels.gumbel_sample.kernel import LM_HEAD_MAX_ROWS
+            from prime_spmd.kernels.gumbel_sample.kernel import LM_HEAD_MAX_ROWS
 
             self._head_rows = LM_HEAD_MAX_ROWS
         # decode steps one launch (graph replay) may run: each launch's host work and the gap between two replays

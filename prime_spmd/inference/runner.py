@@ -309,13 +309,13 @@ class LlamaStyleRunner:
     ) -> None:
         attention = resolve_decode_attention(attention, device)
         if attention in ("triton", "fused"):
-            import kernels.decode_attention.op  # noqa: F401  registers torch.ops.prime_spmd.*decode_attention
+            import prime_spmd.kernels.decode_attention.op  # noqa: F401  registers torch.ops.prime_spmd.*decode_attention
         self.attention = attention
         self.adapter = adapter_for(model)
         dims = self.adapter.dims()
         self.linear = resolve_decode_linear(linear, device, dims.hidden_size)
         if self.linear == "triton":
-            import kernels.decode_linear.op  # noqa: F401  registers torch.ops.prime_spmd.decode_linear
+            import prime_spmd.kernels.decode_linear.op  # noqa: F401  registers torch.ops.prime_spmd.decode_linear
         self.model, self.inner = model, model.model
         self.num_layers = dims.num_layers
         self.num_heads = dims.num_heads
@@ -353,7 +353,7 @@ class LlamaStyleRunner:
             and type(self.inner.embed_tokens) is torch.nn.Embedding
         )
         if self.glue:
-            from kernels.decode_glue.kernel import step_inputs
+            from prime_spmd.kernels.decode_glue.kernel import step_inputs
 
             self.step_inputs = step_inputs
         self.prefill_layer = None
@@ -387,7 +387,7 @@ class LlamaStyleRunner:
         ]
         if wrong:
             raise ValueError(f"decode_chain needs the fused decode layer's Triton path: {', '.join(wrong)}")
-        from kernels.decode_chain.kernel import DecodeChain
+        from prime_spmd.kernels.decode_chain.kernel import DecodeChain
 
         return DecodeChain(self.layer_args, self.cache.k, self.cache.v, self.num_heads, self.scale, self.eps)
 

@@ -25,7 +25,7 @@ from typing import Literal
 
 import torch
 
-from kernels.gumbel_sample.reference import exponential_from_bits, noise_bits
+from prime_spmd.kernels.gumbel_sample.reference import exponential_from_bits, noise_bits
 
 __all__ = [
     "SamplingTensors",
@@ -179,7 +179,7 @@ def make_sampler(impl: Sampler, compile_torch: bool) -> Callable[..., tuple[torc
     torch_fn = torch.compile(sample_flat, dynamic=True) if compile_torch else sample_flat
     if kind not in ("triton", "fused"):
         return torch_fn
-    import kernels.gumbel_sample.op  # noqa: F401  registers torch.ops.prime_spmd.gumbel_sample
+    import prime_spmd.kernels.gumbel_sample.op  # noqa: F401  registers torch.ops.prime_spmd.gumbel_sample
 
     def fused(logits_BV, temperature_B, top_k_B, top_p_B, min_p_B, seeds_B, steps_B, needs_sort, needs_min_p):
         if needs_sort or needs_min_p:

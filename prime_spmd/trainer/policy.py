@@ -139,7 +139,7 @@ class PolicyModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Differentiable per-token (logprob, entropy) [L] fp32 (impls reference/chunked/triton)."""
         hidden_TD, _, _ = self.hidden(input_ids_BT, position_ids_BT)
-        from kernels.lm_logprob.op import lm_head_logprobs
+        from prime_spmd.kernels.lm_logprob.op import lm_head_logprobs
 
         impl = "triton" if self.loss_impl == "fused" else self.loss_impl
         return lm_head_logprobs(hidden_TD, self.adapter.lm_head_weight(), targets_T, temperature=temperature, impl=impl)
@@ -153,7 +153,7 @@ class PolicyModel(nn.Module):
         loss: TokenLoss,
         fields: dict[str, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        from kernels.lm_logprob.op import fused_lm_head_loss, lm_head_logprobs
+        from prime_spmd.kernels.lm_logprob.op import fused_lm_head_loss, lm_head_logprobs
 
         hidden_TD, aux, counts_LE = self.hidden(input_ids_BT, position_ids_BT, fields.get("loss_mask"))
         weight_VD = self.adapter.lm_head_weight()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.decode_attention.op import decode_attention, fused_decode_attention, paged_decode_attention
+from prime_spmd.kernels.decode_attention.op import decode_attention, fused_decode_attention, paged_decode_attention
 
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
 
@@ -21,7 +21,7 @@ DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
 def _plain_fused_form(monkeypatch):
     """The fused form without its preloaded tile (the engine's default where it applies): these tests keep covering
     the plain form; test_fused_preloaded_tile_matches_reference covers the preloaded one."""
-    from kernels.decode_attention import kernel
+    from prime_spmd.kernels.decode_attention import kernel
 
     monkeypatch.setattr(kernel, "PRELOAD_TILE", False)
 
@@ -397,7 +397,7 @@ def test_fused_opcheck_and_bad_inputs(device):
     args = (qkv, 4, qn, kn, cos, sin, pos, k, v, table, lens, 40, 0.25, 1e-6)
     for ns in (1, 3):
         torch.library.opcheck(torch.ops.prime_spmd.fused_decode_attention, (*args, ns))
-    from kernels.counters import zeroed_counters
+    from prime_spmd.kernels.counters import zeroed_counters
 
     assert int(zeroed_counters(qkv.device, 1, "decode_attention").abs().sum()) == 0  # left zeroed for the next call
     with pytest.raises(ValueError, match="not \\[B, \\(N \\+ 2 Nkv\\) Dh\\]"):
@@ -431,7 +431,7 @@ def test_fused_rows_outside_their_length_write_nothing(device):
 def test_split_count_follows_split_tiles(monkeypatch):
     """GPU split rule (host arithmetic, checked with a stated SM count): ~2 programs per SM, each split at least
     ``SPLIT_TILES`` tiles; bad values raise."""
-    from kernels.decode_attention import kernel
+    from prime_spmd.kernels.decode_attention import kernel
 
     monkeypatch.setattr(kernel, "_num_sms", lambda index: 132)
     monkeypatch.setattr(kernel, "SPLIT_TILES", 1)
@@ -451,7 +451,7 @@ def test_fused_preloaded_tile_matches_reference(device, dtype, monkeypatch):
     """The fused form's preloaded-tile variant (kernel.set_preload_tile: slot cache, one tile a split): the tile is
     loaded before the new token's k / v are written, so the stale cache entry at pos (random here) must be replaced
     by this launch's k / v in registers; output and caches as the reference's."""
-    from kernels.decode_attention import kernel
+    from prime_spmd.kernels.decode_attention import kernel
 
     monkeypatch.setattr(kernel, "PRELOAD_TILE", True)
     shapes = FUSED_SHAPES if dtype == torch.float32 else [(3, 8, 2, 32, 60)]

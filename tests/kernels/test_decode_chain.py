@@ -15,10 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.counters import wait_count
-from kernels.decode_attention import kernel as attention
-from kernels.decode_chain import kernel as chain
-from kernels.decode_chain.reference import decode_chain_reference
+from prime_spmd.kernels.counters import wait_count
+from prime_spmd.kernels.decode_attention import kernel as attention
+from prime_spmd.kernels.decode_chain import kernel as chain
+from prime_spmd.kernels.decode_chain.reference import decode_chain_reference
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 L, D, INTER, N, NKV, DH, SLOTS, TC = 2, 64, 96, 4, 2, 16, 2, 96
@@ -133,7 +133,7 @@ def test_preloaded_tile_form_matches_reference(preload_tile, step):
 def test_equals_the_per_kernel_path_bitwise(step):
     """The chain runs the per-kernel path's own code (the GEMV's preloaded form, the fused attention): with the
     same item sizes its output is that path's, bit for bit (bf16)."""
-    from kernels.decode_linear import kernel as linear
+    from prime_spmd.kernels.decode_linear import kernel as linear
 
     pos, kv_len = step
     dtype = torch.bfloat16

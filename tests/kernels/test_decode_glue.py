@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.decode_glue.kernel import advance, step_inputs
-from kernels.decode_glue.reference import advance_reference, step_inputs_reference
+from prime_spmd.kernels.decode_glue.kernel import advance, step_inputs
+from prime_spmd.kernels.decode_glue.reference import advance_reference, step_inputs_reference
 
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
 

@@ -12,9 +12,9 @@ import itertools
 import pytest
 import torch
 
-from kernels.counters import zeroed_counters
-from kernels.decode_linear.op import decode_linear
-from kernels.decode_linear.reference import decode_linear_reference
+from prime_spmd.kernels.counters import zeroed_counters
+from prime_spmd.kernels.decode_linear.op import decode_linear
+from prime_spmd.kernels.decode_linear.reference import decode_linear_reference
 
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
 # fp32: one summation order against another over K <= 200 (interpreter: IEEE fp32 dots; GPU: no TF32)
@@ -152,7 +152,7 @@ def test_cuda_graph_replay_reads_new_inputs():
 @pytest.mark.parametrize("split_k", [2, 3])
 def test_split_k_matches_reference_and_is_deterministic(device, split_k):
     """K split over programs: fp32 partials summed in split order by the last program of each output tile."""
-    from kernels.decode_linear import kernel
+    from prime_spmd.kernels.decode_linear import kernel
 
     for (m, k, n), act in itertools.product(SHAPES, ("none", "silu_mul")):
         case = _case(m, k, n, act, torch.float32, device, seed=5, bias=True, norm=True, residual=True)
@@ -181,7 +181,7 @@ def test_gemv_matches_reference(device, act):
     """One-row steps take the GEMV kernel (kernel.GEMV_MAX_ROWS): fp32 over every bias / norm / residual
     combination and ragged N and K (the interpreter's 4-column programs and 32-wide K chunks), bf16 within the
     tile kernel's rounding bounds, and the norm's bf16 rounding exact (identity w)."""
-    from kernels.decode_linear import kernel
+    from prime_spmd.kernels.decode_linear import kernel
 
     assert kernel.GEMV_MAX_ROWS == 1
     for (k, n), (bias, norm, residual) in itertools.product(
@@ -225,7 +225,7 @@ def test_gemv_matches_reference(device, act):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_gemv_config_takes_one_row(device):
-    from kernels.decode_linear import kernel
+    from prime_spmd.kernels.decode_linear import kernel
 
     case = _case(2, 32, 16, "none", torch.float32, device)
     with pytest.raises(ValueError, match="takes one row, got 2"):

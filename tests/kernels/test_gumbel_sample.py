@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.gumbel_sample.op import gumbel_sample, gumbel_sample_lm_head
+from prime_spmd.kernels.gumbel_sample.op import gumbel_sample, gumbel_sample_lm_head
 
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
 # max |kernel - reference| logprob: interpreter 6.0e-7 (2026-12-04), one summation order against another over
@@ -139,7 +139,7 @@ def test_lm_head_programs_per_sm_knob() -> None:
     """The fused LM-head sampler's programs-per-SM knob (benchmarks/engine.py --lm-head-programs-per-sm): validated,
     and on a GPU the same samples at 1 and 2 (chunking changes only how exact maxima are merged; the interpreter
     takes <= 3 chunks either way)."""
-    from kernels.gumbel_sample import kernel
+    from prime_spmd.kernels.gumbel_sample import kernel
 
     with pytest.raises(ValueError, match="programs per SM must be >= 1, got 0"):
         kernel.set_lm_head_programs_per_sm(0)

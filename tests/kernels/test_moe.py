@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.moe.op import moe_experts
+from prime_spmd.kernels.moe.op import moe_experts
 
 # fp32: measured max rel. error (vs max |ref|) 5.3e-7 over all outputs and grads; sums run in another order
 FP32_RTOL = 1e-5
@@ -104,7 +104,7 @@ def test_opcheck(device):
 
 def test_triton_split_swiglu_backward(monkeypatch, device):
     """The unfused variant (dz GEMM, then an elementwise SwiGLU backward) gives the same grads."""
-    from kernels.moe import kernel
+    from prime_spmd.kernels.moe import kernel
 
     monkeypatch.setattr(kernel, "FUSE_SWIGLU_BWD", False)
     ids, tensors, dout = _case(70, 4, 40, 8, 20, "skewed", torch.float32, device)

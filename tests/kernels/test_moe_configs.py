@@ -18,8 +18,8 @@ import pytest
 import torch
 import triton
 
-from kernels.moe import configs, kernel
-from kernels.moe.op import moe_experts
+from prime_spmd.kernels.moe import configs, kernel
+from prime_spmd.kernels.moe.op import moe_experts
 
 ROOT = Path(__file__).resolve().parents[2]
 DIMS = [1, 16, 20, 48, 100, 768, 1536, 2048, 4096, 5000]
@@ -153,7 +153,7 @@ def test_switch_routes_launches(monkeypatch, autotune, device):
 
 
 def test_env_var_turns_autotune_on():
-    code = "from kernels.moe import configs; print(configs.AUTOTUNE)"
+    code = "from prime_spmd.kernels.moe import configs; print(configs.AUTOTUNE)"
     for value, expected in (("1", "True"), ("0", "False")):
         env = dict(os.environ, PRIME_SPMD_MOE_AUTOTUNE=value)
         out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)

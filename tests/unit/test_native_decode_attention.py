@@ -108,7 +108,7 @@ def test_pdl_samples_the_same_tokens():
     """Programmatic dependent launch (kernels/pdl) changes when kernels start, not what they compute: the fused
     chain (decode linears, fused attention) samples the same tokens with it. CPU: it stays off (the interpreter
     cannot run it), which is all this checks there."""
-    from kernels.pdl import launch as pdl
+    from prime_spmd.kernels.pdl import launch as pdl
 
     model = _hf_model()
     if DEVICE.type != "cuda":
@@ -126,7 +126,7 @@ def test_pdl_samples_the_same_tokens():
 
 def test_bulk_prefetch_alignment_rules():
     """The decode linears prefetch weight rows with cp.async.bulk.prefetch.L2 only where its 16-byte rules hold."""
-    from kernels.pdl.launch import bulk_prefetchable
+    from prime_spmd.kernels.pdl.launch import bulk_prefetchable
 
     w = torch.zeros(64, 1032, dtype=torch.bfloat16)
     assert bulk_prefetchable(w, w.stride(0), 1024, 256)  # 2064-byte rows, 512-byte splits

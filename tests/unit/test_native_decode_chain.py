@@ -25,8 +25,8 @@ def _big_interpreter_items(monkeypatch):
     """CPU: larger chain items and GEMV programs than the kernel tests use (those cover item edges): the interpreter
     pays per program, and both paths here are ~10x faster so."""
     if DEVICE.type == "cpu":
-        from kernels.decode_chain import kernel as chain
-        from kernels.decode_linear import kernel as linear
+        from prime_spmd.kernels.decode_chain import kernel as chain
+        from prime_spmd.kernels.decode_linear import kernel as linear
 
         monkeypatch.setattr(chain, "INTERPRET_SLAB_BYTES", 16384)
         monkeypatch.setattr(linear, "gemv_config", lambda no, k, silu_mul: ("gemv", 64, 64, 4))
@@ -52,7 +52,7 @@ def _generate(model, chain: bool, slots: int, n: int):
 @pytest.fixture
 def chain_calls(monkeypatch):
     """Rows of each decode-chain call (CPU runs the decode step eagerly; CUDA replays its graphs)."""
-    from kernels.decode_chain.kernel import DecodeChain
+    from prime_spmd.kernels.decode_chain.kernel import DecodeChain
 
     calls, real = [], DecodeChain.__call__
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-import kernels.decode_linear.op  # noqa: F401  registers torch.ops.prime_spmd.decode_linear
+import prime_spmd.kernels.decode_linear.op  # noqa: F401  registers torch.ops.prime_spmd.decode_linear
 from prime_spmd.inference import runner as runner_mod
 from prime_spmd.inference.engine import Request, SamplingParams
 from prime_spmd.inference.native import NativeEngine
@@ -39,7 +39,7 @@ def _big_interpreter_tiles(monkeypatch):
     """CPU: 64 x 64 tiles (one or two programs per launch; ~6x faster under the interpreter than the
     16 x 16 x 32 tiles the kernel tests use to cover tile edges, tests/kernels/test_decode_linear.py)."""
     if DEVICE.type == "cpu":
-        from kernels.decode_linear import kernel
+        from prime_spmd.kernels.decode_linear import kernel
 
         monkeypatch.setattr(kernel, "default_config", lambda m, no, k, silu_mul, elsize=2: (16, 64, 64, 4, 1))
 

@@ -165,7 +165,7 @@ def test_compiled_fused_layer_reads_and_writes_the_paged_cache(attention, device
     before = pools[0][0].clone()
     layer = make_decode_layer(N, Nkv, Dh, 1e-6, Dh**-0.5, attention, "torch")
     if attention == "fused":  # the Triton kernel (interpreter) as an opaque, cache-mutating op inside the graph
-        import kernels.decode_attention.op  # noqa: F401
+        import prime_spmd.kernels.decode_attention.op  # noqa: F401
 
         mask, lens, kv_len = None, pos + 1, 32
     else:

@@ -2,7 +2,7 @@
 
 Expert weights are stacked ([E, ...] tensors, dim 0 = expert) so that one grouped kernel runs all
 experts and EP can shard dim 0; Hugging Face checkpoints store them per expert, and the mapping
-lives in ``models/qwen3/hf.py``. The experts compute goes through ``kernels.moe.op``.
+lives in ``models/qwen3/hf.py``. The experts compute goes through ``prime_spmd.kernels.moe.op``.
 
 Legend (docs/conventions.md): B batch, T tokens, K experts per token, D hidden, E experts, I expert intermediate,
 F = 2I.
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.moe.op import MoeImpl, moe_experts
+from prime_spmd.kernels.moe.op import MoeImpl, moe_experts
 
 
 class TopKRouter(nn.Module):

@@ -1,1 +1,0 @@
-"""Triton kernels, each beside a PyTorch reference (see README.md in each folder)."""
