@@ -31,8 +31,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import common  # noqa: E402
 from prime_spmd.kernels.decode_attention import kernel  # noqa: E402
+
+from benchmarks import common  # noqa: E402
 
 
 def bmm_attention(q_BNDh, k_BcNkvTcDh, v_BcNkvTcDh, mask_BTkv, scale: float):

@@ -27,8 +27,9 @@ import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import common  # noqa: E402
 from prime_spmd.kernels.decode_linear import kernel  # noqa: E402
+
+from benchmarks import common  # noqa: E402
 from prime_spmd.inference.runner import rms_norm  # noqa: E402
 
 # hidden D, q heads x head dim, kv heads x head dim, intermediate I (the Qwen3 configs of benchmarks/engine.py)

@@ -365,6 +365,7 @@ def main() -> None:
         pdl_launch.set_prefetch(False)
     args.pdl = args.pdl == "on"
     from prime_spmd.kernels.decode_attention import kernel as decode_attention_kernel
+
     from prime_spmd.inference.runner import fused_prefill_choice
 
     fused_prefills = [fused_prefill_choice(f) for f in args.fused_prefill.split(",")]  # a bad one fails before any run

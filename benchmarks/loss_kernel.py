@@ -53,11 +53,12 @@ if ARGS.device == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import common  # noqa: E402
 from prime_spmd.kernels.lm_logprob.chunked import chunked_logprobs  # noqa: E402
 from prime_spmd.kernels.lm_logprob.fused_loss import fused_lm_head_loss  # noqa: E402
 from prime_spmd.kernels.lm_logprob.op import lm_head_logprobs  # noqa: E402
 from prime_spmd.kernels.lm_logprob.reference import reference_logprobs  # noqa: E402
+
+from benchmarks import common  # noqa: E402
 
 
 def naive_logprobs(hidden_NH, weight_VH, targets_N, temperature_N):

@@ -143,6 +143,7 @@ def sample_rollouts(lm: torch.nn.Module, args: argparse.Namespace, device: torch
     span (environment tokens: mask 0, logprob 0).
     """
     from prime_spmd.kernels.lm_logprob.op import lm_head_logprobs
+
     from prime_spmd.models.registry import adapter_for
     from prime_spmd.rl.types import Rollout
 

@@ -61,9 +61,10 @@ if ARGS.device == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import common  # noqa: E402
 from prime_spmd.kernels.moe import configs, kernel  # noqa: E402
 from prime_spmd.kernels.moe.op import moe_experts  # noqa: E402
+
+from benchmarks import common  # noqa: E402
 
 NAMES = {"reference": "per-expert loop", "grouped_mm": "torch._grouped_mm", "triton": "ours (triton)"}
 

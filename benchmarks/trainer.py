@@ -54,8 +54,9 @@ if ARGS.device == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import common  # noqa: E402
 from prime_spmd.kernels.lm_logprob.op import lm_head_logprobs  # noqa: E402
+
+from benchmarks import common  # noqa: E402
 from prime_spmd.config.sections import LoraConfig  # noqa: E402
 from prime_spmd.models.lora import apply_lora  # noqa: E402
 from prime_spmd.models.qwen3 import FLAVORS  # noqa: E402

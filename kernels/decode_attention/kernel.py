@@ -36,7 +36,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-
 from prime_spmd.kernels.counters import wait_count, zeroed_counters
 from prime_spmd.kernels.pdl import launch as pdl
 from prime_spmd.kernels.pdl.launch import pdl_enter

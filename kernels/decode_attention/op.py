@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-
 from prime_spmd.kernels.decode_attention.reference import (
     decode_attention_reference,
     fused_decode_attention_reference,

@@ -40,7 +40,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-
 from prime_spmd.kernels.counters import SPIN_LIMIT, count_done
 from prime_spmd.kernels.decode_attention import kernel as attention
 from prime_spmd.kernels.decode_attention.kernel import split_program

@@ -17,7 +17,6 @@ Bc cache slots, Tc positions per slot.
 from __future__ import annotations
 
 import torch
-
 from prime_spmd.kernels.decode_attention.reference import fused_decode_attention_reference
 from prime_spmd.kernels.decode_linear.reference import decode_linear_reference
 

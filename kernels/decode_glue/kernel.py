@@ -14,7 +14,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-
 from prime_spmd.kernels.pdl.launch import enabled as pdl_enabled
 from prime_spmd.kernels.pdl.launch import gdc_launch_dependents, launch_options, pdl_enter
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-
 from prime_spmd.kernels.decode_linear.reference import ACTS, decode_linear_reference
 
 DecodeLinearImpl = Literal["reference", "triton"]

@@ -22,7 +22,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-
 from prime_spmd.kernels.gumbel_sample import reference
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

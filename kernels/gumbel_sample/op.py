@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-
 from prime_spmd.kernels.gumbel_sample.reference import gumbel_sample_lm_head_reference, gumbel_sample_reference
 
 GumbelSampleImpl = Literal["reference", "triton"]

@@ -8,9 +8,8 @@ Shape legend (docs/conventions.md): T tokens, D hidden size, V vocabulary size, 
 """
 
 import torch
-from torch import Tensor
-
 from prime_spmd.kernels.lm_logprob.reference import grad_logits
+from torch import Tensor
 
 DEFAULT_CHUNK_TOKENS = 2048
 

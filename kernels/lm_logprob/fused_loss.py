@@ -20,10 +20,9 @@ from typing import Literal
 
 import torch
 import triton
-from torch import Tensor
-
 from prime_spmd.kernels.lm_logprob import fused_kernel
 from prime_spmd.kernels.lm_logprob.reference import temperature_per_token
+from torch import Tensor
 
 # the per-token loss, e.g. a bound prime_spmd.rl.loss.TokenLoss.token_loss: (logprob, entropy, fields) -> [T]
 TokenLossFn = Callable[[Tensor, Tensor, dict[str, Tensor]], Tensor]

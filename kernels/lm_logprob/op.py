@@ -13,11 +13,10 @@ Shape legend (docs/conventions.md): T tokens, D hidden size, V vocabulary size.
 from typing import Literal
 
 import torch
-from torch import Tensor
-
 from prime_spmd.kernels.lm_logprob import kernel
 from prime_spmd.kernels.lm_logprob.chunked import chunked_logprobs
 from prime_spmd.kernels.lm_logprob.reference import reference_logprobs, temperature_per_token
+from torch import Tensor
 
 
 @torch.library.custom_op("prime_spmd::lm_logprob_fwd", mutates_args=())

@@ -37,7 +37,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from prime_spmd.kernels.moe import configs
 
 INTERPRET = configs.INTERPRET

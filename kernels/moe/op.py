@@ -22,7 +22,6 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-
 from prime_spmd.kernels.moe.reference import experts_reference, sort_by_expert
 
 MoeImpl = Literal["reference", "grouped_mm", "triton"]

@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from prime_spmd.kernels.decode_glue.reference import advance_reference as advance_decode_state
 from prime_spmd.inference.engine import Completion, InferenceEngine, Request
 from prime_spmd.inference.kv_cache import PagedKVCache, bucket_sizes, pick_bucket
 from prime_spmd.inference.runner import DecodeAttention, DecodeLinear, KVCacheKind, build_runner
 from prime_spmd.inference.sampling import Sampler, SamplingTensors, make_sampler, resolve_sampler
+from prime_spmd.kernels.decode_glue.reference import advance_reference as advance_decode_state
 from prime_spmd.models.registry import adapter_for
 
 # Prefills of up to this many padded tokens (row bucket x length bucket) run as captured CUDA graphs (CUDA, the slot

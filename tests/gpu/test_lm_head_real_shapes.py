@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from prime_spmd.kernels.lm_logprob.fused_loss import fused_lm_head_loss
 from prime_spmd.kernels.lm_logprob.op import lm_head_logprobs
 from prime_spmd.kernels.lm_logprob.reference import reference_logprobs, temperature_per_token
+
 from tests.kernels._helpers import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

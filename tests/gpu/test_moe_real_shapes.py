@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from prime_spmd.kernels.moe.op import moe_experts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -23,9 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 warnings.filterwarnings("ignore")
 
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
 from prime_spmd.kernels.decode_attention import kernel as attention  # noqa: E402
 from prime_spmd.kernels.decode_chain import kernel as chain  # noqa: E402
 from prime_spmd.kernels.decode_glue import kernel as glue  # noqa: E402
@@ -33,6 +30,8 @@ from prime_spmd.kernels.decode_linear import kernel as linear  # noqa: E402
 from prime_spmd.kernels.gumbel_sample import kernel as sampler  # noqa: E402
 from prime_spmd.kernels.lm_logprob import fused_kernel as lm_fused  # noqa: E402
 from prime_spmd.kernels.lm_logprob import kernel as lm  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from prime_spmd.kernels.decode_attention.op import decode_attention, fused_decode_attention, paged_decode_attention
 
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]

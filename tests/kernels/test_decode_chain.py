@@ -14,7 +14,6 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-
 from prime_spmd.kernels.counters import wait_count
 from prime_spmd.kernels.decode_attention import kernel as attention
 from prime_spmd.kernels.decode_chain import kernel as chain

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from prime_spmd.kernels.decode_glue.kernel import advance, step_inputs
 from prime_spmd.kernels.decode_glue.reference import advance_reference, step_inputs_reference
 

@@ -11,7 +11,6 @@ import itertools
 
 import pytest
 import torch
-
 from prime_spmd.kernels.counters import zeroed_counters
 from prime_spmd.kernels.decode_linear.op import decode_linear
 from prime_spmd.kernels.decode_linear.reference import decode_linear_reference

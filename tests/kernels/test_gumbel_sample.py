@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from prime_spmd.kernels.gumbel_sample.op import gumbel_sample, gumbel_sample_lm_head
 
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]

@@ -9,11 +9,11 @@ kernels forget to write fails the comparison.
 
 import pytest
 import torch
-
 from prime_spmd.kernels.lm_logprob import kernel
 from prime_spmd.kernels.lm_logprob.chunked import chunked_logprobs
 from prime_spmd.kernels.lm_logprob.op import lm_head_logprobs, lm_logprob_bwd, lm_logprob_fwd
 from prime_spmd.kernels.lm_logprob.reference import reference_logprobs, temperature_per_token
+
 from tests.kernels._helpers import (
     lm_head_config_fits,
     lm_head_shared_memory,

@@ -10,10 +10,10 @@ an element a chunk or a kernel forgets to write fails the comparison.
 
 import pytest
 import torch
-
 from prime_spmd.kernels.lm_logprob import fused_kernel, fused_loss
 from prime_spmd.kernels.lm_logprob.fused_loss import fused_lm_head_loss, num_chunk_tokens
 from prime_spmd.kernels.lm_logprob.reference import reference_logprobs, temperature_per_token
+
 from tests.kernels._helpers import make_lm_head_inputs, nan_empty, pin_one_config, rel_err
 
 # Errors are max |got - want| / max |want| (loss, lp, ent, d hidden, d weight), measured over seeds 0-2

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from prime_spmd.kernels.moe.op import moe_experts
 
 # fp32: measured max rel. error (vs max |ref|) 5.3e-7 over all outputs and grads; sums run in another order

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 import triton
-
 from prime_spmd.kernels.moe import configs, kernel
 from prime_spmd.kernels.moe.op import moe_experts
 

@@ -28,9 +28,9 @@ def _loss_and_grads(lm, impl: str, mb, loss) -> tuple[torch.Tensor, dict[str, to
 
 @pytest.mark.parametrize("impl", ["chunked", "triton", "fused"])
 def test_rl_step_matches_reference(tmp_path, impl: str, device, monkeypatch, request) -> None:
+    from prime_spmd.kernels.lm_logprob import fused_kernel, kernel
     from transformers import AutoModelForCausalLM
 
-    from prime_spmd.kernels.lm_logprob import fused_kernel, kernel
     from tests.kernels._helpers import lm_head_config_fits, pin_one_config
 
     # On CUDA one config per autotuned kernel (as in tests/kernels): with all six fp32 configs of both

@@ -9,11 +9,11 @@ CPU: Triton under the interpreter; with a GPU the same tests run compiled, with 
 
 from __future__ import annotations
 
+import prime_spmd.kernels.decode_linear.op  # noqa: F401  registers torch.ops.prime_spmd.decode_linear
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-import prime_spmd.kernels.decode_linear.op  # noqa: F401  registers torch.ops.prime_spmd.decode_linear
 from prime_spmd.inference import runner as runner_mod
 from prime_spmd.inference.engine import Request, SamplingParams
 from prime_spmd.inference.native import NativeEngine
