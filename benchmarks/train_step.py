@@ -11,7 +11,9 @@ grad norm) and the optimizer part; then ``torch.profiler`` over ``--profile-step
 by host time and by device time, and the device's busy fraction of the wall time (near 1: kernel-bound; low:
 the host launches too slowly). Variants are trainer flag sets (``name:key=value,...`` of ``--trainer.*``), plus
 ``sdpa_cudnn=1``, which lets SDPA use cuDNN again (``models/common/attention.py: SDPA_BACKENDS``) to measure what
-leaving it out saves.
+leaving it out saves, and ``lora_rank=r``, which trains LoRA adapters of rank r (alpha 2r, ``--model.lora``) instead
+of every weight. MFU counts the whole model's FLOPs, a lower bound under LoRA. ``--prompts 1 --group-size 1
+--prompt-len 0 --completion-min 16384 --completion-max 16384`` trains one packed row of 16,384 tokens.
 
     python3 benchmarks/train_step.py --device cuda --shape qwen3-0.6b --tokenizer-files .whl/qwen3-tokenizer \\
         --variants "eager:compile=off;compiled:compile=on" --out $OUT/train_step
@@ -88,7 +90,7 @@ def parse_variants(spec: str) -> list[tuple[str, dict[str, str]]]:
     return out
 
 
-BENCH_KEYS = ("sdpa_cudnn",)
+BENCH_KEYS = ("sdpa_cudnn", "lora_rank")
 
 
 def trainer_config(base, overrides: dict[str, str]):
@@ -167,6 +169,7 @@ _CTX: dict = {}
 
 def run_variant(name: str, overrides: dict[str, str], model_dir: Path, args: argparse.Namespace, device) -> dict:
     from prime_spmd.config import RLJobConfig
+    from prime_spmd.config.sections import LoraConfig
     from prime_spmd.distributed.groups import init_distributed
     from prime_spmd.rl.loss import make_rl_loss
     from prime_spmd.trainer.build import build_trainer
@@ -180,6 +183,9 @@ def run_variant(name: str, overrides: dict[str, str], model_dir: Path, args: arg
         ),
         overrides,
     )
+    lora_rank = int(overrides.get("lora_rank", "0"))
+    if lora_rank:
+        cfg.model = dataclasses.replace(cfg.model, lora=LoraConfig(rank=lora_rank, alpha=2.0 * lora_rank))
     from prime_spmd.models.common import attention
 
     backends = [b for b in attention.SDPA_BACKENDS if b != SDPBackend.CUDNN_ATTENTION]
@@ -232,6 +238,7 @@ def run_variant(name: str, overrides: dict[str, str], model_dir: Path, args: arg
         model_tokens=model_tokens,
         trained_tokens=statistics.median(s["trained_tokens"] for s in timed),
         params=n_params,
+        trainable_params=sum(p.numel() for p in parts.policy.parameters() if p.requires_grad),
         mfu=(flops / med["step_s"] / (args.peak_tflops * 1e12)) if device.type == "cuda" else None,
         peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
     )

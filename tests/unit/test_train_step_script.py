@@ -18,11 +18,13 @@ SCRIPT = [sys.executable, str(ROOT / "benchmarks" / "train_step.py"), "--device"
 def test_train_step_script_cpu(tmp_path: Path) -> None:
     out = tmp_path / "ts"
     cmd = [*SCRIPT, "--prompts", "4", "--group-size", "4", "--steps", "2", "--warmup", "1", "--profile-steps", "1",
-           "--out", str(out), "--variants", "shared:compile=off;unshared:compile=off,share_prompts=false"]  # fmt: skip
+           "--out", str(out), "--variants", "shared:compile=off;unshared:compile=off,share_prompts=false;lora:compile=off,lora_rank=4"]  # fmt: skip
     subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=300)
     got = json.loads((out / "results.json").read_text())
-    assert [v["variant"] for v in got["variants"]] == ["shared", "unshared"]
-    shared, unshared = got["variants"]
+    assert [v["variant"] for v in got["variants"]] == ["shared", "unshared", "lora"]
+    shared, unshared, lora = got["variants"]
+    # only the adapters train (nano, r=4: 8,192 of 80,576 parameters)
+    assert 0 < lora["trainable_params"] < shared["trainable_params"] / 5
     assert shared["trained_tokens"] == unshared["trained_tokens"] > 0  # the same batches
     assert shared["model_tokens"] < unshared["model_tokens"] == unshared["packed_tokens"]  # prompts forwarded once
     for v in got["variants"]:
