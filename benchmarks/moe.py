@@ -42,12 +42,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tokens", default="16384,32768", help="comma-separated token counts")
     p.add_argument("--skew_alpha", type=float, default=2.0, help="router bias -alpha*log(1+e) for skewed routing")
     p.add_argument(
-        "--breakdown",
-        action="store_true",
-        help="time each backward stage of ours next to the same GEMM by torch._grouped_mm (CUDA only)",
-    )
-    p.add_argument("--block_m", default="", help="comma-separated row-tile sizes for ours (default: the kernel's)")
-    p.add_argument(
         "--configs",
         default="heuristic",
         help="comma-separated launch-config modes for ours: heuristic (the default table), autotune (full sweep)",
@@ -140,70 +134,6 @@ def check_close(T, D, E, inter, K, dtype, device) -> None:
             assert rel < 5e-2, impl
 
 
-def breakdown(T, D, E, inter, K, routing, dtype, device) -> list[dict]:
-    """Ours vs torch._grouped_mm per backward stage (same inputs): where the backward time goes."""
-    x, router, bias, w13, w2 = make_layer(T, D, E, inter, dtype, device, routing)
-    with torch.no_grad():
-        probs = torch.softmax(torch.nn.functional.linear(x, router).float() + bias, dim=-1)
-        weights, ids = torch.topk(probs, K, dim=-1)
-        weights = (weights / weights.sum(-1, keepdim=True)).to(dtype)
-        x, w13, w2 = x.detach(), w13.detach(), w2.detach()
-        dout = torch.randn(T, D, device=device, dtype=dtype)
-        out, gu, h, perm, offs = torch.ops.prime_spmd.moe_experts_fwd(x, ids, weights, w13, w2, True)
-        M = T * K
-        tok = perm // K
-        sched = kernel.tile_schedule(offs, M)
-        scale = weights.flatten()[perm].contiguous()
-        dgu, _ = kernel.dz_swiglu_bwd(dout, tok, w2, gu, scale, sched)
-        dout_p, x_p = dout[tok], x[tok]
-        flops = {"dz (+swiglu bwd)": 2 * M * D * inter, "dx": 4 * M * D * inter, "dw2": 2 * M * D * inter,
-                 "dw13": 4 * M * D * inter, "fwd gate/up": 4 * M * D * inter, "fwd down": 2 * M * D * inter}  # fmt: skip
-        ours = {
-            "fwd gate/up": lambda: kernel.gate_up_swiglu(x, tok, w13, sched, True),
-            "fwd down": lambda: kernel.grouped_gemm(h, w2, sched, M, out_idx=perm, scale=scale),
-            "dz (+swiglu bwd)": lambda: kernel.dz_swiglu_bwd(dout, tok, w2, gu, scale, sched),
-            "dx": lambda: kernel.grouped_gemm(dgu, w13.transpose(1, 2), sched, M, out_idx=perm),
-            "dw2": lambda: kernel.grouped_wgrad(dout, h, offs, a_idx=tok, scale=scale),
-            "dw13": lambda: kernel.grouped_wgrad(dgu, x, offs, b_idx=tok),
-            "dz then swiglu bwd (split)": lambda: split_dz(),
-            "dw2 (no scale)": lambda: kernel.grouped_wgrad(dout, h, offs, a_idx=tok),
-            "whole bwd op": lambda: torch.ops.prime_spmd.moe_experts_bwd(dout, x, weights, w13, w2, gu, h, perm, offs),
-        }
-        torch_gemms = {
-            "fwd gate/up": lambda: torch._grouped_mm(x_p, w13.transpose(-2, -1), offs=offs),
-            "fwd down": lambda: torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs),
-            "dz (+swiglu bwd)": lambda: torch._grouped_mm(dout_p, w2, offs=offs),
-            "dx": lambda: torch._grouped_mm(dgu, w13, offs=offs),
-            "dw2": lambda: torch._grouped_mm(dout_p.t(), h, offs=offs),
-            "dw13": lambda: torch._grouped_mm(dgu.t(), x_p, offs=offs),
-        }
-
-        def split_dz():
-            kernel.FUSE_SWIGLU_BWD = False
-            try:
-                return kernel.dz_swiglu_bwd(dout, tok, w2, gu, scale, sched)
-            finally:
-                kernel.FUSE_SWIGLU_BWD = True
-
-        rows = []
-        for stage, fn in ours.items():
-            row = dict(
-                tokens=T,
-                routing=routing,
-                block_m=kernel.BLOCK_M,
-                stage=stage,
-                ours_ms=common.time_ms(fn, device, ARGS.iters),
-            )
-            if stage in torch_gemms:
-                row["grouped_mm_gemm_only_ms"] = common.time_ms(torch_gemms[stage], device, ARGS.iters)
-                row["ours_tflops"] = flops[stage] / row["ours_ms"] / 1e9
-                row["grouped_mm_tflops"] = flops[stage] / row["grouped_mm_gemm_only_ms"] / 1e9
-            rows.append(row)
-            print(json.dumps(row))
-    rows.append(dict(tokens=T, routing=routing, block_m=kernel.BLOCK_M, stage="configs", configs=config_report()))
-    return rows
-
-
 def config_report() -> dict:
     """The launch configs this process used: the table's picks, and each autotune key's winner next to the
     TABLE row that the same launch takes by default (what to copy into TABLE if the autotuner was faster)."""
@@ -265,17 +195,6 @@ def main() -> None:
     ceiling = common.matmul_ceiling_tflops(device, dtype, 20 if device == "cuda" else 3)
     print(f"matmul ceiling ({common.matmul_size(device)}^3, {dtype}): {ceiling:.1f} TFLOP/s")
     check_close(token_counts[0], D, E, inter, K, dtype, device)
-    if ARGS.breakdown:
-        configs.AUTOTUNE = modes[0] == "autotune"
-        rows = []
-        for bm in [int(b) for b in ARGS.block_m.split(",") if b] or [kernel.BLOCK_M]:
-            kernel.BLOCK_M = bm
-            for T in token_counts:
-                for routing in ("uniform", "skewed"):
-                    rows += breakdown(T, D, E, inter, K, routing, dtype, device)
-        if ARGS.out:
-            common.write_json(ARGS.out, dict(meta=common.run_metadata(device, dtype=str(dtype)), breakdown=rows))
-        return
     results = []
     for T in token_counts:
         for routing in ("uniform", "skewed"):
