@@ -1,0 +1,202 @@
+"""AdamW whose moment estimates live in host memory (``--trainer.offload optimizer``).
+
+AdamW's two fp32 moments are 8 bytes a trained parameter, half of full fine-tuning's 16 (fp32 master weights 4,
+fp32 gradients 4, moments 8). Kept in pinned host memory, they leave the GPU for the engine's KV cache and the
+trainer's activations; what it costs is one host -> device and one device -> host copy of them every step.
+
+``step`` streams the parameters in chunks of at most ``chunk_bytes`` of moments: while the device updates chunk i
+(AdamW on the parameters' local shards, in place), a side stream copies chunk i + 1's moments in and chunk i - 1's
+out, through two device staging buffers. The device holds at most two chunks of moments at a time.
+
+The moments are ``DTensor``s with the parameter's mesh and placements whose local tensors are on the host (as FSDP2's
+own CPU offload keeps its sharded parameters), so checkpoints (DCP, ``get_state_dict``) save and resume them like a
+device optimizer's. The update is torch's AdamW (decoupled weight decay, bias-corrected moments, no amsgrad) written
+with ``torch._foreach`` ops; tests/unit/test_offload_optimizer.py compares it with ``torch.optim.AdamW``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The rank's shard of a DTensor (no collective; no grad flows: the optimizer runs under no_grad)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _like_on_host(p: torch.Tensor, pin: bool) -> torch.Tensor:
+    local = torch.zeros(_local(p).shape, dtype=torch.float32, device="cpu", pin_memory=pin)
+    if isinstance(p, DTensor):
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    return local
+
+
+class HostOffloadAdamW(torch.optim.Optimizer):
+    """AdamW over ``params`` (device tensors or FSDP2 DTensors) with its moments in host memory.
+
+    Same hyper-parameters and param-group semantics as ``torch.optim.AdamW`` (``lr``, ``betas``, ``eps``,
+    ``weight_decay``); the step counter is a host float per parameter. Called by every trainer rank on its own
+    shards (no collective). ``chunk_bytes``: moments streamed through the device per chunk (two chunks resident).
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        *,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        chunk_bytes: int = 256 << 20,
+    ) -> None:
+        if chunk_bytes < 8:
+            raise ValueError(f"chunk_bytes must hold at least one parameter's moments, got {chunk_bytes}")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.chunk_bytes = chunk_bytes
+        self._staging: list[torch.Tensor] = []
+        self._copy_stream: torch.cuda.Stream | None = None
+
+    def _init_state(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if not state:
+            pin = _local(p).device.type == "cuda"
+            state["step"] = torch.tensor(0.0)
+            for name in MOMENTS:
+                state[name] = _like_on_host(p, pin)
+        return state
+
+    def _chunks(self) -> list[list[tuple[torch.Tensor, dict, dict]]]:
+        """(param, state, group) triples with a gradient, cut where a chunk's moments would pass chunk_bytes."""
+        chunks: list[list] = [[]]
+        size = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                n = _local(p).numel() * 8
+                if chunks[-1] and size + n > self.chunk_bytes:
+                    chunks.append([])
+                    size = 0
+                chunks[-1].append((p, self._init_state(p), group))
+                size += n
+        return [c for c in chunks if c]
+
+    def _buffers(self, device: torch.device, numel: int) -> list[torch.Tensor]:
+        """Two staging buffers of [2, numel] fp32 (exp_avg, exp_avg_sq), grown when a chunk needs more."""
+        if not self._staging or self._staging[0].shape[1] < numel or self._staging[0].device != device:
+            self._staging = [torch.empty(2, numel, dtype=torch.float32, device=device) for _ in range(2)]
+        return self._staging
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: D102 - torch.optim.Optimizer.step
+        assert closure is None, "HostOffloadAdamW.step takes no closure"
+        chunks = self._chunks()
+        if not chunks:
+            return None
+        device = _local(chunks[0][0][0]).device
+        numels = [[_local(p).numel() for p, _, _ in c] for c in chunks]
+        bufs = self._buffers(device, max(sum(n) for n in numels))
+        cuda = device.type == "cuda"
+        if cuda and self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device)
+        copy = self._copy_stream
+        compute = torch.cuda.current_stream(device) if cuda else None
+
+        def views(i: int) -> list[list[torch.Tensor]]:  # per moment, per parameter: slices of chunk i's buffer
+            buf = bufs[i % 2]
+            return [list(buf[m, : sum(numels[i])].split(numels[i])) for m in range(2)]
+
+        def load(i: int) -> None:  # host -> device (side stream on CUDA)
+            for m, name in enumerate(MOMENTS):
+                for (_, state, _), v in zip(chunks[i], views(i)[m]):
+                    v.copy_(_local(state[name]).view(-1), non_blocking=True)
+
+        def store(i: int) -> None:  # device -> host
+            for m, name in enumerate(MOMENTS):
+                for (_, state, _), v in zip(chunks[i], views(i)[m]):
+                    _local(state[name]).view(-1).copy_(v, non_blocking=True)
+
+        loaded: list[torch.cuda.Event | None] = [None] * len(chunks)
+        done: list[torch.cuda.Event | None] = [None] * len(chunks)
+
+        def issue_load(i: int) -> None:
+            if not cuda:
+                load(i)
+                return
+            with torch.cuda.stream(copy):
+                if i >= 2:  # chunk i reuses chunk i - 2's buffer: its update and its copy out come first
+                    copy.wait_event(done[i - 2])
+                    store(i - 2)
+                load(i)
+                loaded[i] = torch.cuda.Event()
+                loaded[i].record(copy)
+
+        issue_load(0)
+        for i, chunk in enumerate(chunks):
+            if i + 1 < len(chunks):
+                issue_load(i + 1)
+            if cuda:
+                compute.wait_event(loaded[i])
+            self._update(chunk, views(i))
+            if cuda:
+                done[i] = torch.cuda.Event()
+                done[i].record(compute)
+            else:
+                store(i)
+        if cuda:
+            with torch.cuda.stream(copy):
+                for i in range(max(0, len(chunks) - 2), len(chunks)):
+                    copy.wait_event(done[i])
+                    store(i)
+            compute.wait_stream(copy)  # the host copies are whole before anyone reads the state
+            copy.synchronize()
+        return None
+
+    @staticmethod
+    def _update(chunk: list[tuple[torch.Tensor, dict, dict]], moments: list[list[torch.Tensor]]) -> None:
+        """torch's AdamW on one chunk, in place on the parameters' local shards and the staged moments."""
+        by_group: dict[int, list[int]] = {}
+        for j, (_, _, group) in enumerate(chunk):
+            by_group.setdefault(id(group), []).append(j)
+        for idx in by_group.values():
+            group = chunk[idx[0]][2]
+            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            params = [_local(chunk[j][0]).view(-1) for j in idx]
+            grads = [_local(chunk[j][0].grad).view(-1) for j in idx]
+            exp_avgs = [moments[0][j] for j in idx]
+            exp_avg_sqs = [moments[1][j] for j in idx]
+            steps = []
+            for j in idx:
+                chunk[j][1]["step"] += 1
+                steps.append(float(chunk[j][1]["step"]))
+            if wd != 0:
+                torch._foreach_mul_(params, 1 - lr * wd)
+            torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+            torch._foreach_mul_(exp_avg_sqs, beta2)
+            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+            for s in set(steps):  # parameters of a group share their step count; kept general
+                sel = [k for k, v in enumerate(steps) if v == s]
+                step_size = lr / (1 - beta1**s)
+                bc2_sqrt = math.sqrt(1 - beta2**s)
+                denom = torch._foreach_sqrt([exp_avg_sqs[k] for k in sel])
+                torch._foreach_div_(denom, bc2_sqrt)
+                torch._foreach_add_(denom, eps)
+                torch._foreach_addcdiv_([params[k] for k in sel], [exp_avgs[k] for k in sel], denom, -step_size)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's loader moves every state tensor to its parameter's device: the moments go back to the host."""
+        super().load_state_dict(state_dict)
+        for p, state in self.state.items():
+            pin = _local(p).device.type == "cuda"
+            state["step"] = torch.as_tensor(float(state["step"]))
+            for name in MOMENTS:
+                if name in state and _local(state[name]).device.type != "cpu":
+                    host = _like_on_host(p, pin)
+                    _local(host).copy_(_local(state[name]))
+                    state[name] = host
