@@ -98,12 +98,8 @@ def peak_mib(fn: Callable[[], Any], device: str | torch.device) -> float | None:
 
 
 def source_commit() -> str | None:
-    """Short commit of the code that runs: the COMMIT file of a source snapshot (scripts/gpu_snapshot.sh; the
-    device machine's git metadata can be stale), else git's HEAD."""
+    """Short commit of the code that runs: git's HEAD (None outside a git checkout)."""
     root = Path(__file__).resolve().parent.parent
-    stamp = root / "COMMIT"
-    if stamp.is_file():
-        return stamp.read_text().strip() or None
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=root)
     return head.stdout.strip() or None
 

@@ -428,11 +428,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--eval-examples", type=int, default=64)
     p.add_argument("--no-eval", action="store_true")
-    p.add_argument(
-        "--eval-sft-fp32",
-        action="store_true",
-        help="also eval the SFT model with the engine in fp32 (TRL generates with fp32 weights; ours in bf16)",
-    )
     p.add_argument("--sft-limit-s", type=float, default=300)
     p.add_argument("--rl-limit-s", type=float, default=150)
     p.add_argument("--eval-limit-s", type=float, default=90)
@@ -555,9 +550,6 @@ def main() -> None:
                 name = "eval_" + Path(run["hf"]).parent.name
                 res["phases"][name] = {"side": run["side"], **eval_model(name, Path(run["hf"]), args, out)}
                 save()
-        if args.eval_sft_fp32:  # last, in what the budget leaves: the same eval, the engine in fp32
-            res["phases"]["eval_sft_fp32"] = eval_model("eval_sft_fp32", model, args, out, ("--model.dtype", "float32"))
-            save()
     print(json.dumps({"ratios": res.get("ratios"), "summary": res["summary"]}, indent=1))
     plot(out)
 
