@@ -1,0 +1,167 @@
+"""Device-memory plan of a colocated run (trainer and engine on one device), before anything is allocated.
+
+``estimate`` adds up what each part of a run holds at its peak, from the model's config alone (a meta-device
+instance counts the parameters): the trainer's weights, gradients and AdamW moments (host-resident under
+``--trainer.offload optimizer``), the engine's copy of the weights (and its fused QKV / gate-up copies), the KV
+cache, and the trainer's activations. ``check_fits`` compares the plan with the device's memory and refuses a run
+that cannot fit, printing the parts and the flags that would make it fit. ``phase`` names the phase (generate,
+train, sync) of an out-of-memory error raised inside it, with the same flags, instead of a bare CUDA trace.
+
+The activation term is an estimate (per trained token: the layer inputs kept for backward, or one block's
+internals under activation checkpointing, with the fused LM-head loss never writing logits); docs/memory.md
+compares the plan with measured peaks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+GIB = 1 << 30
+FIT_FLAGS = (
+    "--trainer.offload optimizer (AdamW moments in host memory: 8 bytes a trained parameter off the device)",
+    "--model.lora.rank 16 (train adapters; the frozen base is held once, in bf16)",
+    "--inference.kv_cache paged --inference.kv_cache_tokens N (a smaller KV pool; admission waits for blocks)",
+    "--inference.max_batch_size N (fewer sequences decoding at once)",
+    "--trainer.micro_batch_tokens N and --trainer.activation_checkpointing true (fewer activations)",
+)
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelShape:
+    """What the plan needs to know about the model (from its config; see ``model_shape``)."""
+
+    num_params: int
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    fused_params: int = 0
+    """Parameters the native engine copies into fused tensors (qkv, gate/up of dense layers)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class MemoryPlan:
+    parts: dict[str, int] = field(default_factory=dict)
+    """Bytes on the device at the run's peak, by part."""
+    host: dict[str, int] = field(default_factory=dict)
+    """Bytes in host memory, by part (offloaded state)."""
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def describe(self) -> str:
+        rows = [f"  {k:<28} {v / GIB:8.2f} GiB" for k, v in self.parts.items()]
+        rows += [f"  {k + ' (host)':<28} {v / GIB:8.2f} GiB" for k, v in self.host.items()]
+        return "\n".join(rows + [f"  {'device total':<28} {self.total / GIB:8.2f} GiB"])
+
+
+def model_shape(path: str, trust_remote_code: bool = False) -> ModelShape:
+    """Count the parameters of the model at ``path`` on the meta device (no weights read, no memory)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    text = getattr(cfg, "text_config", cfg)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=trust_remote_code)
+    num_params = sum(p.numel() for p in model.parameters())
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", heads)
+    dense_mlp = not getattr(text, "num_experts", 0)
+    per_layer_fused = text.hidden_size * head_dim * (heads + 2 * kv_heads)
+    if dense_mlp:
+        per_layer_fused += 2 * text.hidden_size * text.intermediate_size
+    return ModelShape(
+        num_params=num_params,
+        num_layers=text.num_hidden_layers,
+        hidden_size=text.hidden_size,
+        intermediate_size=text.intermediate_size,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=text.vocab_size,
+        fused_params=per_layer_fused * text.num_hidden_layers,
+    )
+
+
+def estimate(
+    shape: ModelShape,
+    *,
+    num_trainable: int,
+    lora: bool,
+    offload: str,
+    share_weights: bool,
+    kv_cache_tokens: int,
+    micro_batch_tokens: int,
+    activation_checkpointing: bool,
+    engine_fused: bool,
+    param_bytes: int = 2,
+) -> MemoryPlan:
+    """Peak device bytes of a colocated run, by part.
+
+    ``num_trainable``: parameters the optimizer updates (all, or the LoRA adapters). ``lora``: the frozen base is
+    held once in the compute dtype (``param_bytes``) and shared with the engine when ``share_weights``.
+    ``offload``: "none" or "optimizer" (moments on the host). ``kv_cache_tokens``: tokens the engine's KV cache
+    holds. ``engine_fused``: the engine copies qkv / gate-up weights into fused tensors.
+    """
+    plan = MemoryPlan()
+    n, t = shape.num_params, num_trainable
+    if lora:
+        plan.parts["frozen base weights"] = (n - t) * param_bytes
+        trained_master = t * 4
+    else:
+        trained_master = n * 4
+    plan.parts["trained weights (fp32)"] = trained_master
+    plan.parts["gradients (fp32)"] = (t if lora else n) * 4
+    moments = (t if lora else n) * 8
+    if offload == "optimizer":
+        plan.host["AdamW moments"] = moments
+    else:
+        plan.parts["AdamW moments"] = moments
+    if not (lora and share_weights):
+        plan.parts["engine weights"] = n * param_bytes
+    if engine_fused:
+        plan.parts["engine fused qkv / gate-up"] = shape.fused_params * param_bytes
+    plan.parts["KV cache"] = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * kv_cache_tokens * param_bytes
+    per_token = shape.num_layers * shape.hidden_size * param_bytes  # each layer's input, kept for backward
+    if activation_checkpointing:
+        per_token += (4 * shape.hidden_size + 3 * shape.intermediate_size) * param_bytes  # one block's internals
+    else:
+        per_token += shape.num_layers * (4 * shape.hidden_size + 3 * shape.intermediate_size) * param_bytes
+    plan.parts["activations"] = per_token * micro_batch_tokens
+    return plan
+
+
+def check_fits(plan: MemoryPlan, device_bytes: int, *, headroom: float = 0.92) -> None:
+    """Raise ValueError when the plan passes ``headroom`` of ``device_bytes``, listing the parts and the flags
+    that would make it fit. Called on every rank of a colocated run before the model is loaded."""
+    if plan.total <= headroom * device_bytes:
+        return
+    raise ValueError(
+        f"this run needs about {plan.total / GIB:.1f} GiB of device memory and the device has "
+        f"{device_bytes / GIB:.1f} GiB ({headroom:.0%} usable):\n{plan.describe()}\n"
+        "flags that make a run smaller:\n  " + "\n  ".join(FIT_FLAGS)
+    )
+
+
+@contextlib.contextmanager
+def phase(name: str, plan: MemoryPlan | None = None) -> Iterator[None]:
+    """Turn a device out-of-memory error raised inside the block into one that names ``name`` (the phase: generate,
+    train, weight sync, eval), the plan and the flags that make a run smaller. The last checkpoint stays usable:
+    checkpoints are written to a temporary path and renamed (trainer/checkpoint.py)."""
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        used = ""
+        if torch.cuda.is_available():
+            used = f" (allocated {torch.cuda.memory_allocated() / GIB:.1f} GiB, peak {torch.cuda.max_memory_allocated() / GIB:.1f} GiB)"
+        msg = f"out of device memory during {name}{used}"
+        if plan is not None:
+            msg += f"; the plan for this run:\n{plan.describe()}"
+        raise RuntimeError(msg + "\nflags that make a run smaller:\n  " + "\n  ".join(FIT_FLAGS)) from e

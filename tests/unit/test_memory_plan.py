@@ -1,0 +1,58 @@
+"""The colocated memory plan (prime_spmd/memory.py): parameter counts from the config, the parts' arithmetic,
+a refusal that names the flags, and an out-of-memory error that names its phase."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from prime_spmd import memory
+from prime_spmd.models.tiny import build_tiny_model
+
+
+def test_model_shape_counts_the_real_parameters(tmp_path) -> None:
+    path = build_tiny_model(tmp_path / "m", preset="qwen3-nano")
+    shape = memory.model_shape(str(path))
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert shape.num_params == sum(p.numel() for p in model.parameters())
+    layer = model.model.layers[0]
+    fused = sum(m.weight.numel() for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj))
+    fused += layer.mlp.gate_proj.weight.numel() + layer.mlp.up_proj.weight.numel()
+    assert shape.fused_params == fused * len(model.model.layers)
+
+
+def _shape() -> memory.ModelShape:  # the Qwen3-4B shape's counts
+    return memory.ModelShape(
+        num_params=4_022_468_096, num_layers=36, hidden_size=2560, intermediate_size=9728,
+        num_kv_heads=8, head_dim=128, vocab_size=151_936, fused_params=36 * (2560 * 128 * 48 + 2 * 2560 * 9728),
+    )  # fmt: skip
+
+
+def test_plan_parts_and_offload() -> None:
+    kw = dict(kv_cache_tokens=65536, micro_batch_tokens=8192, activation_checkpointing=True, engine_fused=False)
+    full = memory.estimate(_shape(), num_trainable=4_022_468_096, lora=False, offload="none", share_weights=True, **kw)
+    n = 4_022_468_096
+    assert full.parts["trained weights (fp32)"] == 4 * n and full.parts["AdamW moments"] == 8 * n
+    assert full.parts["engine weights"] == 2 * n  # full fine-tuning: fp32 masters, so the engine keeps a bf16 copy
+    assert full.parts["KV cache"] == 2 * 36 * 8 * 128 * 65536 * 2
+    off = memory.estimate(_shape(), num_trainable=n, lora=False, offload="optimizer", share_weights=True, **kw)
+    assert "AdamW moments" not in off.parts and off.host["AdamW moments"] == 8 * n
+    assert full.total - off.total == 8 * n
+    lora = memory.estimate(_shape(), num_trainable=33_000_000, lora=True, offload="none", share_weights=True, **kw)
+    assert lora.parts["frozen base weights"] == 2 * (n - 33_000_000) and "engine weights" not in lora.parts
+    # 4B full fine-tuning does not fit 80 GB without offload, and does with it
+    with pytest.raises(ValueError, match=r"--trainer.offload optimizer") as err:
+        memory.check_fits(full, 80 * 10**9)
+    assert "AdamW moments" in str(err.value)
+    memory.check_fits(off, 80 * 10**9)
+
+
+def test_phase_names_an_out_of_memory_error() -> None:
+    with pytest.raises(RuntimeError, match=r"out of device memory during generate") as err:
+        with memory.phase("generate"):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert "--trainer.offload optimizer" in str(err.value)
+    assert isinstance(err.value.__cause__, torch.OutOfMemoryError)
+    with memory.phase("train"):  # anything else passes through untouched
+        pass
