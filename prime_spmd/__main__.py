@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 
         run_sft(cfg)
     elif cmd == "rl":
-        from prime_spmd.trainer.rl import run_rl
+        from prime_spmd.rl.loop import run_rl
 
         run_rl(cfg)
     else:

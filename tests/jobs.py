@@ -49,7 +49,7 @@ def sft_rank(rank: int, world: int, cfg: SFTJobConfig) -> None:
 
 def rl_rank(rank: int, world: int, cfg: RLJobConfig) -> None:
     """``run_ranks`` entry: every rank runs the RL job (its topology gives each rank its role)."""
-    from prime_spmd.trainer.rl import run_rl
+    from prime_spmd.rl.loop import run_rl
 
     run_rl(cfg)
 

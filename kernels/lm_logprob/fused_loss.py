@@ -24,7 +24,7 @@ from prime_spmd.kernels.lm_logprob import fused_kernel
 from prime_spmd.kernels.lm_logprob.reference import temperature_per_token
 from torch import Tensor
 
-# the per-token loss, e.g. a bound prime_spmd.rl.loss.TokenLoss.token_loss: (logprob, entropy, fields) -> [T]
+# the per-token loss, e.g. a bound prime_spmd.trainer.loss.TokenLoss.token_loss: (logprob, entropy, fields) -> [T]
 TokenLossFn = Callable[[Tensor, Tensor, dict[str, Tensor]], Tensor]
 # Cap on C * V per chunk. Extra memory per element of C * V: torch ~14 B (two fp32 [C, V] + G; 2**29 is
 # 3456 tokens at V = 151936, ~7 GiB), triton 6 B (fp32 logits + bf16 G; 2**30 lets the default 4096-token

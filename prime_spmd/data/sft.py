@@ -20,8 +20,8 @@ import pyarrow.parquet as pq
 
 from prime_spmd.config.sections import DataConfig
 from prime_spmd.data.reverse_text import example_rng, reverse_text_example
+from prime_spmd.data.sample import Sample
 from prime_spmd.log import logger
-from prime_spmd.trainer.packing import Sample
 
 _SHOWN_BAD_ROWS = 3
 

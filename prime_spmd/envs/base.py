@@ -11,8 +11,8 @@ import abc
 import weakref
 from typing import Any, Literal
 
+from prime_spmd.envs.rollout import Rollout
 from prime_spmd.inference.engine import InferenceEngine, SamplingParams
-from prime_spmd.rl.types import Rollout
 
 END_MARKERS = ("<|im_end|>", "<|endoftext|>")
 """Special tokens that end a turn wherever the tokenizer has them (besides its eos)."""

@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 from prime_spmd.data.reverse_text import example_rng, lcs_ratio, reverse_text_example
 from prime_spmd.envs.base import END_MARKERS, Environment, completion_text
+from prime_spmd.envs.rollout import Rollout
 from prime_spmd.inference.engine import InferenceEngine, Request, SamplingParams
-from prime_spmd.rl.types import Rollout
 
 __all__ = ["ReverseTextEnv", "reverse_text_example", "lcs_ratio", "request_seed", "completion_text", "END_MARKERS"]
 

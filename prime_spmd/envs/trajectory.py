@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prime_spmd.rl.types import Rollout
+from prime_spmd.envs.rollout import Rollout
 
 COUNTERS = (
     "reward_errors",

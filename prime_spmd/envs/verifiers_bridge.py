@@ -38,12 +38,12 @@ import verifiers as vf
 
 from prime_spmd.config.sections import EnvConfig
 from prime_spmd.envs.base import Environment
+from prime_spmd.envs.rollout import Rollout
 from prime_spmd.envs.vf_client import SEED_KEY, STATS_KEY, ChatRenderer, EngineClient, refuse_sampling_overrides
 from prime_spmd.envs.vf_output import failed_group, output_to_rollout
 from prime_spmd.envs.vf_rewards import guard_rubric
 from prime_spmd.envs.vf_single_turn import MODEL, run_single_turn, single_turn_blocker
 from prime_spmd.inference.engine import AsyncEngine, InferenceEngine, SamplingParams, ThreadedAsyncEngine
-from prime_spmd.rl.types import Rollout
 
 logger = logging.getLogger("prime_spmd")
 

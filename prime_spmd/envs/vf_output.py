@@ -11,9 +11,9 @@ from typing import Any
 
 from verifiers.utils.message_utils import normalize_messages
 
+from prime_spmd.envs.rollout import Rollout
 from prime_spmd.envs.trajectory import COUNTERS, failed_rollout, stitch_turns
 from prime_spmd.envs.vf_client import STATS_KEY, ChatRenderer, to_template_message
-from prime_spmd.rl.types import Rollout
 
 
 def failed_group(vf_env: Any, renderer: ChatRenderer, example_id: int, inputs: list[dict]) -> list[Rollout]:

@@ -50,11 +50,11 @@ from verifiers.utils.error_utils import ErrorChain
 from verifiers.utils.message_utils import maybe_normalize_messages
 from verifiers.utils.response_utils import parse_response_message
 
+from prime_spmd.envs.rollout import Rollout
 from prime_spmd.envs.vf_client import EngineClient
 from prime_spmd.envs.vf_output import failed_group, output_to_rollout
 from prime_spmd.envs.vf_scoring import score_groups, scoring_blocker
 from prime_spmd.inference.engine import InferenceEngine, Request
-from prime_spmd.rl.types import Rollout
 
 logger = logging.getLogger("prime_spmd")
 

@@ -52,9 +52,9 @@ from verifiers.v1.interception import InterceptionServer
 from prime_spmd.config.sections import EnvConfig
 from prime_spmd.envs.base import Environment, completion_text
 from prime_spmd.envs.chat_render import ChatRenderer, split_tool_calls, turn_seed
+from prime_spmd.envs.rollout import Rollout
 from prime_spmd.envs.trajectory import COUNTERS, failed_rollout, stitch_turns
 from prime_spmd.inference.engine import AsyncEngine, InferenceEngine, SamplingParams, ThreadedAsyncEngine
-from prime_spmd.rl.types import Rollout
 
 logger = logging.getLogger("prime_spmd")
 MODEL_NAME = "prime-spmd"

@@ -1,1 +1,2 @@
-"""RL pieces: rollout records, advantages, losses, the async schedule."""
+"""The RL loop (``loop.py``, its colocated/disjoint roles, the inference-side loop) and its pieces: the async
+schedule, advantages, losses, the stop/go protocol."""

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from prime_spmd.config.rl_sections import RolloutConfig
-from prime_spmd.rl.types import Rollout
+from prime_spmd.envs.rollout import Rollout
 
 
 @dataclass(kw_only=True, slots=True)

@@ -18,21 +18,7 @@ from __future__ import annotations
 import torch
 
 from prime_spmd.config.rl_sections import LossConfig
-
-
-class TokenLoss:
-    """A loss that is a sum over tokens of ``token_loss(logprob, entropy, fields)``.
-
-    ``fields`` holds per-token float tensors aligned with the targets, including ``loss_mask``
-    (1.0 where the target is trained); ``token_loss`` must be elementwise over tokens and return 0
-    where the mask is 0. ``stats`` returns summed, detached statistics of a micro-batch.
-    """
-
-    def token_loss(self, lp: torch.Tensor, ent: torch.Tensor, fields: dict[str, torch.Tensor]) -> torch.Tensor:
-        raise NotImplementedError
-
-    def stats(self, lp: torch.Tensor, ent: torch.Tensor, fields: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {}
+from prime_spmd.trainer.loss import TokenLoss
 
 
 def compute_policy_loss(

@@ -1,1 +1,2 @@
-"""The optimizer step and the SFT / RL loops, composed of the pieces in distributed/, models/, rl/."""
+"""The optimizer step, the loss interface and the SFT loop, composed of the pieces in distributed/, models/, data/;
+the RL loop (``rl/``) builds on them."""

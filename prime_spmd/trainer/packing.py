@@ -14,18 +14,11 @@ of a document row (``RowLayout``: the longest document), D hidden.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(kw_only=True, slots=True)
-class Sample:
-    input_ids: list[int]
-    loss_mask: list[int]
-    """Per token of input_ids: 1 where the token is a training target (completion tokens)."""
-    fields: dict[str, list[float]] = field(default_factory=dict)
-    """Per-token floats aligned with input_ids (e.g. advantages, inference_logprobs)."""
+from prime_spmd.data.sample import Sample
 
 
 @dataclass(kw_only=True, slots=True)

@@ -27,7 +27,7 @@ from prime_spmd.log import logger
 from prime_spmd.models.adapter import ModelAdapter
 from prime_spmd.models.hf_adapter import HF_ROUTER_AUX_TYPES
 from prime_spmd.models.registry import adapter_for
-from prime_spmd.rl.loss import TokenLoss
+from prime_spmd.trainer.loss import TokenLoss
 from prime_spmd.trainer.packing import row_layout, share_layout
 
 

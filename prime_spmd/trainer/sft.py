@@ -19,11 +19,12 @@ from prime_spmd.data.sft import SFTDataset
 from prime_spmd.distributed.groups import init_distributed
 from prime_spmd.log import logger
 from prime_spmd.progress import Progress
-from prime_spmd.rl.loss import TokenLoss
 from prime_spmd.trainer.build import build_trainer, prepare_model_dir, set_threads
 from prime_spmd.trainer.checkpoint import Checkpointer
 from prime_spmd.trainer.job import close_run, export_hf, load_checkpoint, open_sink, run_steps
+from prime_spmd.trainer.loss import TokenLoss
 from prime_spmd.trainer.packing import pack
+from prime_spmd.trainer.resolved import resolved_settings
 from prime_spmd.trainer.sft_eval import eval_reverse_text
 from prime_spmd.trainer.step import router_metrics, train_step
 from prime_spmd.trainer.stop import SkipGuard, StopSignal
@@ -57,10 +58,11 @@ def _run_sft(cfg: SFTJobConfig, stop: StopSignal) -> dict[str, float]:
     ctx = init_distributed(cfg.topology)
     topo = ctx.topo
     out = Path(cfg.output_dir)
-    if topo.rank == 0:
-        logger.info(f"resolved config written to {write_resolved_config(cfg, out)}")
     prepare_model_dir(cfg.model, ctx, cfg.trainer.seed)
     parts = build_trainer(cfg.model, cfg.trainer, cfg.optim, ctx)
+    if topo.rank == 0:
+        settings = resolved_settings(cfg, ctx.device, topology=topo, backend=ctx.backend, policy=parts.policy)
+        logger.info(f"resolved config written to {write_resolved_config(cfg, out, settings)}")
     data = SFTDataset(cfg.data, parts.tokenizer, cfg.trainer.seed, cfg.trainer.seq_len)
     ckpt = Checkpointer(out, cfg.ckpt.keep_last, topo.rank)
     sink = open_sink(cfg, out, enabled=topo.rank == 0)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from prime_spmd.distributed.fsdp import clip_grad_norm_
-from prime_spmd.rl.loss import TokenLoss
+from prime_spmd.trainer.loss import TokenLoss
 from prime_spmd.trainer.packing import MicroBatch
 
 

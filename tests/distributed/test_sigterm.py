@@ -62,7 +62,7 @@ def parse(argv: list[str]):
 
 
 def run_in_process(argv: list[str]) -> None:
-    from prime_spmd.trainer.rl import run_rl
+    from prime_spmd.rl.loop import run_rl
     from prime_spmd.trainer.sft import run_sft
 
     (run_sft if argv[0] == "sft" else run_rl)(parse(argv))
@@ -140,7 +140,7 @@ def test_sigterm_rl_colocated_saves_exits_0_and_resumes_exactly(tmp_path: Path) 
 
 def _disjoint(rank: int, world: int, argv: list[str]) -> None:
     if rank == 0:  # the controller alone gets SIGTERM, during step 1: the stop is agreed at step 2
-        import prime_spmd.trainer.rl as rl
+        import prime_spmd.rl.loop as rl
 
         inner = rl.train_step
 
@@ -174,7 +174,7 @@ def _disjoint_resume(rank: int, world: int, argv: list[str]) -> None:
 
 def _main() -> int:
     """Entry point of the subprocess jobs: ``python -m prime_spmd`` with the step-sleep hook."""
-    import prime_spmd.trainer.rl as rl
+    import prime_spmd.rl.loop as rl
     import prime_spmd.trainer.sft as sft
     from prime_spmd.__main__ import main
 

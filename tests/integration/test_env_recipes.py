@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _run_recipe(name: str, tmp_path: Path) -> tuple[list[dict], dict]:
     from prime_spmd.eval import run_eval
-    from prime_spmd.trainer.rl import run_rl
+    from prime_spmd.rl.loop import run_rl
 
     rl = load_toml(RLJobConfig, ROOT / f"configs/{name}/rl.toml")
     rl.output_dir, rl.model.path, rl.model.init_tiny = str(tmp_path / "rl"), str(tmp_path / "base"), "qwen3-nano"

@@ -59,7 +59,7 @@ def test_lora_sft_learns_reverse_text(lora_sft) -> None:
 
 
 def test_lora_rl_raises_reward(lora_sft) -> None:
-    from prime_spmd.trainer.rl import run_rl
+    from prime_spmd.rl.loop import run_rl
 
     tmp, _, _ = lora_sft
     before = eval_reverse_text(tmp / "lora_sft/hf", tmp / "eval_before")

@@ -14,7 +14,7 @@ from tests.jobs import eval_reverse_text, read_metrics, reverse_text_cfg, reward
 
 
 def test_sft_then_rl_improves_reverse_text(tmp_path: Path) -> None:
-    from prime_spmd.trainer.rl import run_rl
+    from prime_spmd.rl.loop import run_rl
     from prime_spmd.trainer.sft import run_sft
 
     final = run_sft(reverse_text_cfg(SFTJobConfig, tmp_path / "sft", tmp_path / "base"))

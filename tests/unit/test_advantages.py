@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from prime_spmd.config.rl_sections import RolloutConfig
+from prime_spmd.envs.rollout import Rollout
 from prime_spmd.rl.advantages import compute_advantages, shaped_reward
-from prime_spmd.rl.types import Rollout
 
 
 def _r(reward: float, mask: list[int] | None = None, example_id: int = 0, sample_idx: int = 0) -> Rollout:

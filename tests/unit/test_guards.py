@@ -101,7 +101,7 @@ def test_nonfinite_steps_are_skipped_counted_then_stop_the_run(tmp_path: Path) -
 
 
 def test_rl_all_groups_zero_advantage_is_a_skipped_counted_step(tmp_path: Path, monkeypatch) -> None:
-    import prime_spmd.trainer.rl as rl
+    import prime_spmd.rl.loop as rl
 
     inner = rl.generate_share
 

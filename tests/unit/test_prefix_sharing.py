@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from prime_spmd.rl.loss import TokenLoss
+from prime_spmd.trainer.loss import TokenLoss
 from prime_spmd.trainer.packing import Sample, pack, share_layout
 from prime_spmd.trainer.policy import PolicyModel
 

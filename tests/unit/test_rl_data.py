@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from prime_spmd.config.rl_sections import RolloutConfig
-from prime_spmd.rl.types import Rollout
-from prime_spmd.trainer.rl_data import Batch, rollouts_to_samples
+from prime_spmd.envs.rollout import Rollout
+from prime_spmd.rl.samples import rollouts_to_samples
+from prime_spmd.rl.types import Batch
 
 
 def _rollout(eid: int, k: int, reward: float, num_tokens: int) -> Rollout:

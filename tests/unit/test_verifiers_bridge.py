@@ -255,7 +255,7 @@ def test_env_config_timeouts_reach_the_environment():
 
 
 def _rollout(eid: int, k: int, reward: float, failed: bool = False, empty: bool = False) -> object:
-    from prime_spmd.rl.types import Rollout
+    from prime_spmd.envs.rollout import Rollout
 
     n = 0 if empty else 3
     return Rollout(
@@ -273,7 +273,8 @@ def _rollout(eid: int, k: int, reward: float, failed: bool = False, empty: bool 
 def test_failed_rollouts_are_dropped_from_training():
     """rollouts_to_samples: failed rollouts leave their group's mean and the batch; counted in the metrics."""
     from prime_spmd.config.rl_sections import RolloutConfig
-    from prime_spmd.trainer.rl_data import Batch, rollouts_to_samples
+    from prime_spmd.rl.samples import rollouts_to_samples
+    from prime_spmd.rl.types import Batch
 
     groups = [
         [_rollout(0, 0, 1.0), _rollout(0, 1, 0.0, failed=True), _rollout(0, 2, 0.0)],  # one failure

@@ -18,10 +18,10 @@ from prime_spmd.config import RLJobConfig
 from prime_spmd.config.sections import SamplingConfig, TopologyConfig
 from prime_spmd.distributed.groups import Bridge
 from prime_spmd.inference.engine import InferenceEngine
+from prime_spmd.envs.rollout import Rollout
+from prime_spmd.rl import loop as rl_loop
 from prime_spmd.rl.generate import generate_share
-from prime_spmd.rl.types import Rollout
 from prime_spmd.sync.weights import WeightReceiver, WeightSender
-from prime_spmd.trainer import rl as rl_loop
 
 
 class _Engine(InferenceEngine):

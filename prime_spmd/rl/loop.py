@@ -43,6 +43,7 @@ from prime_spmd.rl import stop_go
 from prime_spmd.rl.generate import generate_share, merge
 from prime_spmd.rl.inference_loop import InferenceLoop
 from prime_spmd.rl.loss import make_rl_loss
+from prime_spmd.rl.samples import rollouts_to_samples
 from prime_spmd.rl.schedule import batch_after_step, pregenerated_batches, restored_batches, version_of_batch
 from prime_spmd.rl.types import Batch
 from prime_spmd.sync.weights import WeightSender
@@ -50,7 +51,7 @@ from prime_spmd.trainer.build import build_trainer, prepare_model_dir, set_threa
 from prime_spmd.trainer.checkpoint import Checkpointer, latest_checkpoint
 from prime_spmd.trainer.job import close_run, export_hf, load_checkpoint, open_sink, run_steps
 from prime_spmd.trainer.packing import pack
-from prime_spmd.trainer.rl_data import rollouts_to_samples
+from prime_spmd.trainer.resolved import resolved_settings, warn_unshared_prompts
 from prime_spmd.trainer.step import router_metrics, train_step
 from prime_spmd.trainer.stop import SkipGuard, StopSignal
 
@@ -87,6 +88,13 @@ class _TrainerLoop:
         self.colocated = self.topo.mode == "colocated"
         self.out = Path(cfg.output_dir)
         self.parts = build_trainer(cfg.model, cfg.trainer, cfg.optim, ctx)
+        if self.topo.rank == 0:
+            warn_unshared_prompts(cfg, self.parts.policy)
+            settings = resolved_settings(
+                cfg, ctx.device, topology=self.topo, backend=ctx.backend, policy=self.parts.policy, engine=engine,
+                max_model_len=cfg.inference.max_model_len or cfg.trainer.seq_len, bridge_timeout_s=bridge_timeout_s(cfg),
+            )  # fmt: skip
+            write_resolved_config(cfg, self.out, settings)
         wire = resolve_dtype(cfg.model.dtype, ctx.device)
         self.sender = WeightSender(self.parts.policy.lm, wire, cfg.inference.weight_bucket_mb << 20, self.topo.rank)
         self.ckpt = Checkpointer(self.out, cfg.ckpt.keep_last, self.topo.trainer_rank)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import statistics
 
 from prime_spmd.config.rl_sections import RolloutConfig
+from prime_spmd.data.sample import Sample
+from prime_spmd.envs.rollout import Rollout
 from prime_spmd.rl.advantages import compute_advantages
-from prime_spmd.rl.types import Batch, Rollout
-from prime_spmd.trainer.packing import Sample
+from prime_spmd.rl.types import Batch
 
 
 def is_failed(r: Rollout) -> bool:
