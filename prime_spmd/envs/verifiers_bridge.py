@@ -115,7 +115,7 @@ class VerifiersEnvironment(Environment):
     ``check_rerender``: count turns whose stitched prompt differs from a fresh render of the messages.
     ``engine_thread``: step the engine on a worker thread (``ThreadedAsyncEngine``) so that environment
     code runs while the engine computes; only for engines ``ThreadedAsyncEngine`` allows (the native one).
-    Off by default: on the H200 the in-loop driver was faster (docs/benchmarks_envs.md).
+    Off by default: on the H200 the in-loop driver was faster (docs/log.md, "environment bridge benchmarks in detail").
     ``single_turn_fast_path``: run environments that ``single_turn_blocker`` (vf_single_turn.py) accepts
     (``max_turns == 1``, e.g. ``vf.SingleTurnEnv``) with ``run_single_turn``: one engine batch per call,
     the same rollouts; off, or with ``engine_thread``, every environment runs through ``run_group``.

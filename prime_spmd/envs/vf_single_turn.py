@@ -4,7 +4,7 @@ verifiers' ``run_group`` runs each rollout as its own task: a turn loop that eva
 condition through ``inspect.signature`` before and after the turn, one ``asyncio`` round trip per
 engine request, an ``asyncio.to_thread`` hop in ``add_model_response`` and ``state_to_output`` in a
 thread; groups are scored one after another as they finish. With a zero-cost fake engine that was
-~35 ms of CPU per 64 rollouts here (docs/benchmarks_envs.md), +20-30% of a 32-token generation on the
+~35 ms of CPU per 64 rollouts here (docs/log.md), +20-30% of a 32-token generation on the
 H200. For environments that do exactly one turn (``max_turns == 1``, e.g. ``vf.SingleTurnEnv``)
 ``run_single_turn`` does the same steps phase by phase over all rollouts of the call:
 
