@@ -10,10 +10,10 @@ import torch
 from prime_spmd.trainer.offload import HostOffloadAdamW
 
 
-def _params(seed: int) -> list[torch.nn.Parameter]:
+def _params(seed: int, device: torch.device) -> list[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(seed)
     shapes = [(7, 5), (5,), (3, 4, 2), (11,)]
-    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(device)) for s in shapes]
 
 
 def _groups(params):
@@ -26,11 +26,13 @@ def _groups(params):
 def _grads(params, step: int) -> None:
     g = torch.Generator().manual_seed(100 + step)
     for i, p in enumerate(params):
-        p.grad = None if (step == 1 and i == 3) else torch.randn(p.shape, generator=g)  # one step without a grad
+        grad = torch.randn(p.shape, generator=g).to(p.device)
+        p.grad = None if (step == 1 and i == 3) else grad  # one step without a grad
 
 
-def test_matches_torch_adamw_across_chunks_and_resume() -> None:
-    ref_p, off_p = _params(0), _params(0)
+def test_matches_torch_adamw_across_chunks_and_resume(device) -> None:
+    """On CUDA (scripts/test_gpu.sh) the moments are pinned host memory and the chunks stream on a side stream."""
+    ref_p, off_p = _params(0, device), _params(0, device)
     kw = dict(lr=3e-2, betas=(0.8, 0.95), eps=1e-6)
     ref = torch.optim.AdamW(_groups(ref_p), foreach=False, **kw)
     # 64 bytes: at most 8 moments a chunk -> most parameters are a chunk of their own, several chunks a step
@@ -43,11 +45,13 @@ def test_matches_torch_adamw_across_chunks_and_resume() -> None:
     for a, b in zip(ref_p, off_p):
         torch.testing.assert_close(b, a, rtol=2e-6, atol=2e-7)  # measured max |diff| ~1e-8 (foreach vs per-tensor ops)
     for p in off_p:
-        assert all(off.state[p][m].device.type == "cpu" for m in ("exp_avg", "exp_avg_sq"))
+        for m in ("exp_avg", "exp_avg_sq"):
+            assert off.state[p][m].device.type == "cpu" and off.state[p][m].is_pinned() == (device.type == "cuda")
     # resume: a new optimizer loaded from the state_dict continues exactly like the original
     saved, cont_p = off.state_dict(), [torch.nn.Parameter(p.detach().clone()) for p in off_p]
     resumed = HostOffloadAdamW(_groups(cont_p), chunk_bytes=1 << 20, **kw)
     resumed.load_state_dict(copy.deepcopy(saved))
+    assert all(resumed.state[p]["exp_avg"].device.type == "cpu" for p in cont_p)
     for step in range(4, 6):
         _grads(off_p, step)
         _grads(cont_p, step)
