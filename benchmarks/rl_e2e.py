@@ -175,7 +175,7 @@ def run_ours(k: int, rep: int, model: Path, args: argparse.Namespace, out: Path)
     cmd = [sys.executable, "-m", "prime_spmd", "rl", "--config", "configs/reverse_text/rl.toml",
            "--model.path", str(model), "--output_dir", str(d), "--trainer.max_steps", str(args.steps),
            "--rollout.prompts_per_step", str(args.prompts), "--rollout.group_size", str(args.group_size),
-           "--trainer.batch_size", str(n), "--inference.max_batch_size", str(n),
+           "--inference.max_batch_size", str(n),
            "--sampling.max_tokens", str(args.max_tokens), "--trainer.seq_len", str(args.task["seq_len"]),
            "--optim.lr", str(args.lr), "--rollout.max_async", str(k), "--trainer.seed", str(args.seed),
            "--trainer.micro_batch_tokens", str(max(args.micro_batch_tokens, args.task["seq_len"])),
