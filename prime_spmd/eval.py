@@ -30,6 +30,7 @@ from prime_spmd.inference.factory import build_engine
 from prime_spmd.log import logger
 from prime_spmd.models.loading import load_tokenizer, maybe_build_tiny
 from prime_spmd.progress import Progress
+from prime_spmd.trainer.resolved import resolved_settings
 
 PASS_THRESHOLD = 1.0 - 1e-6
 
@@ -66,7 +67,9 @@ def run_eval(cfg: EvalJobConfig) -> dict[str, float]:
     if num_examples < 1:
         raise ValueError(f"--env.num_eval_examples={cfg.env.num_eval_examples}: the eval split is empty")
     tokenizer = load_tokenizer(cfg.model)
-    engine = build_engine(cfg.inference, cfg.model, _device(), _model_len(cfg, env, tokenizer, num_examples))
+    device, model_len = _device(), _model_len(cfg, env, tokenizer, num_examples)
+    engine = build_engine(cfg.inference, cfg.model, device, model_len)
+    write_resolved_config(cfg, out_dir, resolved_settings(cfg, device, engine=engine, max_model_len=model_len))
     s = cfg.sampling
     sampling = SamplingParams(
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, max_tokens=s.max_tokens

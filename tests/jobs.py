@@ -18,12 +18,14 @@ from prime_spmd.config.sections import (
     CkptConfig,
     DataConfig,
     EnvConfig,
+    EvalLogConfig,
     InferenceConfig,
     LogConfig,
     ModelConfig,
     OptimConfig,
+    RLTopologyConfig,
     SamplingConfig,
-    TopologyConfig,
+    SFTTrainerConfig,
     TrainerConfig,
 )
 
@@ -76,7 +78,7 @@ def tiny_sft_cfg(out: Path, model: ModelConfig, *, lr: float, max_steps: int = 6
     return SFTJobConfig(
         output_dir=str(out),
         model=model,
-        trainer=TrainerConfig(max_steps=max_steps, batch_size=12, micro_batch_tokens=128, seq_len=64, seed=3),
+        trainer=SFTTrainerConfig(max_steps=max_steps, batch_size=12, micro_batch_tokens=128, seq_len=64, seed=3),
         optim=OptimConfig(lr=lr, warmup_steps=2, schedule="cosine"),
         data=DataConfig(min_chars=3, max_chars=8),
         ckpt=CkptConfig(interval_steps=3, resume=resume, keep_last=2),
@@ -101,8 +103,8 @@ def tiny_rl_cfg(
     return RLJobConfig(
         output_dir=str(out),
         model=model,
-        topology=TopologyConfig(num_inference_ranks=num_inference, timeout_s=120),
-        trainer=TrainerConfig(max_steps=steps, batch_size=16, micro_batch_tokens=256, seq_len=48, seed=1),
+        topology=RLTopologyConfig(num_inference_ranks=num_inference, timeout_s=120),
+        trainer=TrainerConfig(max_steps=steps, micro_batch_tokens=256, seq_len=48, seed=1),
         optim=OptimConfig(lr=lr),
         rollout=RolloutConfig(prompts_per_step=4, group_size=4, max_async=max_async),
         sampling=SamplingConfig(max_tokens=12),
@@ -141,7 +143,7 @@ def vf_eval_cfg(model: Path, out: Path, env: EnvConfig, max_model_len: int = 0) 
         env=env,
         sampling=SamplingConfig(max_tokens=6),
         inference=InferenceConfig(max_batch_size=8, max_model_len=max_model_len),
-        log=LogConfig(progress=False, plots=False),
+        log=EvalLogConfig(progress=False),
         samples_per_example=2,
     )
 

@@ -12,18 +12,30 @@ from prime_spmd.config.sections import (
     CkptConfig,
     DataConfig,
     EnvConfig,
+    EvalLogConfig,
     InferenceConfig,
     LogConfig,
     ModelConfig,
     OptimConfig,
+    RLTopologyConfig,
     SamplingConfig,
+    SFTTrainerConfig,
     TopologyConfig,
     TrainerConfig,
 )
 
+# Default peak learning rates of full fine-tuning of a pretrained model; LoRA and the tiny random models of
+# the recipes in configs/ train well at larger rates, so the recipes set --optim.lr themselves.
+SFT_DEFAULT_LR = 2e-5
+RL_DEFAULT_LR = 1e-6
 
-def _model() -> ModelConfig:
-    return ModelConfig(path="outputs/model")
+
+def check_model_path(model: ModelConfig) -> None:
+    if not model.path:
+        raise ValueError(
+            "--model.path is required: a local model directory (HF format) or hub id, or with --model.init_tiny "
+            "the directory the tiny model is written to"
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -34,13 +46,13 @@ class SFTJobConfig:
     """Run directory: resolved config, metrics, checkpoints and final weights."""
     dry_run: bool = False
     """Print the resolved config and exit."""
-    model: ModelConfig = field(default_factory=_model)
+    model: ModelConfig = field(default_factory=ModelConfig)
     """The model to train."""
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     """How ranks split into roles."""
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)
     """Training loop."""
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=SFT_DEFAULT_LR))
     """Optimizer and schedule."""
     data: DataConfig = field(default_factory=DataConfig)
     """SFT dataset."""
@@ -52,6 +64,7 @@ class SFTJobConfig:
     """Reverse-text examples greedily decoded at the end to report exact match (0: skip)."""
 
     def validate(self) -> None:
+        check_model_path(self.model)
         if self.topology.mode == "disjoint" or self.topology.num_inference_ranks:
             raise ValueError(
                 "sft trains on every rank: drop --topology.num_inference_ranks / --topology.mode=disjoint "
@@ -67,13 +80,13 @@ class RLJobConfig:
     """Run directory: resolved config, metrics, checkpoints and final weights."""
     dry_run: bool = False
     """Print the resolved config and exit."""
-    model: ModelConfig = field(default_factory=_model)
+    model: ModelConfig = field(default_factory=ModelConfig)
     """The policy to train."""
-    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    topology: RLTopologyConfig = field(default_factory=RLTopologyConfig)
     """How ranks split into trainer and inference roles."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    """Training loop."""
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Training loop (a step's batch is --rollout.prompts_per_step x --rollout.group_size samples)."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=RL_DEFAULT_LR))
     """Optimizer and schedule."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Rollouts, groups, advantages and the async bound."""
@@ -91,6 +104,7 @@ class RLJobConfig:
     """Metrics, progress and plots."""
 
     def validate(self) -> None:
+        check_model_path(self.model)
         s = self.sampling
         for flag, value, off in (("top_k", s.top_k, 0), ("top_p", s.top_p, 1.0), ("min_p", s.min_p, 0.0)):
             if value != off:
@@ -122,24 +136,23 @@ class EvalJobConfig:
     """Run directory: resolved config, samples.jsonl and the summary."""
     dry_run: bool = False
     """Print the resolved config and exit."""
-    model: ModelConfig = field(default_factory=_model)
+    model: ModelConfig = field(default_factory=ModelConfig)
     """The model to evaluate."""
-    topology: TopologyConfig = field(default_factory=TopologyConfig)
-    """How ranks split into roles (each rank runs an engine on its share of the examples)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Sampling parameters."""
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     """Inference engine."""
     env: EnvConfig = field(default_factory=EnvConfig)
     """Environment whose eval split is run."""
-    log: LogConfig = field(default_factory=LogConfig)
-    """Metrics and progress."""
+    log: EvalLogConfig = field(default_factory=EvalLogConfig)
+    """Progress."""
     samples_per_example: int = 1
     """Completions per example; pass@k is reported for k up to this."""
     seed: int = 0
     """Sampling seed."""
 
     def validate(self) -> None:
+        check_model_path(self.model)
         if self.model.lora.rank:
             raise ValueError(
                 f"--model.lora.rank={self.model.lora.rank}: eval runs a plain model; evaluate the merged export of "

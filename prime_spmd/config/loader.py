@@ -138,9 +138,41 @@ def to_json(cfg: Any) -> str:
     return json.dumps(to_dict(cfg), indent=2, sort_keys=False)
 
 
-def write_resolved_config(cfg: Any, output_dir: str | Path) -> Path:
-    """Write the resolved config as ``<output_dir>/config.json`` (call on one rank); return the path."""
+# Settings where a value other than "auto" leaves the choice to the run: flag -> that value.
+PICKED_BY_RUN: dict[str, object] = {
+    "topology.bridge_timeout_s": 0,
+    "inference.max_model_len": 0,
+    "inference.decode_steps_per_launch": 0,
+    "model.router_aux_loss_coef": None,
+}
+
+
+def auto_flags(cfg: Any) -> list[str]:
+    """Dotted flags of ``cfg`` whose value leaves the choice to the run: "auto", or the values of ``PICKED_BY_RUN``."""
+    found: list[str] = []
+
+    def walk(d: dict[str, Any], prefix: str) -> None:
+        for key, value in d.items():
+            flag = prefix + key
+            if isinstance(value, dict) and key != "args":
+                walk(value, flag + ".")
+            elif value == "auto" or (flag in PICKED_BY_RUN and value == PICKED_BY_RUN[flag]):
+                found.append(flag)
+
+    walk(to_dict(cfg), "")
+    return found
+
+
+def write_resolved_config(cfg: Any, output_dir: str | Path, resolved: dict[str, Any] | None = None) -> Path:
+    """Write the config as ``<output_dir>/config.json`` (call on one rank); return the path.
+
+    ``resolved`` (flag -> value: what each ``auto_flags`` setting resolved to on this run, e.g.
+    ``{"trainer.loss_impl": "reference"}``) goes under the key ``resolved``; the other keys are the config as given.
+    """
+    data = to_dict(cfg)
+    if resolved:
+        data["resolved"] = resolved
     path = Path(output_dir) / "config.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(to_json(cfg) + "\n")
+    path.write_text(json.dumps(data, indent=2) + "\n")
     return path

@@ -47,7 +47,7 @@ class LoraConfig:
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
     path: str = ""
-    """Local model directory (HF format) or hub id; with --model.init_tiny set, where the random model is written."""
+    """Local model directory (HF format) or hub id; with --model.init_tiny set, where the random model is written. Required."""
     tokenizer_path: str = ""
     """Tokenizer directory or hub id; empty means the same as --model.path."""
     impl: Literal["auto", "hf", "custom"] = "auto"
@@ -66,7 +66,6 @@ class ModelConfig:
     """LoRA adapters (off unless --model.lora.rank > 0)."""
 
     def __post_init__(self) -> None:
-        _check(bool(self.path), "model.path", self.path, "set it to a local model directory or hub id")
         coef = self.router_aux_loss_coef
         _check(
             coef is None or (math.isfinite(coef) and coef >= 0),
@@ -90,15 +89,12 @@ class TopologyConfig:
     """Collective backend: auto is nccl on CUDA, gloo on CPU."""
     timeout_s: int = 1800
     """Collective timeout: a rank stuck this long in a collective fails the job instead of hanging."""
-    bridge_timeout_s: int = 0
-    """Timeout of the cross-role bridges (a controller waits there for a whole generation). 0: timeout_s + 1 s per --sampling.max_tokens."""
 
     def __post_init__(self) -> None:
         _check(self.num_inference_ranks >= 0, "topology.num_inference_ranks", self.num_inference_ranks, "must be >= 0")
         _check(self.engine_tp >= 1, "topology.engine_tp", self.engine_tp, "must be >= 1")
         _check(self.ep >= 1, "topology.ep", self.ep, "must be >= 1")
         _check(self.timeout_s > 0, "topology.timeout_s", self.timeout_s, "must be > 0")
-        _check(self.bridge_timeout_s >= 0, "topology.bridge_timeout_s", self.bridge_timeout_s, "must be >= 0 (0: auto)")
         if self.num_inference_ranks % self.engine_tp:
             raise ValueError(
                 f"--topology.num_inference_ranks={self.num_inference_ranks} is not a multiple of "
@@ -108,9 +104,19 @@ class TopologyConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class RLTopologyConfig(TopologyConfig):
+    bridge_timeout_s: int = 0
+    """Timeout of the cross-role bridges (a controller waits there for a whole generation). 0: timeout_s + 1 s per --sampling.max_tokens."""
+
+    def __post_init__(self) -> None:
+        TopologyConfig.__post_init__(self)
+        _check(self.bridge_timeout_s >= 0, "topology.bridge_timeout_s", self.bridge_timeout_s, "must be >= 0 (0: auto)")
+
+
+@dataclass(kw_only=True, slots=True)
 class OptimConfig:
-    lr: float = 1e-3
-    """Peak learning rate (AdamW)."""
+    lr: float
+    """Peak learning rate (AdamW); each subcommand sets its own default."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay."""
     beta1: float = 0.9
@@ -142,8 +148,6 @@ class OptimConfig:
 class TrainerConfig:
     max_steps: int = 100
     """Optimizer steps to run."""
-    batch_size: int = 32
-    """Sequences per optimizer step, summed over all trainer ranks."""
     micro_batch_tokens: int = 2048
     """Tokens packed into one micro-batch on one rank (forward/backward unit); gradients accumulate over micro-batches. With --trainer.share_prompts (RL) the tokens the model runs, a group's prompt once (and at most twice this many packed tokens)."""
     seq_len: int = 512
@@ -168,7 +172,6 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         _check(self.max_steps >= 1, "trainer.max_steps", self.max_steps, "must be >= 1")
         _check(self.max_skipped_steps >= 0, "trainer.max_skipped_steps", self.max_skipped_steps, "must be >= 0")
-        _check(self.batch_size >= 1, "trainer.batch_size", self.batch_size, "must be >= 1")
         _check(self.micro_batch_tokens >= 1, "trainer.micro_batch_tokens", self.micro_batch_tokens, "must be >= 1")
         _check(self.seq_len >= 2, "trainer.seq_len", self.seq_len, "must be >= 2")
         _check(
@@ -177,6 +180,16 @@ class TrainerConfig:
             self.micro_batch_tokens,
             f"must be >= --trainer.seq_len={self.seq_len} so that every sequence fits one micro-batch",
         )
+
+
+@dataclass(kw_only=True, slots=True)
+class SFTTrainerConfig(TrainerConfig):
+    batch_size: int = 32
+    """Sequences per optimizer step, summed over all trainer ranks."""
+
+    def __post_init__(self) -> None:
+        TrainerConfig.__post_init__(self)
+        _check(self.batch_size >= 1, "trainer.batch_size", self.batch_size, "must be >= 1")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -236,6 +249,12 @@ class LogConfig:
 
     def __post_init__(self) -> None:
         _check(self.interval_steps >= 1, "log.interval_steps", self.interval_steps, "must be >= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalLogConfig:
+    progress: bool = True
+    """Show a progress bar (plain lines when stderr is not a terminal)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -95,6 +95,13 @@ class _TrainerLoop:
                 max_model_len=cfg.inference.max_model_len or cfg.trainer.seq_len, bridge_timeout_s=bridge_timeout_s(cfg),
             )  # fmt: skip
             write_resolved_config(cfg, self.out, settings)
+        if self.topo.rank == 0:
+            warn_unshared_prompts(cfg, self.parts.policy)
+            settings = resolved_settings(
+                cfg, ctx.device, topology=self.topo, backend=ctx.backend, policy=self.parts.policy, engine=engine,
+                max_model_len=cfg.inference.max_model_len or cfg.trainer.seq_len, bridge_timeout_s=bridge_timeout_s(cfg),
+            )  # fmt: skip
+            write_resolved_config(cfg, self.out, settings)
         wire = resolve_dtype(cfg.model.dtype, ctx.device)
         self.sender = WeightSender(self.parts.policy.lm, wire, cfg.inference.weight_bucket_mb << 20, self.topo.rank)
         self.ckpt = Checkpointer(self.out, cfg.ckpt.keep_last, self.topo.trainer_rank)

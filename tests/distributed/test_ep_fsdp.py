@@ -16,8 +16,8 @@ from prime_spmd.config.sections import (
     LogConfig,
     ModelConfig,
     OptimConfig,
+    SFTTrainerConfig,
     TopologyConfig,
-    TrainerConfig,
 )
 from tests.dist_utils import run_ranks
 from tests.jobs import read_metrics, sft_rank
@@ -60,7 +60,7 @@ def _cfg(out: Path, model: Path, ep: int) -> SFTJobConfig:
         output_dir=str(out),
         model=ModelConfig(path=str(model), impl="custom"),
         topology=TopologyConfig(ep=ep),
-        trainer=TrainerConfig(max_steps=4, batch_size=8, micro_batch_tokens=96, seq_len=48, seed=3),
+        trainer=SFTTrainerConfig(max_steps=4, batch_size=8, micro_batch_tokens=96, seq_len=48, seed=3),
         optim=OptimConfig(lr=3e-3, warmup_steps=1, schedule="cosine"),
         data=DataConfig(min_chars=3, max_chars=8),
         ckpt=CkptConfig(interval_steps=2, keep_last=1),

@@ -32,7 +32,7 @@ SFT_FLAGS = [
     "--ckpt.interval_steps", "3", "--ckpt.no_save_hf", "--log.no_plots", "--log.no_progress", "--eval_examples", "0",
 ]  # fmt: skip
 RL_FLAGS = [
-    "--trainer.batch_size", "8", "--trainer.micro_batch_tokens", "256", "--trainer.seq_len", "48",
+    "--trainer.micro_batch_tokens", "256", "--trainer.seq_len", "48",
     "--trainer.seed", "1", "--trainer.num_threads", "1", "--optim.lr", "1e-3",
     "--rollout.prompts_per_step", "2", "--rollout.group_size", "4", "--rollout.max_async", "1",
     "--sampling.max_tokens", "10", "--inference.max_batch_size", "8", "--inference.weight_bucket_mb", "1",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from prime_spmd.__main__ import main
-from prime_spmd.config import RLJobConfig, SFTJobConfig, load_toml, parse_cli
+from prime_spmd.config import EvalJobConfig, RLJobConfig, SFTJobConfig, load_toml, parse_cli
+from prime_spmd.config.job import RL_DEFAULT_LR, SFT_DEFAULT_LR
+from prime_spmd.config.loader import auto_flags
 from prime_spmd.config.sections import TopologyConfig
 from prime_spmd.distributed.topology import plan_topology
 
@@ -96,9 +99,22 @@ def test_dry_run_prints_resolved_config(capsys) -> None:
     assert cfg["optim"]["lr"] == 0.01 and cfg["model"]["init_tiny"] == "qwen3-1m"
 
 
-def test_help_lists_every_flag_with_docstring() -> None:
+def _flags(cfg: object) -> set[str]:
+    """Every dotted flag of a job config (nested sections such as model.lora included)."""
+    import dataclasses
+
+    flags = set()
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        flags |= {f"{f.name}.{g}" for g in _flags(v)} if dataclasses.is_dataclass(v) else {f.name}
+    return flags
+
+
+@pytest.mark.parametrize("cmd", ["sft", "rl", "eval"])
+def test_help_lists_exactly_the_subcommands_flags(cmd: str) -> None:
+    """Each subcommand's --help shows its own flags with their docstrings, and none that it would ignore."""
     out = subprocess.run(
-        [sys.executable, "-m", "prime_spmd", "sft", "--help"],
+        [sys.executable, "-m", "prime_spmd", cmd, "--help"],
         capture_output=True,
         text=True,
         env={"COLUMNS": "400", "PATH": ""},
@@ -106,25 +122,78 @@ def test_help_lists_every_flag_with_docstring() -> None:
     )
     assert out.returncode == 0, out.stderr
     text = " ".join(out.stdout.split())
-    import dataclasses
+    own = _flags({"sft": SFTJobConfig, "rl": RLJobConfig, "eval": EvalJobConfig}[cmd]())
 
-    cfg = SFTJobConfig()
-    flags = []
-    for f in dataclasses.fields(cfg):
-        v = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(v):
-            flags += [f"{f.name}.{g.name}" for g in dataclasses.fields(v)]
-        else:
-            flags.append(f.name)
-    for flag in flags:
-        assert f"--{flag}" in text, flag
-    assert "Peak learning rate (AdamW)." in text and "Sequences per optimizer step" in text
+    def shown(flag: str) -> bool:
+        # an option starts a help row ("│ --flag TYPE", booleans "│ --flag, --no_flag"), not a docstring's mention
+        return re.search(rf"│ --{re.escape(flag)}(?![\w.])", text) is not None
+
+    for flag in own:
+        assert shown(flag), flag
+    everything = _flags(SFTJobConfig()) | _flags(RLJobConfig()) | _flags(EvalJobConfig())
+    foreign = {f for f in everything - own if shown(f)}
+    assert not foreign, f"{cmd} --help shows flags it ignores: {sorted(foreign)}"
+    assert "Peak learning rate (AdamW)" in text or cmd == "eval"
+    if cmd == "rl":  # its batch is prompts_per_step x group_size; the SFT-only and eval-only flags stay out
+        assert "--trainer.batch_size" not in text and "--rollout.group_size" in text
+
+
+def test_each_subcommand_has_its_learning_rate_and_needs_a_model_path(capsys) -> None:
+    assert SFTJobConfig().optim.lr == SFT_DEFAULT_LR and RLJobConfig().optim.lr == RL_DEFAULT_LR
+    for cmd in ("sft", "rl", "eval"):
+        assert main([cmd, "--dry_run"]) == 2
+        assert "--model.path is required" in capsys.readouterr().err
+    assert main(["rl", "--dry_run", "--model.path", "m"]) == 0
+    assert json.loads(capsys.readouterr().out)["optim"]["lr"] == RL_DEFAULT_LR
+
+
+def test_auto_flags_lists_the_settings_left_to_the_run() -> None:
+    flags = auto_flags(RLJobConfig())
+    assert {"model.dtype", "trainer.loss_impl", "topology.bridge_timeout_s", "inference.max_model_len"} <= set(flags)
+    assert "model.path" not in flags and "optim.lr" not in flags
+    assert "trainer.loss_impl" not in auto_flags(
+        parse_cli(SFTJobConfig, ["--model.path", "m", "--trainer.loss_impl", "chunked"], "x")
+    )
+
+
+def test_config_json_holds_what_every_auto_resolved_to(tmp_path: Path) -> None:
+    """A run writes a ``resolved`` block that covers every ``auto`` (and 0-means-pick) setting of its config."""
+    model = tmp_path / "model"
+    sft_out, eval_out = tmp_path / "sft", tmp_path / "eval"
+    sft = ["sft", "--model.path", str(model), "--model.init_tiny", "qwen3-nano", "--output_dir", str(sft_out),
+           "--trainer.max_steps", "1", "--trainer.batch_size", "2", "--trainer.seq_len", "32",
+           "--trainer.micro_batch_tokens", "64", "--eval_examples", "0", "--ckpt.no_save_hf", "--log.no_plots",
+           "--log.no_progress"]  # fmt: skip
+    assert main(sft) == 0
+    ev = ["eval", "--model.path", str(model), "--output_dir", str(eval_out), "--env.num_eval_examples", "2",
+          "--sampling.max_tokens", "4", "--inference.max_batch_size", "2", "--log.no_progress"]  # fmt: skip
+    assert main(ev) == 0
+    for out, cls, argv in ((sft_out, SFTJobConfig, sft), (eval_out, EvalJobConfig, ev)):
+        written = json.loads((out / "config.json").read_text())
+        resolved = written.pop("resolved")
+        missing = set(auto_flags(parse_cli(cls, argv[1:], "x"))) - set(resolved)
+        assert not missing, f"{argv[0]}: auto settings without a resolved value: {sorted(missing)}"
+        assert all(v != "auto" for v in resolved.values()), resolved
+    resolved = json.loads((sft_out / "config.json").read_text())["resolved"]
+    assert resolved["model.dtype"] == "float32" and resolved["trainer.loss_impl"] == "reference"
+    assert resolved["trainer.compile"] == "off" and resolved["topology.backend"] == "gloo"
+    resolved = json.loads((eval_out / "config.json").read_text())["resolved"]
+    assert resolved["inference.decode_attention"] == "bmm" and resolved["inference.sampler"] == "torch"
 
 
 def test_rl_config_cross_section_rule() -> None:
     with pytest.raises(ValueError, match="max_model_len=10 is shorter than --trainer.seq_len=64"):
         parse_cli(
             RLJobConfig,
-            ["--inference.max_model_len", "10", "--trainer.seq_len", "64", "--trainer.micro_batch_tokens", "64"],
+            [
+                "--model.path",
+                "m",
+                "--inference.max_model_len",
+                "10",
+                "--trainer.seq_len",
+                "64",
+                "--trainer.micro_batch_tokens",
+                "64",
+            ],
             "x",
         )

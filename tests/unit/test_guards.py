@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
 from prime_spmd.config.job import RLJobConfig, SFTJobConfig
 from prime_spmd.config.rl_sections import LossConfig, RolloutConfig
 from prime_spmd.config.sections import (
@@ -20,6 +19,7 @@ from prime_spmd.config.sections import (
     ModelConfig,
     OptimConfig,
     SamplingConfig,
+    SFTTrainerConfig,
     TrainerConfig,
 )
 from prime_spmd.rl.loss import compute_policy_loss
@@ -69,9 +69,8 @@ def _cleanup_group() -> None:
 
 
 def test_nonfinite_steps_are_skipped_counted_then_stop_the_run(tmp_path: Path) -> None:
-    from safetensors.torch import load_file, save_file
-
     from prime_spmd.trainer.sft import run_sft
+    from safetensors.torch import load_file, save_file
 
     model = _tiny(tmp_path)
     weights = model / "model.safetensors"
@@ -83,7 +82,7 @@ def test_nonfinite_steps_are_skipped_counted_then_stop_the_run(tmp_path: Path) -
     cfg = SFTJobConfig(
         output_dir=str(out),
         model=ModelConfig(path=str(model)),
-        trainer=TrainerConfig(max_steps=6, batch_size=4, micro_batch_tokens=64, seq_len=64, max_skipped_steps=3),
+        trainer=SFTTrainerConfig(max_steps=6, batch_size=4, micro_batch_tokens=64, seq_len=64, max_skipped_steps=3),
         data=DataConfig(min_chars=3, max_chars=6),
         ckpt=CkptConfig(save_hf=False),
         log=LogConfig(progress=False, plots=False),
@@ -118,7 +117,7 @@ def test_rl_all_groups_zero_advantage_is_a_skipped_counted_step(tmp_path: Path, 
     cfg = RLJobConfig(
         output_dir=str(out),
         model=ModelConfig(path=str(model)),
-        trainer=TrainerConfig(max_steps=3, batch_size=8, micro_batch_tokens=256, seq_len=48, max_skipped_steps=1),
+        trainer=TrainerConfig(max_steps=3, micro_batch_tokens=256, seq_len=48, max_skipped_steps=1),
         optim=OptimConfig(lr=1e-2),
         rollout=RolloutConfig(prompts_per_step=2, group_size=4, max_async=1),
         sampling=SamplingConfig(max_tokens=8),

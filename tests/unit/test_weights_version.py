@@ -15,10 +15,10 @@ import torch.distributed as dist
 from torch import nn
 
 from prime_spmd.config import RLJobConfig
-from prime_spmd.config.sections import SamplingConfig, TopologyConfig
+from prime_spmd.config.sections import RLTopologyConfig, SamplingConfig
 from prime_spmd.distributed.groups import Bridge
-from prime_spmd.inference.engine import InferenceEngine
 from prime_spmd.envs.rollout import Rollout
+from prime_spmd.inference.engine import InferenceEngine
 from prime_spmd.rl import loop as rl_loop
 from prime_spmd.rl.generate import generate_share
 from prime_spmd.sync.weights import WeightReceiver, WeightSender
@@ -132,7 +132,7 @@ def test_bridge_timeout_scales_with_generation_length() -> None:
     long = RLJobConfig(sampling=SamplingConfig(max_tokens=32768))
     assert rl_loop.bridge_timeout_s(short) >= short.topology.timeout_s
     assert rl_loop.bridge_timeout_s(long) >= long.topology.timeout_s + 32768 * 0.5
-    fixed = RLJobConfig(topology=TopologyConfig(bridge_timeout_s=90000), sampling=SamplingConfig(max_tokens=32768))
+    fixed = RLJobConfig(topology=RLTopologyConfig(bridge_timeout_s=90000), sampling=SamplingConfig(max_tokens=32768))
     assert rl_loop.bridge_timeout_s(fixed) == 90000
     with pytest.raises(ValueError, match="topology.bridge_timeout_s"):
-        TopologyConfig(bridge_timeout_s=-1)
+        RLTopologyConfig(bridge_timeout_s=-1)
