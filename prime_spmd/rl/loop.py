@@ -12,6 +12,9 @@ the same on every rank, so each knows the next collective:
 - colocated mode: every rank runs the trainer loop and generates its share of each batch itself
   (weights copied in-process, rollouts gathered to the controller over the default group).
 
+The mode is a type, chosen once (rl/roles.py: ``Colocated`` or ``Disjoint``): the trainer loop asks its role
+how weights reach the engines, who generates a batch and how the controller receives it.
+
 Stopping on SIGTERM/SIGINT: trainer ranks agree at step j through train_step's all-reduce (an
 inference rank's signal reaches the controller through a store key). In disjoint mode the controller
 posts "go"/"stop" after every step that would send weights, and the inference ranks read it before
@@ -39,10 +42,9 @@ from prime_spmd.inference.engine import InferenceEngine
 from prime_spmd.log import logger
 from prime_spmd.models.loading import resolve_dtype
 from prime_spmd.progress import Progress
-from prime_spmd.rl import stop_go
-from prime_spmd.rl.generate import generate_share, merge
 from prime_spmd.rl.inference_loop import InferenceLoop
 from prime_spmd.rl.loss import make_rl_loss
+from prime_spmd.rl.roles import make_role
 from prime_spmd.rl.samples import rollouts_to_samples
 from prime_spmd.rl.schedule import batch_after_step, pregenerated_batches, restored_batches, version_of_batch
 from prime_spmd.rl.types import Batch
@@ -76,7 +78,8 @@ def _start_step(ctx: DistContext, cfg: RLJobConfig) -> int:
 
 
 class _TrainerLoop:
-    """Trainer rank (and, on global rank 0, the controller); in colocated mode also an inference rank."""
+    """Trainer rank (and, on global rank 0, the controller); its ``role`` (rl/roles.py) says how it reaches the
+    engines: its own (colocated) or the inference ranks' (disjoint)."""
 
     def __init__(
         self, cfg: RLJobConfig, ctx: DistContext, env: Environment, engine: InferenceEngine | None, stop: StopSignal
@@ -85,7 +88,6 @@ class _TrainerLoop:
         self.guard = SkipGuard(cfg.trainer.max_skipped_steps)
         self.stop_agreed = False
         self.topo = ctx.topo
-        self.colocated = self.topo.mode == "colocated"
         self.out = Path(cfg.output_dir)
         self.parts = build_trainer(cfg.model, cfg.trainer, cfg.optim, ctx)
         if self.topo.rank == 0:
@@ -95,55 +97,21 @@ class _TrainerLoop:
                 max_model_len=cfg.inference.max_model_len or cfg.trainer.seq_len, bridge_timeout_s=bridge_timeout_s(cfg),
             )  # fmt: skip
             write_resolved_config(cfg, self.out, settings)
-        if self.topo.rank == 0:
-            warn_unshared_prompts(cfg, self.parts.policy)
-            settings = resolved_settings(
-                cfg, ctx.device, topology=self.topo, backend=ctx.backend, policy=self.parts.policy, engine=engine,
-                max_model_len=cfg.inference.max_model_len or cfg.trainer.seq_len, bridge_timeout_s=bridge_timeout_s(cfg),
-            )  # fmt: skip
-            write_resolved_config(cfg, self.out, settings)
         wire = resolve_dtype(cfg.model.dtype, ctx.device)
         self.sender = WeightSender(self.parts.policy.lm, wire, cfg.inference.weight_bucket_mb << 20, self.topo.rank)
+        self.role = make_role(cfg, ctx, env, engine, self.sender)
         self.ckpt = Checkpointer(self.out, cfg.ckpt.keep_last, self.topo.trainer_rank)
         self.loss_fn = make_rl_loss(cfg.loss)
         self.buffer: dict[int, Batch] = {}
         self.sink = open_sink(cfg, self.out, enabled=True) if self.topo.is_controller else None
 
-    # ---- weights and batches ----------------------------------------------------------------
-    def sync_weights(self, version: int) -> tuple[float, float]:
-        """Send weights ``version``; collective over trainer ranks (+ the weight bridge in disjoint mode).
-
-        Returns (wait s, transfer s): in disjoint mode the broadcast cannot complete before every inference
-        rank finished the batch it is generating and posted its receive; the trainer idles for that wait
-        (docs/architecture.md), which ``WeightSender.send`` times apart from the transfer.
-        """
-        if self.colocated:
-            assert self.engine is not None
-            return 0.0, self.sender.copy_to(self.engine, version)
-        return self.sender.send(self.ctx.weight_bridge, self.ctx.device, version)
-
-    def generate_colocated(self, b: int, version: int) -> None:
-        """Every rank generates its share of batch b; the controller gathers them (default group)."""
-        assert self.engine is not None
-        share = generate_share(self.cfg, self.env, self.engine, b, version, self.topo.rank, self.topo.world_size)
-        parts = [None] * self.topo.world_size if self.topo.is_controller else None
-        dist.gather_object(share, parts, dst=CONTROLLER_RANK)
-        if self.topo.is_controller:
-            self.buffer[b] = merge(parts)  # type: ignore[arg-type]
-
+    # ---- batches ----------------------------------------------------------------------------
     def take_batch(self, j: int) -> tuple[Batch, float]:
         """Controller: batch j from the buffer, else received from every engine leader. Returns (batch, wait s)."""
         t0 = time.perf_counter()
         while j not in self.buffer:
-            self._receive_next()
+            self.role.receive(self.buffer)
         return self.buffer.pop(j), time.perf_counter() - t0
-
-    def _receive_next(self) -> None:
-        bridge = self.ctx.data_bridge
-        assert bridge is not None and not self.colocated
-        parts = [bridge.recv_object(src) for src in self.topo.engine_leaders]
-        batch = merge(parts)
-        self.buffer[batch.index] = batch
 
     # ---- the loop ---------------------------------------------------------------------------
     def run(self, start: int) -> dict[str, float]:
@@ -153,13 +121,10 @@ class _TrainerLoop:
             self._restore(start)
         if self.sink is not None:
             self.sink.truncate_from(start)
-        if not self.colocated and topo.is_controller:
-            assert self.ctx.weight_bridge is not None
-            self.ctx.weight_bridge.broadcast_object(self.sender.spec, src=CONTROLLER_RANK, device=self.ctx.device)
-        self.sync_weights(start)  # w_start
-        if self.colocated:
-            for b in pregenerated_batches(start, k, n):
-                self.generate_colocated(b, version_of_batch(b, k))
+        self.role.start()
+        self.role.sync_weights(start)  # w_start
+        for b in pregenerated_batches(start, k, n):
+            self.role.produce(b, version_of_batch(b, k), self.buffer)
         bar = Progress(total=n - start, desc="rl", enabled=topo.is_controller and cfg.log.progress)
         last, stopped_at = run_steps(
             start,
@@ -217,9 +182,7 @@ class _TrainerLoop:
     def _train_phase(self, j: int, micro_batches: list) -> tuple[dict[str, float], float]:
         """One optimizer step (all trainer ranks); its all-reduce also agrees on a stop. Returns (stats, s)."""
         cfg, n = self.cfg, self.cfg.trainer.max_steps
-        stop_requested = self.stop.requested
-        if self.topo.is_controller and not self.colocated:
-            stop_requested = stop_requested or stop_go.stop_was_requested(self.ctx.store)
+        stop_requested = self.stop.requested or self.role.stop_requested()
         t_train = time.perf_counter()
         stats = train_step(
             self.parts.policy,
@@ -237,23 +200,20 @@ class _TrainerLoop:
 
     def _after_step_phase(self, j: int, stats: dict[str, float]) -> tuple[float, float, float]:
         """After step j: the non-finite guard, the go/stop decision for the inference ranks (disjoint mode),
-        then, when the schedule generates a batch with w_(j+1) and nobody stops, the weight sync (and, in
-        colocated mode, generating that batch). Returns (sync wait s, sync s, generation s)."""
+        then, when the schedule generates a batch with w_(j+1) and nobody stops, the weight sync and that batch's
+        production (generated here in colocated mode). Returns (sync wait s, sync s, generation s here)."""
         k, n = self.cfg.rollout.max_async, self.cfg.trainer.max_steps
         sync_wait_s, sync_s, gen_s = 0.0, 0.0, 0.0
         b = batch_after_step(j, k, n)
         try:
             self.guard.update(j, stats["nonfinite"] > 0)
         finally:  # on a guard failure too, the inference ranks leave instead of waiting for weights
-            if b is not None and self.topo.is_controller and not self.colocated:
+            if b is not None:
                 failed = self.guard.max_skipped_steps and self.guard.in_a_row >= self.guard.max_skipped_steps
-                stop_go.post_go(self.ctx.store, j, go=not (self.stop_agreed or failed))
+                self.role.post_go(j, go=not (self.stop_agreed or failed))
         if b is not None and not self.stop_agreed:
-            sync_wait_s, sync_s = self.sync_weights(j + 1)
-            if self.colocated:
-                t0 = time.perf_counter()
-                self.generate_colocated(b, j + 1)
-                gen_s = time.perf_counter() - t0
+            sync_wait_s, sync_s = self.role.sync_weights(j + 1)
+            gen_s = self.role.produce(b, j + 1, self.buffer)
         return sync_wait_s, sync_s, gen_s
 
     def _metrics_phase(
@@ -288,8 +248,7 @@ class _TrainerLoop:
             "gen_tokens_per_s": bm["generated_tokens"] / timings["step_time_s"],
             **router_metrics(stats),
         }
-        if self.colocated:
-            m["gen_time_s"] = gen_s or bm["gen_time_s"]
+        m["gen_time_s"] = gen_s or bm["gen_time_s"]  # generated during this step (colocated), else the batch's own
         if self.ctx.device.type == "cuda":  # this rank's peak since the job started (model, optimizer, engine)
             m["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.ctx.device) / 2**30
         assert self.sink is not None
@@ -306,7 +265,7 @@ class _TrainerLoop:
         if self.topo.is_controller:
             need = restored_batches(step, self.cfg.rollout.max_async, self.cfg.trainer.max_steps)
             while not all(b in self.buffer for b in need):
-                self._receive_next()
+                self.role.receive(self.buffer)
             blobs = {BUFFER_FILE: pickle.dumps({b: self.buffer[b] for b in need})}
         state = {"step": step, "scheduler": self.parts.scheduler.state_dict()}
         return self.ckpt.save(step, self.parts.policy, self.parts.optimizer, state, blobs)

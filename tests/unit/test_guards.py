@@ -101,8 +101,9 @@ def test_nonfinite_steps_are_skipped_counted_then_stop_the_run(tmp_path: Path) -
 
 def test_rl_all_groups_zero_advantage_is_a_skipped_counted_step(tmp_path: Path, monkeypatch) -> None:
     import prime_spmd.rl.loop as rl
+    import prime_spmd.rl.roles as roles
 
-    inner = rl.generate_share
+    inner = roles.generate_share
 
     def equal_rewards(*args, **kwargs):
         batch = inner(*args, **kwargs)
@@ -111,7 +112,7 @@ def test_rl_all_groups_zero_advantage_is_a_skipped_counted_step(tmp_path: Path, 
                 r.reward = 0.5  # every group: equal rewards, zero advantages, filtered out
         return batch
 
-    monkeypatch.setattr(rl, "generate_share", equal_rewards)
+    monkeypatch.setattr(roles, "generate_share", equal_rewards)  # colocated: the role generates
     model = _tiny(tmp_path)
     out = tmp_path / "empty"
     cfg = RLJobConfig(

@@ -1,0 +1,124 @@
+"""How a trainer rank's RL loop reaches the engines: ``Colocated`` or ``Disjoint``, chosen once by the topology.
+
+Both answer the same questions for ``rl/loop.py``, so the loop has no mode branches:
+
+- ``start``: what the engines need once before the first weight sync (the weight spec, disjoint);
+- ``sync_weights``: how weights version ``v`` reaches the engine (an in-process copy into this rank's engine,
+  or a bucketed broadcast over the weight bridge; ``sync/weights.py``);
+- ``produce``: who generates batch b once the engines hold its weights (this rank generates its share and
+  the controller gathers them over the default group, or the inference ranks generate it, ``rl/inference_loop.py``);
+- ``receive``: how the controller gets a batch it does not hold yet (only disjoint: over the data bridge);
+- ``stop_requested`` / ``post_go``: the stop/go protocol with the inference ranks (only disjoint, ``rl/stop_go.py``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch.distributed as dist
+
+from prime_spmd.config import RLJobConfig
+from prime_spmd.distributed.groups import DistContext
+from prime_spmd.distributed.topology import CONTROLLER_RANK
+from prime_spmd.envs.base import Environment
+from prime_spmd.inference.engine import InferenceEngine
+from prime_spmd.rl import stop_go
+from prime_spmd.rl.generate import generate_share, merge
+from prime_spmd.rl.types import Batch
+from prime_spmd.sync.weights import WeightSender
+
+
+class Colocated:
+    """Every rank trains and runs its own engine: weights are copied in-process, each rank generates its share
+    of a batch and the controller gathers the shares over the default group. No bridges, no stop/go keys."""
+
+    def __init__(
+        self, cfg: RLJobConfig, ctx: DistContext, env: Environment, engine: InferenceEngine | None, sender: WeightSender
+    ) -> None:
+        assert engine is not None, "colocated: every rank runs an engine"
+        self.cfg, self.ctx, self.env, self.engine, self.sender = cfg, ctx, env, engine, sender
+
+    def start(self) -> None:
+        """Nothing to send before the first sync: the engine is in this process."""
+
+    def sync_weights(self, version: int) -> tuple[float, float]:
+        """Copy the trainer's weights into this rank's engine as ``version`` (collective over the trainer
+        ranks). Returns (wait s, copy s); nothing waits here."""
+        return 0.0, self.sender.copy_to(self.engine, version)
+
+    def produce(self, b: int, version: int, buffer: dict[int, Batch]) -> float:
+        """Every rank generates its share of batch b with ``version``; the controller gathers the shares into
+        ``buffer`` (collective over the default group). Returns the seconds it took."""
+        t0 = time.perf_counter()
+        topo = self.ctx.topo
+        share = generate_share(self.cfg, self.env, self.engine, b, version, topo.rank, topo.world_size)
+        parts = [None] * topo.world_size if topo.is_controller else None
+        dist.gather_object(share, parts, dst=CONTROLLER_RANK)
+        if topo.is_controller:
+            buffer[b] = merge(parts)  # type: ignore[arg-type]
+        return time.perf_counter() - t0
+
+    def receive(self, buffer: dict[int, Batch]) -> None:
+        raise AssertionError("colocated: every batch is in the controller's buffer once produced")
+
+    def stop_requested(self) -> bool:
+        """No inference rank outside the trainer group can ask to stop."""
+        return False
+
+    def post_go(self, j: int, go: bool) -> None:
+        """No inference rank waits for the go/stop key."""
+
+
+class Disjoint:
+    """Trainer ranks and inference ranks are different processes: weights go over the weight bridge, batches
+    come from the engine leaders over the data bridge, and the controller runs the stop/go protocol."""
+
+    def __init__(
+        self, cfg: RLJobConfig, ctx: DistContext, env: Environment, engine: InferenceEngine | None, sender: WeightSender
+    ) -> None:
+        assert engine is None, "disjoint: trainer ranks run no engine"
+        self.ctx, self.sender, self.topo = ctx, sender, ctx.topo
+
+    def start(self) -> None:
+        """The controller sends the weight spec once; every inference rank builds its ``WeightReceiver`` from it."""
+        if self.topo.is_controller:
+            assert self.ctx.weight_bridge is not None
+            self.ctx.weight_bridge.broadcast_object(self.sender.spec, src=CONTROLLER_RANK, device=self.ctx.device)
+
+    def sync_weights(self, version: int) -> tuple[float, float]:
+        """Broadcast weights ``version`` over the weight bridge (collective over the trainer ranks and the bridge).
+
+        Returns (wait s, transfer s): the broadcast cannot complete before every inference rank finished the
+        batch it is generating and posted its receive; the trainer idles for that wait (docs/architecture.md),
+        which ``WeightSender.send`` times apart from the transfer."""
+        return self.sender.send(self.ctx.weight_bridge, self.ctx.device, version)
+
+    def produce(self, b: int, version: int, buffer: dict[int, Batch]) -> float:
+        """The inference ranks generate batch b (``InferenceLoop``); nothing to do here, 0 s."""
+        return 0.0
+
+    def receive(self, buffer: dict[int, Batch]) -> None:
+        """Controller: the next batch from every engine leader's share (blocks on the data bridge)."""
+        bridge = self.ctx.data_bridge
+        assert bridge is not None
+        batch = merge([bridge.recv_object(src) for src in self.topo.engine_leaders])
+        buffer[batch.index] = batch
+
+    def stop_requested(self) -> bool:
+        """Controller: whether an inference rank asked to stop (store key, does not block)."""
+        return self.topo.is_controller and stop_go.stop_was_requested(self.ctx.store)
+
+    def post_go(self, j: int, go: bool) -> None:
+        """Controller, after step j: tell the inference ranks whether w_(j+1) follows."""
+        if self.topo.is_controller:
+            stop_go.post_go(self.ctx.store, j, go=go)
+
+
+Role = Colocated | Disjoint
+
+
+def make_role(
+    cfg: RLJobConfig, ctx: DistContext, env: Environment, engine: InferenceEngine | None, sender: WeightSender
+) -> Role:
+    """The trainer rank's role for the topology's mode (``--topology.mode``, resolved by ``plan_topology``)."""
+    return {"colocated": Colocated, "disjoint": Disjoint}[ctx.topo.mode](cfg, ctx, env, engine, sender)
