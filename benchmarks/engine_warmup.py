@@ -243,7 +243,7 @@ def worker_trainer(args: argparse.Namespace, clock: Clock, res: dict) -> None:
 
     def fwd_bwd(b):
         (ids, pos, targets), fields = b
-        loss_sum, _, _ = policy(ids, pos, targets, 1.0, loss, fields)
+        loss_sum = policy(ids, pos, targets, 1.0, loss, fields).loss_sum
         loss_sum.backward()
 
     small, large = batch(args.train_tokens), batch(2 * args.train_tokens)

@@ -44,6 +44,19 @@ def hf_expert_view(params: dict[str, torch.Tensor], name: str) -> torch.Tensor |
     return p[e, :inter] if proj == "gate_proj" else p[e, inter:]
 
 
+@dataclass(slots=True)
+class ModelOutput:
+    """What the trainer's forward of a causal LM returns (``ModelAdapter.forward_hidden_routed``)."""
+
+    hidden_BTD: torch.Tensor
+    """Final hidden states [B, T, D] (after the final norm), with grad."""
+    aux_loss: torch.Tensor | None = None
+    """MoE load-balance loss (scalar fp32, with grad; mean over MoE layers, 1.0 at perfect balance); None unless
+    the adapter ``has_router_aux()``."""
+    tokens_per_expert_LE: torch.Tensor | None = None
+    """Routed token slots per expert [MoE layers, E] (float counts, no grad); None unless ``has_router_aux()``."""
+
+
 @dataclass(frozen=True, slots=True)
 class ModelDims:
     """The shapes the native engine sizes its KV cache and decode step by."""
@@ -137,13 +150,13 @@ class ModelAdapter:
 
     def forward_hidden_routed(
         self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, attn_mask_BTT: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """(final hidden states [B, T, D], load-balance loss (scalar, with grad; mean over MoE layers),
-        tokens per expert [MoE layers, E]); the last two are None unless ``has_router_aux()``.
-        ``attn_mask_BTT``: explicit bool mask [B, T, T] (True = attend), only where ``supports_prefix_sharing()``."""
+    ) -> ModelOutput:
+        """The final hidden states and, where ``has_router_aux()``, the router's load-balance loss and expert
+        counts (``ModelOutput``). ``attn_mask_BTT``: explicit bool mask [B, T, T] (True = attend), only where
+        ``supports_prefix_sharing()``."""
         if attn_mask_BTT is not None:
             raise ValueError(f"{self.model_type}: no explicit attention mask (supports_prefix_sharing() is False)")
-        return self.forward_hidden(input_ids_BT, position_ids_BT), None, None
+        return ModelOutput(self.forward_hidden(input_ids_BT, position_ids_BT))
 
     # ---- native engine ----------------------------------------------------------------------------
     def supports_slot_cache(self) -> bool:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from prime_spmd.models.adapter import ModelAdapter, ModelDims, plain_projections
+from prime_spmd.models.adapter import ModelAdapter, ModelDims, ModelOutput, plain_projections
 from prime_spmd.models.common.moe import load_balance_loss
 
 LLAMA_STYLE = {"qwen3", "qwen2", "llama", "mistral"}
@@ -85,13 +85,13 @@ class HFAdapter(ModelAdapter):
 
     def forward_hidden_routed(
         self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, attn_mask_BTT: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    ) -> ModelOutput:
         # no prefix sharing (supports_prefix_sharing() is False): transformers' mask handling differs per
         # model and attention implementation, so the trainer keeps the packed path for these models
         if attn_mask_BTT is not None:
             raise ValueError(f"{self.model_type}: no explicit attention mask (supports_prefix_sharing() is False)")
         if not self.has_router_aux():
-            return self.forward_hidden(input_ids_BT, position_ids_BT), None, None
+            return ModelOutput(self.forward_hidden(input_ids_BT, position_ids_BT))
         out = self._decoder()(
             input_ids=input_ids_BT, position_ids=position_ids_BT, use_cache=False, output_router_logits=True
         )
@@ -102,7 +102,7 @@ class HFAdapter(ModelAdapter):
             aux, counts_E = load_balance_loss(probs_TE, ids_TK)
             losses.append(aux)
             counts.append(counts_E)
-        return out.last_hidden_state, torch.stack(losses).mean(), torch.stack(counts)
+        return ModelOutput(out.last_hidden_state, torch.stack(losses).mean(), torch.stack(counts))
 
     def supports_slot_cache(self) -> bool:
         cfg = self.lm.config

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from prime_spmd.log import logger
-from prime_spmd.models.adapter import ModelAdapter
+from prime_spmd.models.adapter import ModelAdapter, ModelOutput
 from prime_spmd.models.hf_adapter import HF_ROUTER_AUX_TYPES
 from prime_spmd.models.registry import adapter_for
 from prime_spmd.trainer.loss import TokenLoss
@@ -63,9 +63,25 @@ class RouterStats:
     tokens_per_expert_LE: torch.Tensor
 
 
+@dataclass(slots=True)
+class PolicyOutput:
+    """What ``PolicyModel.forward`` returns for one micro-batch of T packed tokens."""
+
+    loss_sum: torch.Tensor
+    """The loss summed over tokens (scalar, with grad; MoE: the router term included)."""
+    logprob_T: torch.Tensor
+    """Per-token log-probability of the targets [T] fp32, detached."""
+    entropy_T: torch.Tensor
+    """Per-token entropy [T] fp32, detached."""
+    router: RouterStats | None = None
+    """The micro-batch's MoE routing (None for dense models)."""
+    shared_tokens: int = 0
+    """Packed tokens the forward did not run through the model (prompt copies that prompt sharing skipped)."""
+
+
 class PolicyModel(nn.Module):
-    """``forward(input_ids [1, L], position_ids [1, L], targets [L], temperature, loss)`` ->
-    (loss summed over tokens, logprob [L], entropy [L]); logprob/entropy fp32 and detached.
+    """``forward(input_ids [1, L], position_ids [1, L], targets [L], temperature, loss, fields)`` -> ``PolicyOutput``
+    (loss summed over tokens, logprob [L], entropy [L], router statistics, shared tokens).
 
     ``targets[t]`` is the token whose log-probability is read at position t (the next token of the
     same document; arbitrary where masked). Packed documents are separated by position_ids resets.
@@ -74,7 +90,7 @@ class PolicyModel(nn.Module):
     gradients during the forward (3 GEMM passes, no [L, V] logits kept).
 
     MoE: the returned loss sum includes ``router_aux_coef * loss_mask.sum() * aux`` (module
-    docstring); ``last_router`` holds the micro-batch's ``RouterStats`` (None for dense models).
+    docstring); ``PolicyOutput.router`` holds the micro-batch's ``RouterStats`` (None for dense models).
 
     ``unpack_documents``: run a packed row's documents as right-padded rows of one document each
     (``packing.RowLayout``: causal attention without the O(L^2) block mask), then gather the hidden
@@ -103,36 +119,29 @@ class PolicyModel(nn.Module):
         assert router_aux_coef == 0 or self.adapter.has_router_aux(), "resolve_router_aux_coef decides it"
         self.router_aux_coef = router_aux_coef
         self.share_prompts = share_prompts and self.adapter.supports_prefix_sharing()
-        self.last_router: RouterStats | None = None
-        self.last_shared_tokens = 0
-        """Packed tokens the last forward did not run through the model (prompt copies; 0 unshared)."""
 
     def hidden(
         self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, loss_mask_T: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """(final hidden states [B*T, D] in input order, router aux loss, tokens per expert): see
-        ``ModelAdapter.forward_hidden_routed``; one packed row ([1, L]) goes through ``ShareLayout`` when
-        sharing prompts (needs ``loss_mask_T``, [L]: the target at t is trained) and a group shares one,
-        else through ``RowLayout`` when unpacking."""
-        self.last_shared_tokens = 0
+    ) -> tuple[torch.Tensor, ModelOutput, int]:
+        """(final hidden states [B*T, D] in input order, the model's output as it ran (``ModelOutput``: router
+        aux loss and tokens per expert), packed tokens it did not run (shared prompt copies)). One packed row
+        ([1, L]) goes through ``ShareLayout`` when sharing prompts (needs ``loss_mask_T``, [L]: the target at t
+        is trained) and a group shares one, else through ``RowLayout`` when unpacking."""
         if self.share_prompts and loss_mask_T is not None and input_ids_BT.shape[0] == 1:
             shared = share_layout(input_ids_BT, position_ids_BT, loss_mask_T)
             if shared is not None:
-                self.last_shared_tokens = shared.num_shared_tokens
-                hidden_RWD, aux, counts_LE = self.adapter.forward_hidden_routed(
+                out = self.adapter.forward_hidden_routed(
                     shared.input_ids_RW, shared.position_ids_RW, shared.attn_mask_RWW
                 )
-                return shared.from_rows(hidden_RWD), aux, counts_LE
+                return shared.from_rows(out.hidden_BTD), out, shared.num_shared_tokens
         layout = None
         if self.unpack_documents and input_ids_BT.shape[0] == 1:
             layout = row_layout(position_ids_BT)
         if layout is None:
-            hidden_BTD, aux, counts_LE = self.adapter.forward_hidden_routed(input_ids_BT, position_ids_BT)
-            return hidden_BTD.reshape(-1, hidden_BTD.shape[-1]), aux, counts_LE
-        hidden_STD, aux, counts_LE = self.adapter.forward_hidden_routed(
-            layout.to_rows(input_ids_BT), layout.position_ids_ST
-        )
-        return layout.from_rows(hidden_STD), aux, counts_LE
+            out = self.adapter.forward_hidden_routed(input_ids_BT, position_ids_BT)
+            return out.hidden_BTD.reshape(-1, out.hidden_BTD.shape[-1]), out, 0
+        out = self.adapter.forward_hidden_routed(layout.to_rows(input_ids_BT), layout.position_ids_ST)
+        return layout.from_rows(out.hidden_BTD), out, 0
 
     def logprobs(
         self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, targets_T: torch.Tensor, temperature: float
@@ -152,10 +161,10 @@ class PolicyModel(nn.Module):
         temperature: float,
         loss: TokenLoss,
         fields: dict[str, torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> PolicyOutput:
         from prime_spmd.kernels.lm_logprob.op import fused_lm_head_loss, lm_head_logprobs
 
-        hidden_TD, aux, counts_LE = self.hidden(input_ids_BT, position_ids_BT, fields.get("loss_mask"))
+        hidden_TD, out, shared_tokens = self.hidden(input_ids_BT, position_ids_BT, fields.get("loss_mask"))
         weight_VD = self.adapter.lm_head_weight()
         if self.loss_impl == "fused":
             impl = "triton" if hidden_TD.is_cuda else "torch"
@@ -165,11 +174,13 @@ class PolicyModel(nn.Module):
         else:
             lp, ent = lm_head_logprobs(hidden_TD, weight_VD, targets_T, temperature=temperature, impl=self.loss_impl)
             loss_sum, lp, ent = loss.token_loss(lp, ent, fields).sum(), lp.detach(), ent.detach()
-        self.last_router = None if aux is None else RouterStats(aux.detach(), counts_LE)
+        aux = out.aux_loss
+        router = None if aux is None else RouterStats(aux.detach(), out.tokens_per_expert_LE)
         if aux is not None and self.router_aux_coef > 0:
             # inside the FSDP root's forward, so the router grads take the same hooks as the main loss's
             loss_sum = loss_sum + self.router_aux_coef * fields["loss_mask"].sum() * aux
-        return loss_sum, lp, ent
+        # a dataclass: FSDP2's forward hooks reach the tensors in its fields (torch.distributed.utils._apply_to_tensors)
+        return PolicyOutput(loss_sum, lp, ent, router, shared_tokens)
 
 
 def resolve_loss_impl(name: str, device: torch.device) -> Literal["reference", "chunked", "triton", "fused"]:

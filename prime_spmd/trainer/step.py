@@ -75,7 +75,7 @@ def train_step(
     trained token anywhere), ``skipped`` (either: the parameters are then unchanged) and ``stop``
     (1.0 when any trainer rank passed ``stop_requested``, e.g. after a SIGTERM: the flag rides on the
     token-count all-reduce, so every rank takes the same stop decision at the same step). MoE models
-    (``policy.last_router`` set) add ``router_aux`` and ``max_expert_load`` (module docstring,
+    (``PolicyOutput.router`` set) add ``router_aux`` and ``max_expert_load`` (module docstring,
     ``router_metrics``).
     """
     t_start = time.perf_counter()
@@ -89,14 +89,15 @@ def train_step(
     for mb in micro_batches:
         mb = mb.to(device)
         fields = {**mb.fields, "loss_mask": mb.loss_mask.float()}
-        loss_sum, logprob_L, entropy_L = policy(mb.input_ids, mb.position_ids, mb.targets, temperature, loss_fn, fields)
+        out = policy(mb.input_ids, mb.position_ids, mb.targets, temperature, loss_fn, fields)
+        loss_sum = out.loss_sum
         (loss_sum * scale).backward()
-        stats = loss_fn.stats(logprob_L, entropy_L, fields)
+        stats = loss_fn.stats(out.logprob_T, out.entropy_T, fields)
         # tokens the blocks ran: the packed ones less the prompt copies a shared forward skipped (the LM head
         # still runs on every packed token); what an honest FLOP count multiplies the blocks' parameters by
-        model_tokens = mb.num_tokens - getattr(policy, "last_shared_tokens", 0)
+        model_tokens = mb.num_tokens - out.shared_tokens
         stats = {"loss_sum": loss_sum, "model_tokens": torch.tensor(float(model_tokens)), **stats}
-        router = getattr(policy, "last_router", None)
+        router = out.router
         if router is not None:  # the same on every rank: the model decides, not the data
             stats["router_aux_sum"] = router.aux_loss * fields["loss_mask"].sum()
             counts = router.tokens_per_expert_LE.detach().double()

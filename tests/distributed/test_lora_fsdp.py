@@ -39,7 +39,7 @@ def _frozen_and_grads(rank: int, world: int, cfg: SFTJobConfig) -> dict:
         mbs = pack(data.batch(step, cfg.trainer.batch_size), cfg.trainer.micro_batch_tokens, world)[rank]
         for mb in mbs:
             fields = {"loss_mask": mb.loss_mask.float()}
-            loss, _, _ = parts.policy(mb.input_ids, mb.position_ids, mb.targets, 1.0, sft_loss, fields)
+            loss = parts.policy(mb.input_ids, mb.position_ids, mb.targets, 1.0, sft_loss, fields).loss_sum
             loss.backward()
         for name, p in parts.policy.named_parameters():
             adapter = "lora_" in name

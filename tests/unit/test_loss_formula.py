@@ -209,7 +209,8 @@ def token_mean_reference(lm, samples: list[Sample], loss) -> tuple[float, dict[s
     (mb,) = pack(samples, sum(len(s.input_ids) for s in samples), 1)[0]
     policy = PolicyModel(copy.deepcopy(lm), "reference")
     fields = {**mb.fields, "loss_mask": mb.loss_mask.float()}
-    loss_sum, lp, ent = policy(mb.input_ids, mb.position_ids, mb.targets, 1.0, loss, fields)
+    out = policy(mb.input_ids, mb.position_ids, mb.targets, 1.0, loss, fields)
+    loss_sum, lp, ent = out.loss_sum, out.logprob_T, out.entropy_T
     n = mb.loss_mask.sum()
     (loss_sum / n).backward()
     stats = {k: float(v) for k, v in loss.stats(lp, ent, fields).items()}

@@ -21,7 +21,7 @@ from prime_spmd.trainer.policy import PolicyModel
 def _loss_and_grads(lm, impl: str, mb, loss) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     policy = PolicyModel(copy.deepcopy(lm), impl)
     fields = {**mb.fields, "loss_mask": mb.loss_mask.float()}
-    loss_sum, lp, ent = policy(mb.input_ids, mb.position_ids, mb.targets, 0.8, loss, fields)
+    loss_sum = policy(mb.input_ids, mb.position_ids, mb.targets, 0.8, loss, fields).loss_sum
     loss_sum.backward()
     return loss_sum.detach(), {n: p.grad.clone() for n, p in policy.named_parameters()}
 

@@ -79,11 +79,12 @@ def test_pack_keeps_share_groups_together() -> None:
     assert pack(samples, 19, 2)[1][0].input_ids.tolist() == per_rank[1][0].input_ids.tolist()  # deterministic
 
 
-def _run(policy: PolicyModel, mb) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+def _run(policy: PolicyModel, mb) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor], int]:
     fields = {**mb.fields, "loss_mask": mb.loss_mask.float()}
-    loss, lp, ent = policy(mb.input_ids, mb.position_ids, mb.targets, 0.9, _MeanLogprob(), fields)
-    loss.backward()
-    return loss.detach(), lp, ent, {n: p.grad.clone() for n, p in policy.named_parameters()}
+    out = policy(mb.input_ids, mb.position_ids, mb.targets, 0.9, _MeanLogprob(), fields)
+    out.loss_sum.backward()
+    grads = {n: p.grad.clone() for n, p in policy.named_parameters()}
+    return out.loss_sum.detach(), out.logprob_T, out.entropy_T, grads, out.shared_tokens
 
 
 def test_shared_prompts_match_unshared(tmp_path) -> None:
@@ -100,10 +101,10 @@ def test_shared_prompts_match_unshared(tmp_path) -> None:
     assert layout.num_shared_tokens == 2 * (7 + 1) + 4 + 3  # prefix lengths 8 (A), 4 (B), 3 (C)
     shared = PolicyModel(copy.deepcopy(lm), "reference")
     assert shared.share_prompts
-    l1, lp1, e1, g1 = _run(shared, mb)
-    assert shared.last_shared_tokens == layout.num_shared_tokens
+    l1, lp1, e1, g1, shared_tokens = _run(shared, mb)
+    assert shared_tokens == layout.num_shared_tokens
     for unpack in (False, True):  # the masked packed row and the padded one-document rows
-        l0, lp0, e0, g0 = _run(
+        l0, lp0, e0, g0, _ = _run(
             PolicyModel(copy.deepcopy(lm), "reference", unpack_documents=unpack, share_prompts=False), mb
         )
         # measured (fp32, both unshared paths): logprob max abs diff 4.8e-7, entropy 9.5e-7, loss 7.5e-8

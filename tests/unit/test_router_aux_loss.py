@@ -84,10 +84,10 @@ def _reference(path, mb) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Te
 def _policy_loss(path, impl: str, coef: float, mb, loss_impl: str = "reference"):
     policy = PolicyModel(_load(path, impl), loss_impl, router_aux_coef=coef)
     fields = {**mb.fields, "loss_mask": mb.loss_mask.float()}
-    loss_sum, _, _ = policy(mb.input_ids, mb.position_ids, mb.targets, 1.0, sft_loss, fields)
-    loss_sum.backward()
+    out = policy(mb.input_ids, mb.position_ids, mb.targets, 1.0, sft_loss, fields)
+    out.loss_sum.backward()
     router_grad = dict(policy.lm.named_parameters())[ROUTER].grad
-    return loss_sum.detach(), policy.last_router, router_grad
+    return out.loss_sum.detach(), out.router, router_grad
 
 
 @pytest.mark.parametrize("impl,loss_impl", [("custom", "reference"), ("custom", "fused"), ("hf", "reference")])
@@ -155,8 +155,10 @@ def test_dense_model_has_no_router_metrics(tmp_path) -> None:
     mb = _micro_batches()[0]
     opt = torch.optim.SGD(policy.parameters(), lr=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    fields = {**mb.fields, "loss_mask": mb.loss_mask.float()}
+    assert policy(mb.input_ids, mb.position_ids, mb.targets, 1.0, sft_loss, fields).router is None
     stats = train_step(policy, opt, sched, [mb], sft_loss, device=torch.device("cpu"))
-    assert policy.last_router is None and "router_aux" not in stats and router_metrics(stats) == {}
+    assert "router_aux" not in stats and router_metrics(stats) == {}
 
 
 def test_router_aux_coef_flag(tmp_path, moe_dir) -> None:

@@ -49,7 +49,8 @@ def test_unpacked_rows_match_masked_packed_path(tmp_path, impl: str) -> None:
     results = []
     for unpack in (False, True):
         policy = PolicyModel(copy.deepcopy(lm), "reference", unpack_documents=unpack)
-        loss, lp, ent = policy(mb.input_ids, mb.position_ids, mb.targets, 0.9, _MeanLogprob(), fields)
+        out = policy(mb.input_ids, mb.position_ids, mb.targets, 0.9, _MeanLogprob(), fields)
+        loss, lp, ent = out.loss_sum, out.logprob_T, out.entropy_T
         loss.backward()
         grads = {n: p.grad.clone() for n, p in policy.named_parameters()}
         results.append((loss.detach(), lp, ent, grads))

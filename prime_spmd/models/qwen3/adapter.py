@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from prime_spmd.models.adapter import ModelAdapter, ModelDims, plain_projections
+from prime_spmd.models.adapter import ModelAdapter, ModelDims, ModelOutput, plain_projections
 from prime_spmd.models.common.moe import GroupedExperts
 from prime_spmd.models.qwen3.hf import to_hf
 from prime_spmd.models.qwen3.model import Qwen3ForCausalLM
@@ -69,13 +69,13 @@ class Qwen3Adapter(ModelAdapter):
 
     def forward_hidden_routed(
         self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, attn_mask_BTT: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    ) -> ModelOutput:
         if attn_mask_BTT is not None and not self.supports_prefix_sharing():
             raise ValueError(f"{self.model_type}: no explicit attention mask (supports_prefix_sharing() is False)")
         hidden_BTD = self.lm.forward_hidden(input_ids_BT, position_ids_BT, attn_mask_BTT)
         if not self.has_router_aux():
-            return hidden_BTD, None, None
-        return hidden_BTD, self.lm.aux_loss(), self.lm.tokens_per_expert()
+            return ModelOutput(hidden_BTD)
+        return ModelOutput(hidden_BTD, self.lm.aux_loss(), self.lm.tokens_per_expert())
 
     def supports_slot_cache(self) -> bool:
         return True
