@@ -6,7 +6,8 @@ Row formats of local JSONL / Parquet files:
 - ``{"messages": [..., {"role": "assistant", "content": str}]}``: the last message is the completion.
 The prompt is rendered with the tokenizer's chat template (generation prompt added); the
 completion is its text plus the eos token. Malformed rows are skipped and counted (the first few
-logged) or, with ``--data.bad_rows=error``, stop the run with the row index.
+logged) or, with ``--data.bad_rows=error``, stop the run with the row index. A file without a single
+well-formed row stops the run before training (``ValueError`` naming the file, the count and the reasons).
 """
 
 from __future__ import annotations
@@ -97,6 +98,22 @@ def read_rows(path: str, source: str) -> list[Any]:
     return pq.read_table(p).to_pylist()
 
 
+def _check_some_row_is_good(path: str, rows: list[Any]) -> None:
+    """Return at the first well-formed row; ValueError naming ``path`` when there is none (every step would
+    train on nothing). Checks the row format only: tokenizing (and ``--trainer.seq_len``) happens per batch."""
+    reasons = []
+    for i, row in enumerate(rows):
+        try:
+            if isinstance(row, Exception):
+                raise row
+            _row_to_chat(row)
+            return
+        except ValueError as e:
+            reasons.append(f"row {i}: {e}")
+    shown = "; ".join(reasons[:_SHOWN_BAD_ROWS]) + ("; ..." if len(reasons) > _SHOWN_BAD_ROWS else "")
+    raise ValueError(f"--data.path={path!r}: all {len(rows)} rows are bad, nothing to train on ({shown})")
+
+
 class SFTDataset:
     """Deterministic, position-addressable SFT data: ``batch(step, batch_size)`` is a pure function
     of (seed, step), so resuming at a step needs no iterator state."""
@@ -106,6 +123,8 @@ class SFTDataset:
         self.rows = None if cfg.source == "reverse_text" else read_rows(cfg.path, cfg.source)
         if self.rows is not None and not self.rows:
             raise ValueError(f"--data.path={cfg.path!r} has no rows")
+        if self.rows is not None:
+            _check_some_row_is_good(cfg.path, self.rows)
         self.num_bad_rows = 0
         self.num_too_long = 0
 

@@ -89,6 +89,51 @@ def test_invalid_json_line_and_empty_or_missing_file(tmp_path: Path, tokenizer) 
         SFTDataset(DataConfig(source="jsonl", path=str(tmp_path / "nope.jsonl")), tokenizer, 0, 48)
 
 
+ALL_BAD_FILES = {  # a file whose one row is bad -> the reason the error gives
+    "no assistant turn": ('{"messages": [{"role": "user", "content": "hi"}]}', r"'messages' must be a list of at least 2"),
+    "invalid json": ("{oops", r"line 1 is not valid JSON"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", list(ALL_BAD_FILES))
+def test_file_without_a_good_row_stops_before_training(tmp_path: Path, tokenizer, kind: str) -> None:
+    line, reason = ALL_BAD_FILES[kind]
+    path = tmp_path / "bad.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(
+        ValueError, match=rf"--data.path='{path}': all 1 rows are bad, nothing to train on \(row 0: {reason}"
+    ):
+        SFTDataset(DataConfig(source="jsonl", path=str(path)), tokenizer, seed=0, seq_len=48)
+    path.write_text(line + "\n" + json.dumps(GOOD) + "\n")  # one good row is enough: the bad one is skipped
+    assert len(SFTDataset(DataConfig(source="jsonl", path=str(path)), tokenizer, 0, 48).batch(0, 2)) == 1
+
+
+def test_sft_run_on_an_all_bad_file_writes_no_checkpoint(tmp_path: Path, tokenizer) -> None:
+    import torch.distributed as dist
+
+    from prime_spmd.config.job import SFTJobConfig
+    from prime_spmd.config.sections import LogConfig, ModelConfig, SFTTrainerConfig
+    from prime_spmd.trainer.sft import run_sft
+
+    path = tmp_path / "bad.jsonl"
+    path.write_text(ALL_BAD_FILES["invalid json"][0] + "\n")
+    cfg = SFTJobConfig(
+        output_dir=str(tmp_path / "run"),
+        model=ModelConfig(path=tokenizer.name_or_path, impl="hf"),
+        trainer=SFTTrainerConfig(max_steps=2, batch_size=2, micro_batch_tokens=64, seq_len=48),
+        data=DataConfig(source="jsonl", path=str(path)),
+        log=LogConfig(progress=False, plots=False),
+        eval_examples=0,
+    )
+    try:
+        with pytest.raises(ValueError, match=r"bad.jsonl': all 1 rows are bad"):
+            run_sft(cfg)
+    finally:
+        if dist.is_initialized():  # the run raised before closing its world of one
+            dist.destroy_process_group()
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 def test_tokenizer_without_chat_template(tmp_path: Path, tokenizer) -> None:
     import copy
 
