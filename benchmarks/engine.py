@@ -83,21 +83,6 @@ def prompts(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
     return torch.randint(0, vocab, (batch, prompt_len), generator=g).tolist()
 
 
-def chain_variants(args) -> list[tuple[str, tuple[int, int]]]:
-    """("off", (0, 0)) and / or ("on", (slab bytes, warps)) for each pair of --chain-slab-bytes x --chain-warps."""
-    out = []
-    for chain in args.decode_chain.split(","):
-        if chain not in ("off", "on"):
-            raise SystemExit(f"--decode-chain {chain!r}: choose off or on")
-        if chain == "off":
-            out.append(("off", (0, 0)))
-            continue
-        for slab in args.chain_slab_bytes.split(","):
-            for warps in args.chain_warps.split(","):
-                out.append(("on", (int(slab), int(warps))))
-    return out
-
-
 def run_native(
     model,
     ids,
@@ -109,7 +94,6 @@ def run_native(
     sampler="auto",
     kv_cache: str = "slot",
     pdl: bool = True,
-    decode_chain: bool = False,
     fused_prefill: bool | None = None,
     decode_steps: int = 0,
 ) -> tuple[float, list]:
@@ -130,7 +114,6 @@ def run_native(
         sampler=sampler,
         kv_cache=kv_cache,
         pdl=pdl,
-        decode_chain=decode_chain,
         fused_prefill=fused_prefill,
         decode_steps_per_launch=decode_steps,
     )
@@ -287,47 +270,11 @@ def main() -> None:
         help="native engines: comma list of auto, torch, triton, fused (kernels/gumbel_sample); crossed with the two above",
     )
     ap.add_argument(
-        "--no-pdl-prefetch",
-        action="store_true",
-        help="with --pdl: its minimal form (the decode linears do not fetch weights before they wait: no L2 prefetch in the tile kernel, no register preload in the GEMV)",
-    )
-    ap.add_argument(
-        "--no-decode-gemv",
-        action="store_true",
-        help="one-row steps of the triton decode linears take the tile kernel, not the GEMV kernel (which takes K <= kernel.GEMV_MAX_K; process-wide)",
-    )
-    ap.add_argument(
-        "--attention-split-tiles",
-        type=int,
-        default=1,
-        help="CUDA decode attention: each length split spans at least this many K/V tiles (process-wide; 1: the default)",
-    )
-    common.add_on_off(
-        ap,
-        "--attention-preload-tile",
-        "fused decode attention, slot cache, one tile a split: load the tile before writing the new k/v (process-wide)",
-    )
-    ap.add_argument(
         "--kv-cache",
         default="slot",
         help="native engines: comma list of slot, paged (KV cache, 16-position blocks); crossed with the three above",
     )
     common.add_on_off(ap, "--pdl", "native engines: programmatic dependent launch (kernels/pdl)")
-    ap.add_argument(
-        "--decode-chain",
-        default="off",
-        help="native engines: comma list of off, on (one-row steps in one launch, kernels/decode_chain; needs the "
-        "fused attention and triton linears); crossed with the variants above",
-    )
-    ap.add_argument(
-        "--chain-slab-bytes",
-        default="0",
-        help="decode chain: comma list of weight bytes a GEMV item loads before it waits (0: kernel.SLAB_BYTES); "
-        "crossed with --chain-warps for the chain's rows",
-    )
-    ap.add_argument(
-        "--chain-warps", default="0", help="decode chain: comma list of warps a program (0: kernel.NUM_WARPS)"
-    )
     ap.add_argument(
         "--fused-prefill",
         default="auto",
@@ -339,12 +286,6 @@ def main() -> None:
         default="0",
         help="native engines: comma list of decode steps a launch (--inference.decode_steps_per_launch; 0: auto, 4 "
         "with CUDA graphs); crossed with the variants above",
-    )
-    ap.add_argument(
-        "--lm-head-programs-per-sm",
-        type=int,
-        default=2,
-        help="fused LM-head sampler: programs per SM it aims at (kernels/gumbel_sample; process-wide; 2: the default)",
     )
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     ap.add_argument("--out", default="")
@@ -359,24 +300,12 @@ def main() -> None:
     # every native variant of this process compiles the same decode-layer code (other closures, other guards): past
     # Dynamo's default of 8 compiles per code object it would run the rest eagerly and time that instead
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    if args.no_pdl_prefetch:
-        from prime_spmd.kernels.pdl import launch as pdl_launch
-
-        pdl_launch.set_prefetch(False)
     args.pdl = args.pdl == "on"
-    from prime_spmd.kernels.decode_attention import kernel as decode_attention_kernel
-
     from prime_spmd.inference.runner import fused_prefill_choice
 
     fused_prefills = [fused_prefill_choice(f) for f in args.fused_prefill.split(",")]  # a bad one fails before any run
-    decode_attention_kernel.set_split_tiles(args.attention_split_tiles)
-    decode_attention_kernel.set_preload_tile(args.attention_preload_tile == "on")
-    from prime_spmd.kernels.gumbel_sample import kernel as gumbel_kernel
-
-    gumbel_kernel.set_lm_head_programs_per_sm(args.lm_head_programs_per_sm)
     from prime_spmd.kernels.decode_linear import kernel as decode_linear_kernel
 
-    decode_linear_kernel.set_gemv(not args.no_decode_gemv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     max_len = args.prompt_len + args.new_tokens
     model = build_model(args.model_shape, max_len, device, dtype)
@@ -395,35 +324,19 @@ def main() -> None:
                     args.decode_linear.split(","),
                     args.sampler.split(","),
                     args.kv_cache.split(","),
-                    chain_variants(args),
                     fused_prefills,
                     [int(x) for x in args.decode_steps.split(",")],
                 )
-                for attn, lin, smp, kv, (chain, chain_cfg), fprefill, dsteps in variants:
+                for attn, lin, smp, kv, fprefill, dsteps in variants:
                     m = model if name == "native" else custom
                     graphs = not args.no_cuda_graphs
-                    if chain == "on":
-                        from prime_spmd.kernels.decode_chain import kernel as decode_chain_kernel
-
-                        decode_chain_kernel.set_config(*chain_cfg)  # read when the engine builds its chain
                     secs, toks, ran = run_native(m, ids, args.new_tokens, device, graphs, attn, lin, smp, kv, args.pdl,
-                                                 chain == "on", fprefill,
-                                                 dsteps)  # fmt: skip
+                                                 fprefill, dsteps)  # fmt: skip
                     attn, lin, smp = ran["decode_attention"], ran["decode_linear"], ran["sampler"]
                     row = dict(engine=name, **ran, kv_cache=kv)
-                    row["pdl_prefetch"] = ran["pdl"] and not args.no_pdl_prefetch
                     # one-row steps on the GEMV kernel (the ops whose K it takes: kernel.uses_gemv)
                     row["decode_gemv"] = lin == "triton" and bs <= decode_linear_kernel.GEMV_MAX_ROWS
-                    row["attention_split_tiles"] = args.attention_split_tiles
-                    row["attention_preload_tile"] = args.attention_preload_tile == "on"
-                    row["lm_head_programs_per_sm"] = args.lm_head_programs_per_sm
-                    row["decode_chain"] = chain == "on"
                     row["fused_prefill"] = ran["fused_prefill"]
-                    if chain == "on":
-                        from prime_spmd.kernels.decode_chain import kernel as decode_chain_kernel
-
-                        row["chain_slab_bytes"] = decode_chain_kernel.SLAB_BYTES
-                        row["chain_warps"] = decode_chain_kernel.NUM_WARPS
                     row.update(batch=bs, seconds=secs)
                     row["roofline_tok_s"] = roof
                     row["tokens_per_s"] = bs * args.new_tokens / secs
@@ -433,8 +346,7 @@ def main() -> None:
                         row.update(token_agreement(base_tokens, toks))
                     rows.append(row)
                     extra = f", same tokens as the first: {row['same_tokens']:.3f}" if "same_tokens" in row else ""
-                    tag = f",chain {row['chain_slab_bytes']}B x{row['chain_warps']}" if chain == "on" else ""
-                    tag += ",fused prefill" if ran["fused_prefill"] else ""
+                    tag = ",fused prefill" if ran["fused_prefill"] else ""
                     tag += f",{ran['decode_steps_per_launch']} steps a launch"
                     print(f"{name}[{attn},{lin},{smp},{kv}{tag}] batch {bs:4d}: {row['tokens_per_s']:10.1f} tok/s ({secs:.2f} s){extra}",
                           file=sys.stderr, flush=True)  # fmt: skip
@@ -476,10 +388,9 @@ def main() -> None:
         label = r["engine"]
         if "decode_linear" in r:
             lin = r["decode_linear"] + ("-gemv" if r.get("decode_gemv") else "")
-            chain = f",chain {r['chain_slab_bytes']}B x{r['chain_warps']}" if r.get("decode_chain") else ""
-            chain += ",fused prefill" if r.get("fused_prefill") else ""
-            chain += f",{r['decode_steps_per_launch']} steps/launch" if r.get("decode_steps_per_launch", 1) > 1 else ""
-            label += f"[{r['decode_attention']},{lin},{r['sampler']},{r['kv_cache']}{chain}]"
+            tag = ",fused prefill" if r.get("fused_prefill") else ""
+            tag += f",{r['decode_steps_per_launch']} steps/launch" if r.get("decode_steps_per_launch", 1) > 1 else ""
+            label += f"[{r['decode_attention']},{lin},{r['sampler']},{r['kv_cache']}{tag}]"
         table.append([label, r["batch"], f"{tok_s:.0f}", vs, f"{roof:.0f}", f"{100 * frac:.1f}%"])
     common.print_markdown_table(["engine", "batch", "tokens/s", "vs hf", "decode roofline tok/s", "of roofline"], table)
     if args.out:

@@ -49,7 +49,6 @@ def profile_batch(model, bs: int, args, device: torch.device, out_dir: Path | No
         sampler=args.sampler,
         kv_cache=args.profile_kv_cache,
         pdl=args.pdl == "on",
-        decode_chain=args.decode_chain,
         fused_prefill=fused_prefill_choice(args.fused_prefill),
         decode_steps_per_launch=args.decode_steps,
     )
@@ -250,11 +249,9 @@ def main() -> None:
     ap.add_argument("--sampler", default="auto", help="decode profile: the engine's sampler")
     ap.add_argument("--profile-kv-cache", default="slot", help="decode profile: the engine's KV cache")
     common.add_on_off(ap, "--pdl", "decode profile: PDL (kernels/pdl)")
-    ap.add_argument("--decode-chain", action="store_true", help="decode profile: one-row steps in one launch")
     ap.add_argument(
         "--fused-prefill", default="auto", choices=["auto", "on", "off"], help="decode profile: one-function prefill"
     )
-    common.add_on_off(ap, "--attention-preload-tile", "decode profile: the fused attention preloads its K/V tile")
     ap.add_argument(
         "--decode-steps", type=int, default=0, help="decode profile: decode steps a launch (0: auto, 4 with graphs)"
     )
@@ -264,9 +261,6 @@ def main() -> None:
     ap.add_argument("--group-new-tokens", type=int, default=1, help="prefill-sharing measurement: max_tokens")
     ap.add_argument("--kv-cache", default="slot", help="prefill-sharing measurement: comma list of slot, paged")
     args = ap.parse_args()
-    from prime_spmd.kernels.decode_attention import kernel as decode_attention_kernel
-
-    decode_attention_kernel.set_preload_tile(args.attention_preload_tile == "on")
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out_dir = Path(args.out_dir) if args.out_dir else None

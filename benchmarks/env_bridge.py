@@ -11,8 +11,6 @@ alike:
   steps phase by phase);
 - ``bridge-general``: the general path (``single_turn_fast_path=False``): verifiers' ``run_group`` per
   example, the engine stepped inside the event loop (``AsyncEngine``), as every multi-turn env runs;
-- ``bridge-thread`` (only with ``--sides``): the general path with the engine stepped on a worker thread
-  (``ThreadedAsyncEngine``, opt-in: ``engine_thread=True``).
 
 The bridge sides also score (one cheap reward function) and convert to ``Rollout``s.
 ``--lengths fixed``: greedy + ignore_eos, every rollout generates exactly max_tokens tokens.
@@ -45,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import common  # noqa: E402
 from prime_spmd.inference.engine import Completion, InferenceEngine, Request  # noqa: E402
 
-SIDES = ("direct", "bridge", "bridge-general", "bridge-thread")
+SIDES = ("direct", "bridge", "bridge-general")
 
 
 def build_env(num_examples: int):
@@ -157,7 +155,6 @@ def run_config(engine, env, args, max_tokens: int, lengths: str, sides: list[str
     envs = {
         "bridge": VerifiersEnvironment(env.vf_env, name="bench"),
         "bridge-general": VerifiersEnvironment(env.vf_env, name="bench", single_turn_fast_path=False),
-        "bridge-thread": VerifiersEnvironment(env.vf_env, name="bench", engine_thread=True),
     }
 
     def direct() -> list[list[int]]:

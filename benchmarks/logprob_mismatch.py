@@ -56,9 +56,6 @@ def main() -> None:
     )
     ap.add_argument("--kv-cache", default="slot", choices=["slot", "paged"], help="the engine's KV cache")
     ap.add_argument(
-        "--decode-chain", action="store_true", help="the engine's one-row steps in one launch (with --requests 1)"
-    )
-    ap.add_argument(
         "--fused-prefill",
         default="auto",
         choices=["auto", "on", "off"],
@@ -93,7 +90,6 @@ def main() -> None:
             sampler=args.sampler,
             decode_attention=args.decode_attention,
             kv_cache=args.kv_cache,
-            decode_chain=args.decode_chain,
             fused_prefill=fused_prefill_choice(args.fused_prefill),
         )
         trainer_lm = load_model(mcfg, device, dtype).eval()

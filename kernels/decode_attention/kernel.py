@@ -36,7 +36,7 @@ import os
 import torch
 import triton
 import triton.language as tl
-from prime_spmd.kernels.counters import wait_count, zeroed_counters
+from prime_spmd.kernels.counters import zeroed_counters
 from prime_spmd.kernels.pdl import launch as pdl
 from prime_spmd.kernels.pdl.launch import pdl_enter
 
@@ -78,34 +78,10 @@ def _split_kernel(
     SB: tl.constexpr, FUSE: tl.constexpr, QK_NORM: tl.constexpr, USE_PDL: tl.constexpr,
     PRELOAD_TILE: tl.constexpr = False,
 ):  # fmt: skip
+    """Program (length split, row x kv head) of the split kernel (the module docstring)."""
     pdl_enter(USE_PDL)  # kernels/pdl (the fused form only): a no-op unless launched with programmatic dependent launch
-    split_program(
-        None, None, q_ptr, k_ptr, v_ptr, lens_ptr, o_ptr, acc_ptr, ml_ptr,
-        sq_b, sq_n, sk_bc, sk_nkv, sk_tc, sv_bc, sv_nkv, sv_tc, so_b, so_n, max_len, qk_scale, table_ptr, st_b,
-        qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, s_cs, eps, cnt_ptr, None, 0, None,
-        NKV, G, DH, NUM_SPLITS, SPLIT_LEN, BLOCK_G, BLOCK_DH, BLOCK_TC, UPCAST, IEEE, SB, FUSE, QK_NORM, PRELOAD_TILE,
-        False,
-    )  # fmt: skip
-
-
-@triton.jit
-def split_program(
-    pid_s, pid_bnkv, q_ptr, k_ptr, v_ptr, lens_ptr, o_ptr, acc_ptr, ml_ptr,
-    sq_b, sq_n, sk_bc, sk_nkv, sk_tc, sv_bc, sv_nkv, sv_tc, so_b, so_n,
-    max_len, qk_scale, table_ptr, st_b,
-    qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, s_cs, eps, cnt_ptr, wait_ptr, wait_target, wait_err,
-    NKV: tl.constexpr, G: tl.constexpr, DH: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_TC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-    SB: tl.constexpr, FUSE: tl.constexpr, QK_NORM: tl.constexpr, PRELOAD_TILE: tl.constexpr, WAIT: tl.constexpr,
-):  # fmt: skip
-    """Program (``pid_s``, ``pid_bnkv``) of the split kernel (the module docstring). WAIT (a program of the decode
-    chain, kernels/decode_chain): before it reads q (the QKV row another program of the same launch writes) it waits
-    for the counter ``wait_ptr`` to reach ``wait_target`` (kernels/counters.wait_count; ``wait_err`` counts a wait it
-    gives up on); the preloaded tile, which
-    holds no entry of this step, is loaded before the wait. ``pid_s`` / ``pid_bnkv`` None: the launch's program ids."""
-    if pid_s is None:
-        pid_s = tl.program_id(0)
-        pid_bnkv = tl.program_id(1)
+    pid_s = tl.program_id(0)
+    pid_bnkv = tl.program_id(1)
     b = pid_bnkv // NKV
     kv = pid_bnkv % NKV
     length = tl.minimum(tl.load(lens_ptr + b).to(tl.int32), max_len)
@@ -117,7 +93,7 @@ def split_program(
     mask_g = offs_g < G
     mask_d = offs_d < DH
     heads = kv * G + offs_g
-    if PRELOAD_TILE:  # (fused, slot cache, one tile a split: set_preload_tile) the split's K/V tile, issued first; the
+    if PRELOAD_TILE:  # (fused, slot cache, one tile a split: PRELOAD_TILE) the split's K/V tile, issued first; the
         # new token's entry, stale here, is substituted in the loop below, so no barrier orders this load after its write
         offs_p = start + tl.arange(0, BLOCK_TC)
         tile_mask = (offs_p < max_len)[:, None] & mask_d[None, :]
@@ -125,10 +101,6 @@ def split_program(
                          mask=tile_mask, other=0.0)  # fmt: skip
         v_tile = tl.load(v_ptr + b.to(tl.int64) * sv_bc + kv * sv_nkv + offs_p[:, None] * sv_tc + offs_d[None, :],
                          mask=tile_mask, other=0.0)  # fmt: skip
-    if WAIT:
-        if PRELOAD_TILE:  # keeps the tile loads issued before the spin (ptxas sinks loads below it otherwise)
-            tl.debug_barrier()
-        wait_count(wait_ptr, wait_target, wait_err)
     if FUSE:  # q_ptr is the QKV projection [B, (N + 2 Nkv) Dh]: q/k norm, RoPE and the cache write happen here
         qkv_row = q_ptr + b.to(tl.int64) * sq_b
         cos_row, sin_row = cos_ptr + b * s_cs, sin_ptr + b * s_cs
@@ -288,30 +260,15 @@ def default_block_tc(head_dim: int) -> int:
     return 128 if head_dim <= 64 else 64
 
 
-# GPU: each split spans at least this many K/V tiles (set_split_tiles; benchmarks/engine.py --attention-split-tiles
-# times others: fewer splits mean fewer partials to combine, more tiles streamed by one program)
+# GPU: each split spans at least this many K/V tiles: H200, batch 1, PDL + fused prefill: 1,378 tok/s at 1 vs 1,258 at
+# 2 (docs/benchmarks.md)
 SPLIT_TILES = 1
 
 
-def set_split_tiles(n: int) -> None:
-    """Process-wide: each length split of a GPU launch spans at least ``n`` >= 1 tiles (default 1)."""
-    global SPLIT_TILES
-    if n < 1:
-        raise ValueError(f"decode_attention: split tiles must be >= 1, got {n}")
-    SPLIT_TILES = n
-
-
 # Fused form, slot cache, one tile a split (batch 1 at short lengths): load the split's K/V tile first and substitute
-# the new token's k / v in registers, instead of writing them, a CTA barrier, then loading the tile
-# (set_preload_tile; benchmarks/engine.py --attention-preload-tile on|off). H200, batch 1 with PDL + fused prefill: 1,378
-# vs 1,345 tok/s (3836786); its CUDA tests passed on an H100 at 3ad9528.
+# the new token's k / v in registers, instead of writing them, a CTA barrier, then loading the tile. H200, batch 1
+# with PDL + fused prefill: 1,378 vs 1,345 tok/s (docs/benchmarks.md).
 PRELOAD_TILE = True
-
-
-def set_preload_tile(on: bool) -> None:
-    """Process-wide: the fused kernel's preloaded-tile form where it applies (fused, slot cache, one tile a split)."""
-    global PRELOAD_TILE
-    PRELOAD_TILE = bool(on)
 
 
 def pick_num_splits(batch: int, num_kv_heads: int, max_len: int, device: torch.device, bn: int) -> int:

@@ -23,7 +23,7 @@ import os
 import torch
 import triton
 import triton.language as tl
-from prime_spmd.kernels.counters import wait_count, zeroed_counters
+from prime_spmd.kernels.counters import zeroed_counters
 from prime_spmd.kernels.pdl import launch as pdl
 from prime_spmd.kernels.pdl.launch import pdl_enter, prefetch_rows_l2
 
@@ -185,28 +185,20 @@ def _gemv_w(w_ptr, offs_n, mask_n, offs_k, mask_k, swn, NO, SILU_MUL: tl.constex
 
 @triton.jit
 def gemv_preloaded(
-    x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, o_ptr, pid, NO, eps, swn, wait_ptr, wait_target, wait_err,
+    x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, o_ptr, pid, NO, eps, swn,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr,
-    BLOCK_N: tl.constexpr, KP: tl.constexpr, RNE_EMU: tl.constexpr, USE_PDL: tl.constexpr, WAIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, KP: tl.constexpr, RNE_EMU: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """Program ``pid`` of the GEMV's preloaded form: its whole w slab [BLOCK_N, KP] (K padded to the power of two KP)
-    is loaded first, then it waits for its inputs: PDL's ``griddepcontrol.wait`` (``_gemv_kernel`` with PRELOAD), or
-    with WAIT the counter ``wait_ptr`` reaching ``wait_target`` (kernels/counters.wait_count, which counts a wait it
-    gives up on at ``wait_err``: a program of the decode
-    chain, kernels/decode_chain, whose x another program of the same launch writes). Then x (and the residual) are
-    read and the columns written as ``_gemv_kernel`` writes them."""
+    """Program ``pid`` of the GEMV's preloaded form (``_gemv_kernel`` with PRELOAD): its whole w slab [BLOCK_N, KP]
+    (K padded to the power of two KP) is loaded first, then it waits for its inputs (PDL's ``griddepcontrol.wait``),
+    then x (and the residual) are read and the columns written as ``_gemv_kernel`` writes them."""
     dtype = o_ptr.dtype.element_ty
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < NO
     offs_k = tl.arange(0, KP)
     mask_k = offs_k < K
     w, w_up = _gemv_w(w_ptr, offs_n, mask_n, offs_k, mask_k, swn, NO, SILU_MUL)
-    if WAIT:
-        # the CTA barrier keeps the w loads issued here: without it ptxas sank them below the spin loop (sm_90 SASS)
-        tl.debug_barrier()
-        wait_count(wait_ptr, wait_target, wait_err)
-    else:
-        pdl_enter(USE_PDL)
+    pdl_enter(USE_PDL)
     x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
     h = x
     if HAS_NORM:
@@ -244,8 +236,8 @@ def _gemv_kernel(
     w. (The tile kernel's form of this, a bulk prefetch into L2, lost 8% at batch 1 on the H200; this one moves
     the kernel's own loads, no extra traffic.)"""
     if PRELOAD:
-        gemv_preloaded(x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, o_ptr, tl.program_id(0), NO, eps, swn, None, 0, None, K,
-                       HAS_BIAS, HAS_NORM, HAS_RES, SILU_MUL, BLOCK_N, KP, RNE_EMU, USE_PDL, False)  # fmt: skip
+        gemv_preloaded(x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, o_ptr, tl.program_id(0), NO, eps, swn, K, HAS_BIAS,
+                       HAS_NORM, HAS_RES, SILU_MUL, BLOCK_N, KP, RNE_EMU, USE_PDL)  # fmt: skip
         return
     dtype = o_ptr.dtype.element_ty
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -310,18 +302,12 @@ def default_config(m: int, no: int, k: int, silu_mul: bool, elsize: int = 2) -> 
     return block_m, block_n, block_k, 4, stages, 1
 
 
-# Steps of this many rows (0 or 1) take the GEMV kernel (``_gemv_kernel``) by default; set_gemv changes it
-# (benchmarks/engine.py --no-decode-gemv times the tile kernel instead).
+# Steps of this many rows take the GEMV kernel (``_gemv_kernel``): H200, Qwen3-0.6B, batch 1: 1,129 tok/s vs 927 for
+# the tile kernel (docs/benchmarks.md).
 GEMV_MAX_ROWS = 1
 # ... and K of at most this (the chunks unroll: a longer K means more registers and code; Qwen3-0.6B's longest is
 # 3,072; longer K has not been measured and takes the tile kernel)
 GEMV_MAX_K = 4096
-
-
-def set_gemv(on: bool) -> None:
-    """Whether one-row steps take the GEMV kernel by default (process-wide; read at trace time)."""
-    global GEMV_MAX_ROWS
-    GEMV_MAX_ROWS = 1 if on else 0
 
 
 def uses_gemv(m: int, k: int) -> bool:

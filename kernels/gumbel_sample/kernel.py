@@ -237,18 +237,9 @@ def gumbel_sample(
 LM_HEAD_MAX_ROWS = 64
 """Rows the fused LM-head sampler takes in one row block (so each chunk of the weight is read once)."""
 LM_HEAD_PROGRAMS_PER_SM = 2
-"""Programs per SM the fused LM-head sampler aims at (``set_lm_head_programs_per_sm``). Its bf16 configs run one
+"""Programs per SM the fused LM-head sampler aims at. Its bf16 configs run one
 program per SM (226-248 registers x 8 warps), so 2 is two waves; at Qwen3's 151,936-row head in 128-row tiles that
 rounds to 238 programs of 5 tiles on 132 SMs (the second wave 80% full), 1 to 132 programs of 9 (one full wave)."""
-
-
-def set_lm_head_programs_per_sm(n: int) -> None:
-    """Process-wide (benchmarks/engine.py --lm-head-programs-per-sm); read at each launch, so set it before an engine
-    captures its graphs."""
-    if n < 1:
-        raise ValueError(f"gumbel_sample: programs per SM must be >= 1, got {n}")
-    global LM_HEAD_PROGRAMS_PER_SM
-    LM_HEAD_PROGRAMS_PER_SM = n
 
 
 def lm_head_config(block_b: int, elsize: int) -> tuple[int, int, int, int]:

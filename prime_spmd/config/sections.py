@@ -166,6 +166,8 @@ class TrainerConfig:
     """Stop the run after this many optimizer steps in a row were skipped for a non-finite loss or gradient (0: never)."""
     share_prompts: bool = True
     """Forward a prompt shared by documents of a micro-batch (a GRPO group) once, via an attention mask; dense custom Qwen3 only."""
+    offload: Literal["none", "optimizer"] = "none"
+    """optimizer: AdamW's moments (8 bytes a trained parameter) live in pinned host memory and stream through the device in chunks at each step (docs/memory.md)."""
     compile: Literal["auto", "on", "off"] = "auto"
     """torch.compile each transformer block's forward for training (inductor, dynamic shapes): fewer kernels per step. auto: on for our dense model code (--model.impl custom/auto) on CUDA; off on CPU (compiling costs more than it saves at CPU sizes), for MoE and for transformers models."""
 
@@ -304,8 +306,6 @@ class InferenceConfig:
     """Native engine, paged KV cache: pool size in tokens (0: max_batch_size x max_model_len, the slot cache's memory); smaller bounds KV memory, admission then waits for free blocks."""
     pdl: bool = True
     """Native engine on CUDA: launch the decode step's Triton kernels (decode linears, fused attention, the step's glue) with programmatic dependent launch, so each one's launch overlaps the previous one's tail (kernels/pdl; one-row GEMVs load their weights before the wait: H200, Qwen3-0.6B, batch 1: 1,331 vs 1,225 tok/s without, commit 3836786). Ignored elsewhere."""
-    decode_chain: bool = False
-    """Native engine: one-row decode steps run every decoder layer in one Triton launch (kernels/decode_chain: ticket-ordered work items that load their weights before they wait for the phase before); needs decode_attention fused, decode_linear triton (the CUDA defaults at hidden size <= 1024), kv_cache slot and a dense Llama-style model. Slower than the per-kernel path on an H200 (Qwen3-0.6B batch 1: 870-1,262 vs 1,225 tok/s, commit 3836786)."""
     fused_prefill: Literal["auto", "on", "off"] = "auto"
     """Native engine: prefill runs one pure layer function (fused QKV and gate/up weights; compiled on CUDA, where the module path is ~50 kernels a layer) instead of the model's own modules. auto (the default): on CUDA for dense Llama-style models; on: any device (ValueError for other models); off: the model's modules. H100, Qwen3-0.6B, batch 1: +1.4% tok/s; mismatch KL at 64 rows 3.52e-5 with it, 3.54e-5 without (commit 9715fa2)."""
     decode_steps_per_launch: int = 0

@@ -4,9 +4,7 @@
 ``module:function`` import path, or from a ``.py`` file, and wraps it as our ``Environment``.
 ``VerifiersEnvironment.run_groups`` runs ``env.run_group(..., state_columns=["trajectory", ...])``
 for every example concurrently, with an ``EngineClient`` (prime_spmd/envs/vf_client.py) over one
-``AsyncEngine``, so all rollouts of the call share the engine's continuous batch (``engine_thread=True``:
-a ``ThreadedAsyncEngine`` steps it on a worker thread instead, so the environment's Python runs while the
-device computes; off by default, it was slower on the H200). Single-turn environments take a fast path
+``AsyncEngine``, so all rollouts of the call share the engine's continuous batch. Single-turn environments take a fast path
 instead (vf_single_turn.py: the same steps, one engine batch for the call; ``single_turn_fast_path``).
 Each result becomes a ``Rollout`` built from the trajectory's token ids only (no re-tokenization):
 
@@ -43,7 +41,7 @@ from prime_spmd.envs.vf_client import SEED_KEY, STATS_KEY, ChatRenderer, EngineC
 from prime_spmd.envs.vf_output import failed_group, output_to_rollout
 from prime_spmd.envs.vf_rewards import guard_rubric
 from prime_spmd.envs.vf_single_turn import MODEL, run_single_turn, single_turn_blocker
-from prime_spmd.inference.engine import AsyncEngine, InferenceEngine, SamplingParams, ThreadedAsyncEngine
+from prime_spmd.inference.engine import AsyncEngine, InferenceEngine, SamplingParams
 
 logger = logging.getLogger("prime_spmd")
 
@@ -113,12 +111,9 @@ class VerifiersEnvironment(Environment):
     ``rollout_timeout_s``: sets the environment's ``timeout_seconds`` when it has none (a rollout
     past it stops with ``stop_condition == "timeout_reached"``; counted as ``env_timeouts``).
     ``check_rerender``: count turns whose stitched prompt differs from a fresh render of the messages.
-    ``engine_thread``: step the engine on a worker thread (``ThreadedAsyncEngine``) so that environment
-    code runs while the engine computes; only for engines ``ThreadedAsyncEngine`` allows (the native one).
-    Off by default: on the H200 the in-loop driver was faster (docs/log.md, "environment bridge benchmarks in detail").
     ``single_turn_fast_path``: run environments that ``single_turn_blocker`` (vf_single_turn.py) accepts
     (``max_turns == 1``, e.g. ``vf.SingleTurnEnv``) with ``run_single_turn``: one engine batch per call,
-    the same rollouts; off, or with ``engine_thread``, every environment runs through ``run_group``.
+    the same rollouts; off, every environment runs through ``run_group``.
     ``train_on_eval_split``: an environment without a train dataset trains on its eval split (with a
     warning); without it, asking for the train split of such an environment raises ``ValueError``.
     """
@@ -133,14 +128,12 @@ class VerifiersEnvironment(Environment):
         reward_timeout_s: float | None = 60.0,
         rollout_timeout_s: float | None = None,
         check_rerender: bool = True,
-        engine_thread: bool = False,
         train_on_eval_split: bool = False,
         single_turn_fast_path: bool = True,
     ) -> None:
         self.vf_env = vf_env
         self.single_turn_fast_path = single_turn_fast_path
         self.train_on_eval_split = train_on_eval_split
-        self.engine_thread = engine_thread
         self.name = name
         self.num_eval_examples = num_eval_examples
         self.seed = seed
@@ -156,7 +149,7 @@ class VerifiersEnvironment(Environment):
     @property
     def fast_single_turn(self) -> bool:
         """True when ``run_groups`` takes the single-turn fast path (see the class doc)."""
-        return self.single_turn_fast_path and not self.engine_thread and single_turn_blocker(self.vf_env) is None
+        return self.single_turn_fast_path and single_turn_blocker(self.vf_env) is None
 
     def _split(self, split: Literal["train", "eval"]) -> Any:
         if split not in self._splits:
@@ -228,7 +221,7 @@ class VerifiersEnvironment(Environment):
     ) -> list[list[Rollout]]:
         """``run_groups`` inside a running event loop; every group runs concurrently (``run_group`` each, or
         all through ``run_single_turn`` when ``fast_single_turn``)."""
-        aengine = ThreadedAsyncEngine(engine) if self.engine_thread else AsyncEngine(engine)
+        aengine = AsyncEngine(engine)
         client = EngineClient(
             aengine,
             base=sampling,

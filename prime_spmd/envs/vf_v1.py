@@ -54,7 +54,7 @@ from prime_spmd.envs.base import Environment, completion_text
 from prime_spmd.envs.chat_render import ChatRenderer, split_tool_calls, turn_seed
 from prime_spmd.envs.rollout import Rollout
 from prime_spmd.envs.trajectory import COUNTERS, failed_rollout, stitch_turns
-from prime_spmd.inference.engine import AsyncEngine, InferenceEngine, SamplingParams, ThreadedAsyncEngine
+from prime_spmd.inference.engine import AsyncEngine, InferenceEngine, SamplingParams
 
 logger = logging.getLogger("prime_spmd")
 MODEL_NAME = "prime-spmd"
@@ -325,7 +325,6 @@ class V1Environment(Environment):
     """Our ``Environment`` over a verifiers v1 ``vf.Env`` (see module doc).
 
     ``check_rerender``: count turns whose stitched prompt differs from a fresh render of the messages.
-    ``engine_thread``: step the engine on a worker thread (``ThreadedAsyncEngine``; native engine only).
     """
 
     def __init__(
@@ -336,7 +335,6 @@ class V1Environment(Environment):
         num_eval_examples: int = 64,
         seed: int = 0,
         check_rerender: bool = True,
-        engine_thread: bool = False,
     ) -> None:
         if not v1_env.taskset.bounded:
             raise ValueError(f"--env.name {name!r}: the taskset is infinite; the bridge needs a bounded one")
@@ -345,7 +343,6 @@ class V1Environment(Environment):
         self.num_eval_examples = num_eval_examples
         self.seed = seed
         self.check_rerender = check_rerender
-        self.engine_thread = engine_thread
         self._tasks: list[Any] | None = None
         self._renderer: ChatRenderer | None = None
 
@@ -389,7 +386,7 @@ class V1Environment(Environment):
         seed: int,
     ) -> list[list[Rollout]]:
         """``run_groups`` inside a running event loop; every episode runs concurrently."""
-        aengine = ThreadedAsyncEngine(engine) if self.engine_thread else AsyncEngine(engine)
+        aengine = AsyncEngine(engine)
         client = V1EngineClient(aengine, base=sampling, renderer=self._renderer, check_rerender=self.check_rerender)
         self._renderer = client.renderer  # reused by the next call: its prompt cache stays warm
         ctx = vf.ModelContext(

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -91,6 +90,19 @@ class InferenceEngine(abc.ABC):
     @abc.abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy (HF name, tensor) pairs into the model in place (no re-allocation), then ``reset_cache``."""
+
+    def load_lora_weights(self, adapters: Iterable[tuple[str, torch.Tensor]], scale: float) -> None:
+        """Take LoRA adapter tensors (HF module names + ``.lora_A.weight`` / ``.lora_B.weight``) of adapters that
+        scale by ``scale`` (alpha / rank). A bucketed update calls it once per bucket (a pair may span two calls),
+        then ``finish_weight_update``. The caller may reuse the tensors' storage once it returns. Engines that can
+        take adapters override it; this one raises ValueError."""
+        raise ValueError(
+            f"LoRA weight sync: {type(self).__name__} takes no adapters: use --inference.engine=native with "
+            "--model.lora.rank > 0"
+        )
+
+    def finish_weight_update(self) -> None:  # noqa: B027  (a hook: engines with nothing to close keep it)
+        """Close a weight update (after its last ``load_weights`` / ``load_lora_weights``); nothing to do here."""
 
     @abc.abstractmethod
     def reset_cache(self) -> None:
@@ -202,116 +214,3 @@ class AsyncEngine:
         cancelled rollout), so the engine is left empty for its next user. Call before leaving the loop."""
         if self._driver is not None:
             await self._driver
-
-
-class ThreadedAsyncEngine(AsyncEngine):
-    """``AsyncEngine`` that steps the engine on one worker thread, so the event loop's Python (environment
-    code, chat rendering, scoring of finished rollouts) runs while the engine computes: a GPU step waits
-    in its device sync with the GIL released. Only for engines that any one thread may drive and whose
-    step grouping may depend on timing (the native engine; not engines whose ranks step in lockstep, e.g.
-    vLLM with tp > 1); the verifiers bridge uses it only with ``engine_thread=True``.
-
-    Every engine call (``add_request``, ``step``, ``has_unfinished``) is made on the worker. The requests
-    submitted during one event-loop iteration reach the engine together (coroutines started together
-    share a step, as with ``AsyncEngine``); later ones join the next step. The worker starts with the
-    first request and ends in ``aclose`` (which the owner must await) once the engine is empty. It
-    copies the loop thread's CUDA device and grad mode (thread-local in torch). A failed step is
-    handed to every waiter and kept in ``failure``, as in ``AsyncEngine``.
-    """
-
-    def __init__(self, engine: InferenceEngine) -> None:
-        super().__init__(engine)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._batch: list[tuple[Request, asyncio.Future]] = []
-        """Loop thread only: submitted during this loop iteration, not yet handed to the worker."""
-        self._cond = threading.Condition()
-        self._inbox: list[tuple[Request, asyncio.Future]] = []
-        """Under ``_cond``: handed to the worker, not yet added to the engine."""
-        self._closing = False
-        self._thread: threading.Thread | None = None
-        self._exited: asyncio.Future | None = None
-
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Completion:
-        if self.failure is not None:
-            raise RuntimeError("the inference engine failed earlier; no new requests") from self.failure
-        assert not self._closing, "generate after aclose"
-        loop = self._loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        if not self._batch:
-            loop.call_soon(self._hand_over)
-        self._batch.append(
-            (Request(prompt_ids=list(prompt_ids), sampling=sampling, request_id=f"async-{self._next_id}"), fut)
-        )
-        self._next_id += 1
-        if self._thread is None:
-            self._exited = loop.create_future()
-            cuda = torch.cuda.current_device() if torch.cuda.is_initialized() else None
-            args = (loop, cuda, torch.is_grad_enabled())
-            self._thread = threading.Thread(target=self._work, args=args, name="ps-engine", daemon=True)
-            self._thread.start()
-        return await fut
-
-    def _hand_over(self) -> None:
-        batch, self._batch = self._batch, []
-        with self._cond:
-            if self.failure is None:
-                self._inbox += batch
-                self._cond.notify()
-                return
-        for _, fut in batch:
-            _settle(fut, False, RuntimeError("the inference engine failed earlier; no new requests"))
-
-    def _work(self, loop: asyncio.AbstractEventLoop, cuda: int | None, grad: bool) -> None:
-        torch.set_grad_enabled(grad)
-        if cuda is not None:
-            torch.cuda.set_device(cuda)
-        futures: dict[int | str, asyncio.Future] = {}
-        try:
-            while True:
-                with self._cond:
-                    while not self._inbox and not self.engine.has_unfinished():
-                        if self._closing:
-                            return
-                        self._cond.wait()
-                    batch, self._inbox = self._inbox, []
-                for request, fut in batch:
-                    try:
-                        self.engine.add_request(request)
-                    # A bad request (too long, bad ids) fails its own caller, as add_request in AsyncEngine does.
-                    except Exception as e:  # noqa: BLE001
-                        loop.call_soon_threadsafe(_settle, fut, False, e)
-                        continue
-                    futures[request.request_id] = fut
-                done = self.engine.step()
-                if done:
-                    loop.call_soon_threadsafe(_settle_all, [(futures.pop(c.request_id), c) for c in done])
-        # Any engine error: delivered to every waiter (each re-raises it), as in AsyncEngine._drive.
-        except Exception as e:  # noqa: BLE001
-            with self._cond:
-                self.failure = e
-                waiting = list(futures.values()) + [fut for _, fut in self._inbox]
-                self._inbox = []
-            loop.call_soon_threadsafe(_settle_all, [(fut, e) for fut in waiting], False)
-        finally:
-            loop.call_soon_threadsafe(_settle, self._exited, True, None)
-
-    async def aclose(self) -> None:
-        """Let the worker finish every request (also ones nobody awaits any more), then wait for it to exit."""
-        if self._thread is None:
-            return
-        with self._cond:
-            self._closing = True
-            self._cond.notify()
-        assert self._exited is not None
-        await self._exited
-        self._thread.join()
-
-
-def _settle(fut: asyncio.Future, ok: bool, value: Any) -> None:
-    if not fut.done():
-        fut.set_result(value) if ok else fut.set_exception(value)
-
-
-def _settle_all(pairs: list[tuple[asyncio.Future, Any]], ok: bool = True) -> None:
-    for fut, value in pairs:
-        _settle(fut, ok, value)

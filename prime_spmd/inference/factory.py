@@ -22,7 +22,6 @@ NATIVE_ONLY = (
     "kv_block_size",
     "kv_cache_tokens",
     "pdl",
-    "decode_chain",
     "fused_prefill",
     "decode_steps_per_launch",
 )
@@ -78,7 +77,6 @@ def build_engine(
         kv_block_size=inference_cfg.kv_block_size,
         kv_cache_tokens=inference_cfg.kv_cache_tokens,
         pdl=inference_cfg.pdl,
-        decode_chain=inference_cfg.decode_chain,
         fused_prefill=fused_prefill_choice(inference_cfg.fused_prefill),
         decode_steps_per_launch=inference_cfg.decode_steps_per_launch,
     )

@@ -21,6 +21,7 @@ See docs/inference.md for the logprob contract and the seeding scheme.
 from __future__ import annotations
 
 import collections
+import math
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from prime_spmd.inference.kv_cache import PagedKVCache, bucket_sizes, pick_bucke
 from prime_spmd.inference.runner import DecodeAttention, DecodeLinear, KVCacheKind, build_runner
 from prime_spmd.inference.sampling import Sampler, SamplingTensors, make_sampler, resolve_sampler
 from prime_spmd.kernels.decode_glue.reference import advance_reference as advance_decode_state
+from prime_spmd.models.lora import LoraMerger, base_name
 from prime_spmd.models.registry import adapter_for
 
 # Prefills of up to this many padded tokens (row bucket x length bucket) run as captured CUDA graphs (CUDA, the slot
@@ -95,9 +97,7 @@ class NativeEngine(InferenceEngine):
     hold; a sequence takes the blocks of its prompt + max_tokens, a group's samples share their prompt's blocks,
     and admission waits while the pool is short). ``pdl``: launch the decode step's Triton kernels (decode linears,
     the fused attention) with programmatic dependent launch (kernels/pdl; CUDA, process-wide; ``self.pdl`` says
-    whether it is on). ``decode_chain``: one-row decode steps run every layer in one launch (kernels/decode_chain;
-    needs attention "fused", linear "triton", the slot cache and a dense Llama-style model: CUDA, or the Triton
-    interpreter). ``fused_prefill``: prefill through one pure layer function (fused QKV / gate-up weights, compiled
+    whether it is on). ``fused_prefill``: prefill through one pure layer function (fused QKV / gate-up weights, compiled
     on CUDA) instead of the model's modules (dense Llama-style models; None: on CUDA). Call every method from one thread.
     """
 
@@ -122,7 +122,6 @@ class NativeEngine(InferenceEngine):
         kv_block_size: int = 16,
         kv_cache_tokens: int = 0,
         pdl: bool = True,
-        decode_chain: bool = False,
         fused_prefill: bool | None = None,
         decode_steps_per_launch: int = 0,
     ) -> None:
@@ -151,7 +150,6 @@ class NativeEngine(InferenceEngine):
             kv_cache=kv_cache,
             kv_block_size=kv_block_size,
             kv_cache_tokens=kv_cache_tokens,
-            decode_chain=decode_chain,
             fused_prefill=fused_prefill,
         )
         self.vocab_size = self.runner.vocab_size
@@ -216,6 +214,8 @@ class NativeEngine(InferenceEngine):
         """Prompt tokens run through the model (shared prompts counted once)."""
         self.num_prompt_tokens = 0
         """Prompt tokens admitted."""
+        self._lora: LoraMerger | None = None
+        """LoRA weight updates: the base weights and pending adapters (``load_lora_weights``)."""
 
     # ---- interface -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -260,9 +260,6 @@ class NativeEngine(InferenceEngine):
         if self._pending is not None:
             self._collect(self._pending, done)
         self._pending = launched
-        chain = getattr(self.runner, "chain", None)
-        if done and chain is not None:  # completions were read from the device: one more int is cheap
-            chain.check()  # RuntimeError if a decode-chain wait gave up (kernels/decode_chain): wrong tokens
         return done
 
     @torch.no_grad()
@@ -321,6 +318,33 @@ class NativeEngine(InferenceEngine):
                 )
             p.copy_(tensor)
         self.reset_cache()
+
+    @torch.no_grad()
+    def load_lora_weights(self, adapters: Iterable[tuple[str, torch.Tensor]], scale: float) -> None:
+        """Merge each (A, B) pair into its base weight, W0 + scale * B @ A, and load it (``load_weights``). W0 is the
+        weight the model held when its adapters first arrived (the one it loaded from disk), kept for every later
+        update."""
+        if self._lora is None:
+            self._lora = LoraMerger({}, [], scale)
+        elif not math.isclose(scale, self._lora.scale):
+            raise ValueError(f"LoRA weight sync: adapters scale by {scale}, earlier updates by {self._lora.scale}")
+        merger, params = self._lora, dict(self.model.named_parameters(remove_duplicate=False))
+
+        def with_base_read(items):  # lazily: the sender's bucket views are valid only until the next bucket
+            for name, t in items:
+                w = base_name(name)  # W0 is read at its first adapter, before a merged weight is written over it
+                if w not in merger.w0:
+                    if w not in params:
+                        raise ValueError(f"LoRA weight sync: the engine's model has no base weight {w!r}")
+                    merger.w0[w] = params[w].detach().clone()
+                yield name, t
+
+        self.load_weights(merger.merge(with_base_read(adapters)))
+
+    def finish_weight_update(self) -> None:
+        """Assert every adapter of a LoRA update found its pair."""
+        if self._lora is not None:
+            self._lora.check_done()
 
     # ---- scheduling ------------------------------------------------------------------------
     def _admit(self, done: list[Completion]) -> None:

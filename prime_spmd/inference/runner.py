@@ -210,12 +210,6 @@ def make_decode_layer(
     return layer
 
 
-def chain_inputs(pos_B, cos_TcDh, sin_TcDh, kv_len: int):
-    """RoPE rows [B, Dh] at ``pos_B`` and the attended lengths min(pos + 1, kv_len): what a decode-chain step reads
-    besides its embedding row."""
-    return cos_TcDh[pos_B], sin_TcDh[pos_B], (pos_B + 1).clamp(max=kv_len)
-
-
 def make_prefill_layer(num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float):
     """One decoder layer of a prefill as a pure function of tensors (``torch.compile`` fuses its norms, q/k norm, RoPE
     and elementwise ops: the module path is ~50 kernels a layer), the op-for-op math of ``LlamaStyleRunner.prefill``'s
@@ -286,8 +280,6 @@ class LlamaStyleRunner:
     ``self.linear``; the model's own submodules, used otherwise, ignore it). ``kv_cache`` picks the cache
     (``build_kv_cache``): "slot" (a whole slot per sequence) or "paged" (blocks of ``kv_block_size`` positions
     from a pool of ``kv_cache_tokens`` tokens; shared prompt blocks), read by both decode paths and both attentions.
-    ``decode_chain``: one-row decode steps run all layers in one launch (kernels/decode_chain; needs the fused decode
-    layer with attention "fused", linear "triton" and the slot cache, else ValueError naming what differs).
     ``fused_prefill``: prefill runs ``make_prefill_layer`` (fused QKV / gate-up weights, compiled on CUDA) instead of
     the model's modules (dense Llama-style models only, else ValueError); None: on CUDA where the model allows it.
     """
@@ -304,7 +296,6 @@ class LlamaStyleRunner:
         kv_cache: KVCacheKind = "slot",
         kv_block_size: int = 16,
         kv_cache_tokens: int = 0,
-        decode_chain: bool = False,
         fused_prefill: bool | None = None,
     ) -> None:
         attention = resolve_decode_attention(attention, device)
@@ -343,7 +334,6 @@ class LlamaStyleRunner:
             self._setup_fused_decode(model, compile_decode and device.type == "cuda")
         elif self.attention == "fused":  # the models' own modules compute q/k: the kernel cannot take them over
             self.attention = "triton"
-        self.chain = self._build_chain(kv_cache) if decode_chain else None
         # the Triton decode path (decode linears triton: CUDA's default at hidden size <= 1024) also takes the step's
         # inputs and the engine's state advance from kernels/decode_glue: one launch each instead of five and four
         self.glue = (
@@ -364,32 +354,6 @@ class LlamaStyleRunner:
                 raise ValueError(f"fused_prefill needs a dense Llama-style decoder, not {type(model).__name__}")
             fn = make_prefill_layer(self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale)
             self.prefill_layer = compile_exact(fn) if compile_decode and device.type == "cuda" else fn
-        # the chain step's inputs in one compiled kernel on CUDA (eager: four small ones)
-        self.chain_glue = compile_exact(chain_inputs) if decode_chain and compile_decode and device.type == "cuda" else (
-            chain_inputs
-        )  # fmt: skip
-
-    def _build_chain(self, kv_cache: str):
-        """The one-launch decode of one-row steps (kernels/decode_chain), or ValueError naming what it cannot take."""
-        wrong = [
-            f"{name} {got!r} (want {want!r})"
-            for name, got, want in (
-                ("decode attention", self.attention, "fused"),
-                ("decode linear", self.linear, "triton"),
-                ("KV cache", kv_cache, "slot"),
-                (
-                    "model",
-                    "dense Llama-style" if self.layer_args is not None else type(self.model).__name__,
-                    "dense Llama-style",
-                ),
-            )  # fmt: skip
-            if got != want
-        ]
-        if wrong:
-            raise ValueError(f"decode_chain needs the fused decode layer's Triton path: {', '.join(wrong)}")
-        from prime_spmd.kernels.decode_chain.kernel import DecodeChain
-
-        return DecodeChain(self.layer_args, self.cache.k, self.cache.v, self.num_heads, self.scale, self.eps)
 
     def _setup_fused_decode(self, model: torch.nn.Module, compile_decode: bool) -> None:
         layers = model.model.layers
@@ -522,21 +486,7 @@ class LlamaStyleRunner:
         h = self.inner.norm(x[:, 0])
         return self._lm_head(h) if head else h
 
-    def _decode_chain(self, ids_B: torch.Tensor, pos_B: torch.Tensor, kv_len: int, head: bool) -> torch.Tensor:
-        """A one-row step through kernels/decode_chain: the embedding row written straight into the chain's input (a
-        plain nn.Embedding), RoPE rows and the attended length in one compiled op (CUDA), the layers in one launch."""
-        embed = self.inner.embed_tokens
-        if type(embed) is torch.nn.Embedding:
-            torch.index_select(embed.weight, 0, ids_B, out=self.chain.input())
-        else:
-            self.chain.input().copy_(embed(ids_B))
-        cos, sin, lens = self.chain_glue(pos_B, self.cos_TcDh, self.sin_TcDh, kv_len)
-        h = self.final_norm(self.chain(cos, sin, pos_B, lens, kv_len), *self.final_norm_args)
-        return self._lm_head(h) if head else h
-
     def _decode_fused(self, ids_B: torch.Tensor, pos_B: torch.Tensor, kv_len: int, head: bool) -> torch.Tensor:
-        if self.chain is not None and ids_B.shape[0] == 1:  # all layers in one launch (kernels/decode_chain)
-            return self._decode_chain(ids_B, pos_B, kv_len, head)
         if self.glue:  # the embedding / RoPE rows and lengths in one launch (kernels/decode_glue)
             x, cos, sin, lens_B = self.step_inputs(ids_B, pos_B, self.inner.embed_tokens.weight, self.cos_TcDh,
                                               self.sin_TcDh, kv_len)  # fmt: skip
@@ -616,10 +566,9 @@ def build_runner(
     kv_cache: KVCacheKind = "slot",
     kv_block_size: int = 16,
     kv_cache_tokens: int = 0,
-    decode_chain: bool = False,
     fused_prefill: bool | None = None,
 ):
-    """The fastest runner that supports ``model`` (``attention``, ``linear``, ``kv_cache``, ``decode_chain``,
+    """The fastest runner that supports ``model`` (``attention``, ``linear``, ``kv_cache``,
     ``fused_prefill``: see ``LlamaStyleRunner``; the generic runner keeps token ids, no KV cache, and ignores the first
     three; ``fused_prefill`` None is off there)."""
     if adapter_for(model).supports_slot_cache():
@@ -634,11 +583,8 @@ def build_runner(
             kv_cache,
             kv_block_size,
             kv_cache_tokens,
-            decode_chain,
             fused_prefill,
         )
-    if decode_chain or fused_prefill:
-        raise ValueError(
-            f"decode_chain / fused_prefill need a Llama-style decoder with a KV cache, not {type(model).__name__}"
-        )
+    if fused_prefill:
+        raise ValueError(f"fused_prefill needs a Llama-style decoder with a KV cache, not {type(model).__name__}")
     return GenericRunner(model, num_slots, max_len, device)

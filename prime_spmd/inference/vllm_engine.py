@@ -50,6 +50,7 @@ the ``uni`` executor runs the worker in this process. Only worlds of one inferen
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Literal
@@ -433,11 +434,6 @@ class VLLMEngine(InferenceEngine):
         """The policy version of the weights held; set by the caller after a complete update (not here)."""
         self.lora = AdapterUpdates(lora, base_model, lora_request_cls) if lora is not None and lora.rank > 0 else None
 
-    @property
-    def lora_scale(self) -> float:
-        """alpha / rank of the LoRA adapters vLLM runs itself (weights.py then sends them unmerged); 0.0: none."""
-        return self.lora.scale if self.lora is not None else 0.0
-
     # -- step-wise interface: queue, then flush as one vLLM batch
     def add_request(self, request: Request) -> None:
         """Queue ``request``; the next ``step`` runs it (with everything else queued) to completion."""
@@ -480,22 +476,37 @@ class VLLMEngine(InferenceEngine):
         cache. Each call streams its iterator through the worker's ``model.load_weights``; the
         tensors are copied, so the caller may reuse their storage as soon as this returns. Runs on
         every rank of the tp group with the full tensors (each rank's weight loaders take their shard).
-        Does not touch ``weights_version``. With LoRA the pairs are adapter tensors (HF module names +
-        ``.lora_A.weight``/``.lora_B.weight``), copied to CPU and installed as one new vLLM adapter when
-        the update closes; any other name raises ``ValueError``.
+        Does not touch ``weights_version``. An engine built with LoRA takes adapters only
+        (``load_lora_weights``): ValueError here.
         """
         if self._queue:
             raise RuntimeError("load_weights with queued requests: step() them first")
         if self.lora is not None:
-            num_loaded = self.lora.add(weights)
-            self._updating = True
-            logger.debug(f"vllm: staged {num_loaded} adapter tensors")
-            return
+            raise ValueError(
+                "weight sync: full weights for a vLLM engine built with LoRA; build both from the same --model.lora"
+            )
         if not self._updating:
             self.llm.collective_rpc("prime_spmd_start_update")
             self._updating = True
         (num_loaded, *_) = self.llm.collective_rpc("prime_spmd_load_weights", args=(weights,))
         logger.debug(f"vllm: loaded {num_loaded} parameters")
+
+    def load_lora_weights(self, adapters: Iterable[tuple[str, torch.Tensor]], scale: float) -> None:
+        """With LoRA (``--model.lora``): stage adapter tensors (copied to CPU) for vLLM's own LoRA layers; the
+        update closes (``finish_weight_update``, or the next ``generate``/``step``) by installing them as one new
+        vLLM adapter. ValueError for a scale other than the engine's or a name that is not an adapter's."""
+        if self.lora is None:
+            super().load_lora_weights(adapters, scale)
+        if not math.isclose(scale, self.lora.scale):
+            raise ValueError(
+                f"LoRA weight sync: the trainer's adapters scale by {scale} (alpha / rank), the engine's "
+                f"by {self.lora.scale}: build both from the same --model.lora"
+            )
+        if self._queue:
+            raise RuntimeError("load_lora_weights with queued requests: step() them first")
+        num_loaded = self.lora.add(adapters)
+        self._updating = True
+        logger.debug(f"vllm: staged {num_loaded} adapter tensors")
 
     def finish_weight_update(self) -> None:
         """Close the open weight update, if any: process the loaded layers, then reset the prefix cache."""

@@ -14,15 +14,13 @@ Colocated mode: the same per-bucket gather, then an in-process copy into the ran
 ``load_weights`` call per sync; with one trainer rank, straight from the parameters).
 
 LoRA (the LM has ``LoraLinear`` modules, docs/lora.md): the spec lists the adapter tensors only
-(``lora_scale`` > 0), so only they travel, by the same buckets; the receiving side merges each
-(A, B) pair into W0 + scale * B @ A against its own copy of the frozen base weights (``LoraMerger``)
-and loads the merged weights through the same ``engine.load_weights``. An engine that runs adapters
-itself (the vLLM engine built with LoRA: ``engine.lora_scale`` > 0) gets the adapter tensors unmerged.
+(``lora_scale`` > 0), so only they travel, by the same buckets, into ``engine.load_lora_weights``; how the engine
+takes them (merged into its base weights, or its own LoRA layers) is the engine's business. Every update ends with
+``engine.finish_weight_update``.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -35,7 +33,7 @@ from torch.distributed.tensor import DTensor, Shard
 from prime_spmd.distributed.fsdp import unwrapped_name
 from prime_spmd.distributed.groups import Bridge
 from prime_spmd.distributed.topology import CONTROLLER_RANK
-from prime_spmd.models.lora import LoraMerger, is_adapter, lora_scale
+from prime_spmd.models.lora import is_adapter, lora_scale
 
 if TYPE_CHECKING:  # annotations only: distributed/ does not import inference/ at run time
     from prime_spmd.inference.engine import InferenceEngine
@@ -75,35 +73,11 @@ def build_spec(lm: nn.Module, wire_dtype: torch.dtype) -> WeightSpec:
     )
 
 
-def engine_base_weights(engine: InferenceEngine) -> dict[str, torch.Tensor]:
-    """The engine's model parameters by name (the native engine's ``model``), for LoRA merging."""
-    model = getattr(engine, "model", None)
-    if not isinstance(model, nn.Module):
-        raise ValueError(
-            f"LoRA weight sync needs an engine whose model parameters it can read ({type(engine).__name__} has "
-            "none): use --inference.engine=native with --model.lora.rank > 0"
-        )
-    return dict(model.named_parameters(remove_duplicate=False))
-
-
-def lora_merger(spec: WeightSpec, engine: InferenceEngine) -> LoraMerger | None:
-    """A ``LoraMerger`` over ``engine``'s current (base) weights when ``spec`` carries adapters, else None.
-
-    None also when the engine applies the adapters itself (``engine.lora_scale`` > 0: vLLM's LoRA
-    layers, inference/vllm_lora.py); then its scale must be the trainer's."""
-    engine_scale = getattr(engine, "lora_scale", 0.0)
-    if not engine_scale:
-        return LoraMerger(engine_base_weights(engine), spec.names, spec.lora_scale) if spec.lora_scale else None
+def loader(engine: InferenceEngine, spec: WeightSpec):
+    """``engine.load_weights``, or for adapter tensors (``spec.lora_scale`` > 0) ``engine.load_lora_weights``."""
     if not spec.lora_scale:
-        raise ValueError(
-            "weight sync: full weights for an engine built with LoRA; build both from the same --model.lora"
-        )
-    if not math.isclose(spec.lora_scale, engine_scale):
-        raise ValueError(
-            f"LoRA weight sync: the trainer's adapters scale by {spec.lora_scale} (alpha / rank), the engine's "
-            f"by {engine_scale}: build both from the same --model.lora"
-        )
-    return None
+        return engine.load_weights
+    return lambda items: engine.load_lora_weights(items, spec.lora_scale)
 
 
 def plan_buckets(spec: WeightSpec, bucket_bytes: int) -> list[list[int]]:
@@ -160,7 +134,6 @@ class WeightSender:
                 o += _numel(self.spec.shapes[i])
             self._offsets.append((offs, o))
         self._max_bucket = max(total for _, total in self._offsets)
-        self._mergers: dict[int, LoraMerger | None] = {}  # colocated: per engine, built at its first copy
 
     @torch.no_grad()
     def _gather(self, b: int, params: list[torch.Tensor], flat: torch.Tensor | None, bufs: dict) -> None:
@@ -270,22 +243,14 @@ class WeightSender:
         named = synced_parameters(self.lm)
         params = [p for _, p in named]
         device = self._device(params)
-        load = engine.load_weights
-        if id(engine) not in self._mergers:  # the engine still holds the base weights it loaded from disk
-            self._mergers[id(engine)] = lora_merger(self.spec, engine)
-        merger = self._mergers[id(engine)]
-        if merger is not None:
-
-            def load(items):
-                engine.load_weights(merger.merge(items))
-                merger.check_done()
-
+        load = loader(engine, self.spec)
         if self._single_rank(params):
             # nothing to gather: one load_weights call (one cache reset), straight from the parameters
             load(
                 (name, (p.to_local() if hasattr(p, "to_local") else p).detach().to(self.spec.dtype))
                 for name, p in named
             )
+            engine.finish_weight_update()
             engine.weights_version = version
             return elapsed_s(t0, device)
         bufs: dict = {}
@@ -301,6 +266,7 @@ class WeightSender:
                     yield self.spec.names[i], flat[offs[j] : offs[j] + n].view(self.spec.shapes[i])
 
         load(weights())  # consumes each bucket's views before the next gather reuses `stage`
+        engine.finish_weight_update()
         engine.weights_version = version
         return elapsed_s(t0, device)
 
@@ -313,7 +279,7 @@ class WeightReceiver:
         self.buckets = plan_buckets(spec, bucket_bytes)
         self._sizes = [[_numel(spec.shapes[i]) for i in idx] for idx in self.buckets]
         self._max_bucket = max(sum(s) for s in self._sizes)
-        self.merger = lora_merger(spec, engine)  # built before the first receive: the engine holds the base
+        self._load = loader(engine, spec)
 
     @torch.no_grad()
     def recv(self, bridge: Bridge) -> float:
@@ -328,8 +294,7 @@ class WeightReceiver:
             bridge.broadcast(flat, src=CONTROLLER_RANK)
             views = flat.split(sizes)
             items = ((self.spec.names[i], v.view(self.spec.shapes[i])) for i, v in zip(idx, views))
-            self.engine.load_weights(items if self.merger is None else self.merger.merge(items))
-        if self.merger is not None:
-            self.merger.check_done()
+            self._load(items)
+        self.engine.finish_weight_update()
         self.engine.weights_version = int(header.item())
         return elapsed_s(t0, self.device)

@@ -24,7 +24,6 @@ warnings.filterwarnings("ignore")
 
 import triton  # noqa: E402
 from prime_spmd.kernels.decode_attention import kernel as attention  # noqa: E402
-from prime_spmd.kernels.decode_chain import kernel as chain  # noqa: E402
 from prime_spmd.kernels.decode_glue import kernel as glue  # noqa: E402
 from prime_spmd.kernels.decode_linear import kernel as linear  # noqa: E402
 from prime_spmd.kernels.gumbel_sample import kernel as sampler  # noqa: E402
@@ -197,24 +196,6 @@ def variants():
             },  # fmt: skip
             {"num_warps": 4, "num_stages": 2},
         )
-    # the decode chain at the Qwen3-0.6B shape (its default items; 6 splits of one tile: 384 positions), and with the
-    # preloaded attention tile
-    bn = [
-        chain.slab_columns(k, s, chain.DEFAULT_SLAB_BYTES, 2) for k, s in ((1024, 1), (2048, 1), (1024, 2), (3072, 1))
-    ]
-    for preload in (False, True):
-        yield (
-            f"decode_chain qwen3-0.6b{' preload tile' if preload else ''}",
-            chain._chain_kernel,
-            sig("tab_ptr act_ptr acc_ptr ml_ptr cnt_ptr comb_ptr err_ptr cos_ptr sin_ptr pos_ptr lens_ptr eps qk_scale max_len "
-                "sk_nkv sk_tc acc_stride ml_stride",
-                "*i64 *bf16 *fp32 *fp32 *i32 *i32 *i32 *bf16 *bf16 *i64 *i64 fp32 fp32 i32 i32 i32 i32 i32"),
-            {"D": 1024, "DI": 3072, "NKV": 8, "G": 2, "DH": 128, "BN_QKV": bn[0], "BN_O": bn[1], "BN_GU": bn[2],
-             "BN_DOWN": bn[3], "KP_D": 1024, "KP_Q": 2048, "KP_I": 4096, "NUM_SPLITS": 6, "SPLIT_LEN": 64,
-             "BLOCK_G": 16, "BLOCK_DH": 128, "BLOCK_TC": 64, "QKV_BIAS": False, "O_BIAS": False, "QK_NORM": True,
-             "PRELOAD_TILE": preload, "UPCAST": False, "IEEE": False, "RNE_EMU": False},
-            {"num_warps": 4, "num_stages": 1},
-        )  # fmt: skip
     # the LM-head logprob kernels (trainer): every autotune config, bf16 inputs, fp32 statistics
     for i, cfg in enumerate(lm._cuda_configs()):
         opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
@@ -291,35 +272,6 @@ def resource_usage(cubin: bytes) -> str:
     return next((x.strip() for x in out.splitlines() if "REG:" in x), "")
 
 
-HINTED = ("decode_chain",)
-"""Variants compiled with the launch's divisibility hints (16 bytes) on their pointers and the ints named in
-``HINTED_INTS``, as a launch with aligned tensors specializes them; the rest compile without (every load scalar)."""
-HINTED_INTS = ("sk_nkv", "sk_tc", "acc_stride", "ml_stride")
-
-
-def hints(fn, signature: dict[str, str]) -> dict:
-    names = fn.arg_names
-    return {(names.index(a),): [["tt.divisibility", 16]] for a in signature if a.endswith("_ptr") or a in HINTED_INTS}
-
-
-def preloading_branches(cubin: bytes) -> int | None:
-    """How many EXIT-terminated stretches of the SASS issue a 16-byte global load before their first volatile spin load
-    (``LDG.E.STRONG.SYS``, kernels/counters.wait_count): the decode chain's GEMV phases must (ptxas once sank them
-    below the spin). None where cuobjdump is missing."""
-    tool = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
-    if not tool.is_file():
-        return None
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True).stdout
-    count = 0
-    for stretch in sass.split("EXIT"):
-        spin, vec = stretch.find("LDG.E.STRONG.SYS"), stretch.find("LDG.E.128")
-        count += -1 < vec < spin
-    return count
-
-
 def main() -> int:
     failed = 0
     for name, fn, signature, constexprs, options in variants():
@@ -327,7 +279,6 @@ def main() -> int:
             fn=fn,
             signature={**signature, **{k: "constexpr" for k in constexprs}},
             constexprs=constexprs,
-            attrs=hints(fn, signature) if name.startswith(HINTED) else {},
         )
         try:
             compiled = triton.compile(source, target=TARGET, options=options)
@@ -352,17 +303,6 @@ def main() -> int:
         if " pdl" in name and not all(f"griddepcontrol.{i}" in compiled.asm["ptx"] for i in PDL_INSTRUCTIONS):
             failed += 1
             print(f"FAILED  {name}: no griddepcontrol instructions in the PTX", flush=True)
-            continue
-        if name.startswith("decode_chain") and ptx.count("ld.global.v4.b32") < 32:  # weights from the address table
-            failed += 1
-            print(
-                f"FAILED  {name}: weight loads not vectorized (16-byte ld.global.v4: {ptx.count('ld.global.v4.b32')})"
-            )
-            continue
-        preloading = preloading_branches(compiled.asm["cubin"]) if name.startswith("decode_chain") else None
-        if preloading is not None and preloading < 4:  # qkv, o, gate/up, down
-            failed += 1
-            print(f"FAILED  {name}: {preloading} of the 4 GEMV phases load weights before they wait (sm_90 SASS)")
             continue
         if name.startswith(NO_SPILLS) and usage and "STACK:0 " not in usage + " ":
             failed += 1

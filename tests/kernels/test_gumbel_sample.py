@@ -134,24 +134,18 @@ def test_compiled_and_captured_on_cuda() -> None:
     torch.testing.assert_close(lp[same], ref_lp[same], rtol=0, atol=1e-4)
 
 
-def test_lm_head_programs_per_sm_knob() -> None:
-    """The fused LM-head sampler's programs-per-SM knob (benchmarks/engine.py --lm-head-programs-per-sm): validated,
-    and on a GPU the same samples at 1 and 2 (chunking changes only how exact maxima are merged; the interpreter
-    takes <= 3 chunks either way)."""
+def test_lm_head_programs_per_sm(monkeypatch) -> None:
+    """The fused LM-head sampler's programs per SM (``LM_HEAD_PROGRAMS_PER_SM``): on a GPU the same samples at 1 and 2
+    (chunking changes only how exact maxima are merged; the interpreter takes <= 3 chunks either way)."""
     from prime_spmd.kernels.gumbel_sample import kernel
 
-    with pytest.raises(ValueError, match="programs per SM must be >= 1, got 0"):
-        kernel.set_lm_head_programs_per_sm(0)
     gen = torch.Generator().manual_seed(4)
     h = torch.randn(2, 48, generator=gen).to(DEVICES[0])
     w = (torch.randn(300, 48, generator=gen) * 0.3).to(DEVICES[0])
     temp, seeds, steps = torch.ones(2), torch.tensor([3, 9]), torch.tensor([0, 5])
     temp, seeds, steps = (t.to(DEVICES[0]) for t in (temp, seeds, steps))
-    try:
-        outs = []
-        for n in (1, 2):
-            kernel.set_lm_head_programs_per_sm(n)
-            outs.append(gumbel_sample_lm_head(h, w, temp, seeds, steps)[0])
-    finally:
-        kernel.set_lm_head_programs_per_sm(2)
+    outs = []
+    for n in (1, 2):
+        monkeypatch.setattr(kernel, "LM_HEAD_PROGRAMS_PER_SM", n)
+        outs.append(gumbel_sample_lm_head(h, w, temp, seeds, steps)[0])
     assert torch.equal(outs[0], outs[1])

@@ -351,18 +351,17 @@ class SlowEngine(FakeStepEngine):
         return 100, -1.0
 
 
-@pytest.mark.parametrize("threaded", [False, True])
-def test_async_fronts_drain_cancelled_requests_and_fail_bad_ones(qwen3_tokenizer, threaded):
+def test_async_front_drains_cancelled_requests_and_fails_bad_ones(qwen3_tokenizer):
     """A request whose caller was cancelled (a rollout timeout) still runs to the end before ``aclose``
     returns, so the engine is left empty; a request the engine rejects fails only its own caller."""
     import asyncio
 
-    from prime_spmd.inference.engine import AsyncEngine, ThreadedAsyncEngine
+    from prime_spmd.inference.engine import AsyncEngine
 
     engine = SlowEngine(qwen3_tokenizer)
 
     async def main() -> list:
-        front = (ThreadedAsyncEngine if threaded else AsyncEngine)(engine)
+        front = AsyncEngine(engine)
         short = front.generate([1, 2], SamplingParams(max_tokens=3))
         long = asyncio.wait_for(front.generate([3], SamplingParams(max_tokens=40)), timeout=0.05)
         bad = front.generate([], SamplingParams(max_tokens=3))
@@ -374,19 +373,18 @@ def test_async_fronts_drain_cancelled_requests_and_fail_bad_ones(qwen3_tokenizer
     assert short.token_ids == [100] * 3
     assert isinstance(long, TimeoutError) and isinstance(bad, ValueError)
     assert not engine.has_unfinished() and len(engine.log) == 2  # the cancelled one ran to its end
-    assert (threading.get_ident() not in engine.threads) == threaded
+    assert threading.get_ident() in engine.threads
 
 
-@pytest.mark.parametrize("threaded", [False, True])
-def test_async_fronts_fail_every_waiter(qwen3_tokenizer, threaded):
-    """``engine.step()`` raising (on the worker thread when threaded): every pending ``generate`` raises it
+def test_async_front_fails_every_waiter(qwen3_tokenizer):
+    """``engine.step()`` raising: every pending ``generate`` raises it
     (none hangs), later ones refuse."""
     import asyncio
 
-    from prime_spmd.inference.engine import AsyncEngine, ThreadedAsyncEngine
+    from prime_spmd.inference.engine import AsyncEngine
 
     async def main() -> tuple[list, AsyncEngine]:
-        front = (ThreadedAsyncEngine if threaded else AsyncEngine)(FailingEngine(qwen3_tokenizer))
+        front = AsyncEngine(FailingEngine(qwen3_tokenizer))
         calls = [front.generate([1, 2, 3], SamplingParams(max_tokens=10, seed=i)) for i in range(4)]
         results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), timeout=10)
         with pytest.raises(RuntimeError, match="failed earlier"):
@@ -397,34 +395,6 @@ def test_async_fronts_fail_every_waiter(qwen3_tokenizer, threaded):
     results, front = asyncio.run(main())
     assert all(isinstance(r, RuntimeError) and str(r) == "engine step failed" for r in results)
     assert front.failure is results[0]
-
-
-def test_engine_thread_gives_the_same_rollouts(qwen3_model, qwen3_tokenizer):
-    """Stepping the engine on a worker thread changes no rollout: single-turn on the native engine (the
-    rollouts started together still share one first step) and multi-turn with tool calls (scripted)."""
-    sp = SamplingParams(temperature=0.0, max_tokens=6)
-    runs = {}
-    for threaded in (False, True):
-        env = _env("load_single_turn_env", num_examples=3)
-        env.engine_thread = threaded
-        engine = native_engine(qwen3_model, qwen3_tokenizer)
-        runs[threaded] = env.run_groups(engine, "train", [0, 1, 2], 2, sp, seed=0)
-        assert engine.max_batch_seen == 6 and (threading.get_ident() not in engine.step_threads) == threaded
-    assert runs[True] == runs[False]
-
-    def script(prompt: str) -> str:
-        if "<tool_response>" not in prompt:
-            return '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>'
-        return "The answer is 5.<|im_end|>"
-
-    tool_runs = {}
-    for threaded in (False, True):
-        env = _env("load_tool_env", num_examples=3, max_turns=3)
-        env.engine_thread = threaded
-        engine = ScriptedEngine(qwen3_tokenizer, script)
-        tool_runs[threaded] = env.run_groups(engine, "train", [0, 1, 2], 2, SamplingParams(max_tokens=64), seed=0)
-    assert tool_runs[True] == tool_runs[False]
-    assert all(r.metrics["num_turns"] == 2.0 for g in tool_runs[True] for r in g)
 
 
 def test_rollout_row_deepcopy_is_deepcopy_of_plain_trees():

@@ -103,7 +103,7 @@ def test_fast_path_rewards_states_and_failures_match(qwen3_tokenizer):
 
 
 def test_blocker_sends_other_environments_to_the_general_path(qwen3_tokenizer):
-    """Multi-turn, a rollout timeout, own stop conditions or the engine thread: the general path."""
+    """Multi-turn, a rollout timeout or own stop conditions: the general path."""
     assert single_turn_blocker(envs_for_tests.load_single_turn_env()) is None
     assert "max_turns" in single_turn_blocker(envs_for_tests.load_multi_turn_env(max_turns=3))
     assert "stop conditions" in single_turn_blocker(envs_for_tests.load_multi_turn_env(max_turns=1))
@@ -111,8 +111,6 @@ def test_blocker_sends_other_environments_to_the_general_path(qwen3_tokenizer):
     timed = envs_for_tests.load_single_turn_env()
     assert VerifiersEnvironment(timed, rollout_timeout_s=30).fast_single_turn is False
     assert "timeout" in single_turn_blocker(timed)
-    env = VerifiersEnvironment(envs_for_tests.load_single_turn_env(), engine_thread=True)
-    assert env.fast_single_turn is False
 
 
 def test_batched_scoring_matches_general_path_with_failures_and_timeouts(qwen3_tokenizer):

@@ -109,13 +109,11 @@ def test_adapter_updates_reach_vllm(setup):
 
 
 def test_lora_engine_rejects_full_weights_and_a_wrong_scale(setup):
-    from prime_spmd.sync.weights import WeightSpec, lora_merger
-
     eng = setup["engine"]
     with pytest.raises(ValueError, match="takes adapter tensors only, got 'model.norm.weight'"):
-        eng.load_weights([("model.norm.weight", torch.ones(4))])
-    names = ("model.layers.0.self_attn.q_proj.lora_A.weight",)
+        eng.load_lora_weights([("model.norm.weight", torch.ones(4))], 2.0)
+    name = "model.layers.0.self_attn.q_proj.lora_A.weight"
     with pytest.raises(ValueError, match=r"scale by 1.0 \(alpha / rank\), the engine's by 2.0"):
-        lora_merger(WeightSpec(names=names, shapes=((8, 64),), wire_dtype="float32", lora_scale=1.0), eng)
-    with pytest.raises(ValueError, match="full weights for an engine built with LoRA"):
-        lora_merger(WeightSpec(names=("model.norm.weight",), shapes=((64,),), wire_dtype="float32"), eng)
+        eng.load_lora_weights([(name, torch.zeros(8, 64))], 1.0)
+    with pytest.raises(ValueError, match="full weights for a vLLM engine built with LoRA"):
+        eng.load_weights([("model.norm.weight", torch.ones(64))])

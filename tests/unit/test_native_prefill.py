@@ -1,8 +1,6 @@
-"""The native engine with ``decode_chain=True`` (kernels/decode_chain: one-row decode steps in one launch) vs the
-per-kernel fused decode layer it replaces, on tiny random fp32 models: an HF Qwen3 (q/k norms) and an HF Llama with
-attention_bias (QKV and O biases). One slot (every decode step has one row, so every step is the chain's) and three
-slots (steps of 2-3 rows take the per-kernel path, steps of one row the chain), greedy and seeded rows.
-CPU: Triton under the interpreter; with a GPU the same tests run compiled, with CUDA graphs.
+"""The native engine's fused prefill (``fused_prefill``: one pure layer function with fused QKV / gate-up weights,
+compiled on CUDA) against the model's own modules, on tiny random fp32 models: an HF Qwen3 (q/k norms) and an HF
+Llama with attention_bias (QKV and O biases). CPU runs it uncompiled; with a GPU the same tests run compiled.
 """
 
 from __future__ import annotations
@@ -15,21 +13,8 @@ from prime_spmd.inference.native import NativeEngine
 from tests.unit.test_native_decode_linear import _model
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-# max |chain - per-kernel| logprob, fp32: the chain's GEMV sums each column's K in one reduction, the per-kernel
-# GEMV in chunks (another order)
+# max |fused - module| logprob, fp32: the fused QKV / gate-up GEMMs sum in another order than the separate ones
 LOGPROB_ATOL = 1e-4
-
-
-@pytest.fixture(autouse=True)
-def _big_interpreter_items(monkeypatch):
-    """CPU: larger chain items and GEMV programs than the kernel tests use (those cover item edges): the interpreter
-    pays per program, and both paths here are ~10x faster so."""
-    if DEVICE.type == "cpu":
-        from prime_spmd.kernels.decode_chain import kernel as chain
-        from prime_spmd.kernels.decode_linear import kernel as linear
-
-        monkeypatch.setattr(chain, "INTERPRET_SLAB_BYTES", 16384)
-        monkeypatch.setattr(linear, "gemv_config", lambda no, k, silu_mul: ("gemv", 64, 64, 4))
 
 
 def _requests(n: int) -> list[Request]:
@@ -40,49 +25,6 @@ def _requests(n: int) -> list[Request]:
         sp = SamplingParams(temperature=0.0 if i % 2 == 0 else 1.0, max_tokens=3 + 2 * i, ignore_eos=True, seed=i)
         out.append(Request(prompt_ids=ids, sampling=sp, request_id=i))
     return out
-
-
-def _generate(model, chain: bool, slots: int, n: int):
-    eng = NativeEngine(model, None, max_batch_size=slots, max_model_len=64, device=DEVICE, decode_attention="fused",
-                       decode_linear="triton", decode_chain=chain)  # fmt: skip
-    assert (eng.runner.chain is not None) == chain
-    return sorted(eng.generate(_requests(n)), key=lambda o: o.request_id)
-
-
-@pytest.fixture
-def chain_calls(monkeypatch):
-    """Rows of each decode-chain call (CPU runs the decode step eagerly; CUDA replays its graphs)."""
-    from prime_spmd.kernels.decode_chain.kernel import DecodeChain
-
-    calls, real = [], DecodeChain.__call__
-
-    def counting(self, cos, sin, pos, lens, kv_len):
-        calls.append(pos.shape[0])
-        return real(self, cos, sin, pos, lens, kv_len)
-
-    monkeypatch.setattr(DecodeChain, "__call__", counting)
-    return calls
-
-
-@pytest.mark.parametrize("kind,slots,n", [("qwen3", 1, 2), ("llama_bias", 1, 2), ("llama_bias", 3, 4)])
-def test_chain_matches_the_per_kernel_path(kind, slots, n, chain_calls):
-    model = _model(kind)
-    ref = _generate(model, False, slots, n)
-    got = _generate(model, True, slots, n)
-    assert set(chain_calls) == ({1} if DEVICE.type == "cpu" else set(chain_calls)), chain_calls
-    worst = 0.0
-    for a, b in zip(got, ref):
-        assert a.token_ids == b.token_ids, a.request_id
-        worst = max(worst, max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)))
-    assert worst < LOGPROB_ATOL, worst
-
-
-def test_chain_needs_the_fused_triton_path():
-    with pytest.raises(ValueError, match=r"decode attention 'bmm' \(want 'fused'\).*decode linear 'torch'"):
-        NativeEngine(_model("qwen3"), None, max_batch_size=1, max_model_len=16, device="cpu", decode_chain=True)
-    with pytest.raises(ValueError, match=r"KV cache 'paged'"):
-        NativeEngine(_model("qwen3"), None, max_batch_size=1, max_model_len=16, device="cpu", decode_chain=True,
-                     decode_attention="fused", decode_linear="triton", kv_cache="paged")  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama_bias"])
