@@ -54,9 +54,11 @@ class LoraLinear(nn.Linear):
         self.bias = base.bias
         self.rank, self.alpha = rank, alpha
         self.scale = alpha / rank
+        # fp32 adapters whatever the base's dtype: the base may be held in bf16 (it never trains), the adapters are
+        # the optimizer's master weights; FSDP2 casts both to the compute dtype for the forward
         w = base.weight
-        self.lora_A = nn.Linear(self.in_features, rank, bias=False, device=w.device, dtype=w.dtype)
-        self.lora_B = nn.Linear(rank, self.out_features, bias=False, device=w.device, dtype=w.dtype)
+        self.lora_A = nn.Linear(self.in_features, rank, bias=False, device=w.device, dtype=torch.float32)
+        self.lora_B = nn.Linear(rank, self.out_features, bias=False, device=w.device, dtype=torch.float32)
         with torch.no_grad():
             # nn.Linear's default init (kaiming_uniform, a=sqrt(5)) is U(-1/sqrt(in), 1/sqrt(in))
             bound = 1.0 / math.sqrt(self.in_features)

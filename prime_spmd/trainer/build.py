@@ -78,7 +78,9 @@ def build_trainer(
     device = ctx.device
     compute_dtype = resolve_dtype(model_cfg.dtype, device)
     torch.manual_seed(trainer_cfg.seed)
-    lm = load_model(model_cfg, device, dtype=torch.float32)
+    # fp32 master weights for what trains; with LoRA the frozen base is held once, in the compute dtype (bf16 on CUDA:
+    # 2 bytes a parameter instead of 4) and only the fp32 adapters train
+    lm = load_model(model_cfg, device, dtype=compute_dtype if model_cfg.lora.rank else torch.float32)
     adapter = adapter_for(lm)
     adapter.prepare_for_training()
     if model_cfg.lora.rank:  # before FSDP2: the adapters are sharded with their block (docs/lora.md)
@@ -111,7 +113,7 @@ def build_trainer(
         if compile_training(trainer_cfg.compile, device, adapter.compiles_by_default())
         else None,
     )
-    optimizer = build_optimizer(policy, optim_cfg)
+    optimizer = build_optimizer(policy, optim_cfg, offload=trainer_cfg.offload)
     scheduler = build_scheduler(optimizer, optim_cfg, trainer_cfg.max_steps)
     return TrainerParts(
         policy=policy,
