@@ -165,3 +165,35 @@ def phase(name: str, plan: MemoryPlan | None = None) -> Iterator[None]:
         if plan is not None:
             msg += f"; the plan for this run:\n{plan.describe()}"
         raise RuntimeError(msg + "\nflags that make a run smaller:\n  " + "\n  ".join(FIT_FLAGS)) from e
+
+
+def plan_colocated_run(
+    model_path: str,
+    *,
+    trust_remote_code: bool,
+    lora_rank: int,
+    offload: str,
+    kv_cache_tokens: int,
+    micro_batch_tokens: int,
+    activation_checkpointing: bool,
+    engine_fused: bool,
+) -> MemoryPlan:
+    """The plan of a colocated RL run from its settings (``estimate`` with the model's counts). LoRA's trainable
+    count is estimated from the adapted projections (rank x (in + out) for q/k/v/o and the dense MLP's three)."""
+    shape = model_shape(model_path, trust_remote_code)
+    trainable = shape.num_params
+    if lora_rank:
+        per_layer = 4 * shape.hidden_size + 2 * shape.head_dim * shape.num_kv_heads
+        per_layer += 3 * (shape.hidden_size + shape.intermediate_size)
+        trainable = lora_rank * per_layer * shape.num_layers
+    return estimate(
+        shape,
+        num_trainable=trainable,
+        lora=bool(lora_rank),
+        offload=offload,
+        share_weights=False,
+        kv_cache_tokens=kv_cache_tokens,
+        micro_batch_tokens=micro_batch_tokens,
+        activation_checkpointing=activation_checkpointing,
+        engine_fused=engine_fused,
+    )

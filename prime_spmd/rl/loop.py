@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from prime_spmd import memory
 from prime_spmd.config import RLJobConfig, write_resolved_config
 from prime_spmd.distributed.groups import DistContext, init_distributed
 from prime_spmd.distributed.topology import CONTROLLER_RANK
@@ -82,9 +83,16 @@ class _TrainerLoop:
     engines: its own (colocated) or the inference ranks' (disjoint)."""
 
     def __init__(
-        self, cfg: RLJobConfig, ctx: DistContext, env: Environment, engine: InferenceEngine | None, stop: StopSignal
+        self,
+        cfg: RLJobConfig,
+        ctx: DistContext,
+        env: Environment,
+        engine: InferenceEngine | None,
+        stop: StopSignal,
+        plan: memory.MemoryPlan | None = None,
     ) -> None:
         self.cfg, self.ctx, self.env, self.engine, self.stop = cfg, ctx, env, engine, stop
+        self.plan = plan  # colocated on CUDA: named in an out-of-memory error (memory.phase)
         self.guard = SkipGuard(cfg.trainer.max_skipped_steps)
         self.stop_agreed = False
         self.topo = ctx.topo
@@ -181,10 +189,17 @@ class _TrainerLoop:
 
     def _train_phase(self, j: int, micro_batches: list) -> tuple[dict[str, float], float]:
         """One optimizer step (all trainer ranks); its all-reduce also agrees on a stop. Returns (stats, s)."""
-        cfg, n = self.cfg, self.cfg.trainer.max_steps
+        n = self.cfg.trainer.max_steps
         stop_requested = self.stop.requested or self.role.stop_requested()
         t_train = time.perf_counter()
-        stats = train_step(
+        with memory.phase("the train step", self.plan):
+            stats = self._train_step(micro_batches, stop_requested)
+        self.stop_agreed = stats["stop"] > 0 and j + 1 < n
+        return stats, time.perf_counter() - t_train
+
+    def _train_step(self, micro_batches: list, stop_requested: bool) -> dict[str, float]:
+        cfg = self.cfg
+        return train_step(
             self.parts.policy,
             self.parts.optimizer,
             self.parts.scheduler,
@@ -195,8 +210,6 @@ class _TrainerLoop:
             max_grad_norm=cfg.optim.max_grad_norm,
             stop_requested=stop_requested,
         )
-        self.stop_agreed = stats["stop"] > 0 and j + 1 < n
-        return stats, time.perf_counter() - t_train
 
     def _after_step_phase(self, j: int, stats: dict[str, float]) -> tuple[float, float, float]:
         """After step j: the non-finite guard, the go/stop decision for the inference ranks (disjoint mode),
@@ -212,8 +225,10 @@ class _TrainerLoop:
                 failed = self.guard.max_skipped_steps and self.guard.in_a_row >= self.guard.max_skipped_steps
                 self.role.post_go(j, go=not (self.stop_agreed or failed))
         if b is not None and not self.stop_agreed:
-            sync_wait_s, sync_s = self.role.sync_weights(j + 1)
-            gen_s = self.role.produce(b, j + 1, self.buffer)
+            with memory.phase("the weight sync", self.plan):
+                sync_wait_s, sync_s = self.role.sync_weights(j + 1)
+            with memory.phase(f"generation of batch {b}", self.plan):
+                gen_s = self.role.produce(b, j + 1, self.buffer)
         return sync_wait_s, sync_s, gen_s
 
     def _metrics_phase(
@@ -278,6 +293,30 @@ class _TrainerLoop:
             self.buffer.update(pickle.loads((path / BUFFER_FILE).read_bytes()))
 
 
+def check_colocated_memory(cfg: RLJobConfig, ctx: DistContext) -> memory.MemoryPlan | None:
+    """Colocated on CUDA: the device-memory plan of this run (prime_spmd/memory.py), logged on rank 0; a plan that
+    cannot fit the device stops the run here, before any weight is loaded, with the flags that make it fit."""
+    if ctx.topo.mode != "colocated" or ctx.device.type != "cuda":
+        return None
+    inf = cfg.inference
+    max_len = inf.max_model_len or cfg.trainer.seq_len
+    kv_tokens = inf.kv_cache_tokens if inf.kv_cache == "paged" and inf.kv_cache_tokens else inf.max_batch_size * max_len
+    plan = memory.plan_colocated_run(
+        cfg.model.path,
+        trust_remote_code=cfg.model.trust_remote_code,
+        lora_rank=cfg.model.lora.rank,
+        offload=cfg.trainer.offload,
+        kv_cache_tokens=kv_tokens,
+        micro_batch_tokens=cfg.trainer.micro_batch_tokens,
+        activation_checkpointing=cfg.trainer.activation_checkpointing,
+        engine_fused=inf.engine == "native",
+    )
+    if ctx.topo.rank == 0:
+        logger.info(f"device memory plan (colocated; docs/memory.md):\n{plan.describe()}")
+    memory.check_fits(plan, torch.cuda.mem_get_info(ctx.device)[1])
+    return plan
+
+
 def run_rl(cfg: RLJobConfig) -> dict[str, float]:
     """Run the RL job on every rank; returns the last step's metrics on the controller ({} elsewhere).
 
@@ -295,6 +334,7 @@ def _run_rl(cfg: RLJobConfig, stop: StopSignal) -> dict[str, float]:
     if topo.rank == 0:
         write_resolved_config(cfg, out)
     prepare_model_dir(cfg.model, ctx, cfg.trainer.seed)
+    plan = check_colocated_memory(cfg, ctx)
     env = load_environment(cfg.env)
     engine = None
     if topo.is_inference:
@@ -308,7 +348,7 @@ def _run_rl(cfg: RLJobConfig, stop: StopSignal) -> dict[str, float]:
     start = _start_step(ctx, cfg)
     result: dict[str, float] = {}
     if topo.is_trainer:
-        result = _TrainerLoop(cfg, ctx, env, engine, stop).run(start)
+        result = _TrainerLoop(cfg, ctx, env, engine, stop, plan).run(start)
     else:
         assert engine is not None
         InferenceLoop(cfg, ctx, env, engine, stop).run(start)

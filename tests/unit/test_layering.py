@@ -22,6 +22,7 @@ LAYERS = {
     "progress": 0,
     "metrics": 0,
     "plots": 0,
+    "memory": 0,
     "distributed": 1,
     "models": 1,
     "kernels": 1,
