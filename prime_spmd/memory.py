@@ -2,8 +2,8 @@
 
 ``estimate`` adds up what each part of a run holds at its peak, from the model's config alone (a meta-device
 instance counts the parameters): the trainer's weights, gradients and AdamW moments (host-resident under
-``--trainer.offload optimizer``), the engine's copy of the weights (and its fused QKV / gate-up copies), the KV
-cache, and the trainer's activations. ``check_fits`` compares the plan with the device's memory and refuses a run
+``--trainer.offload optimizer``), the engine's copy of the weights (its fused QKV / gate-up tensors re-point the
+modules' weights, no second copy), the KV cache, and the trainer's activations. ``check_fits`` compares the plan with the device's memory and refuses a run
 that cannot fit, printing the parts and the flags that would make it fit. ``phase`` names the phase (generate,
 train, sync) of an out-of-memory error raised inside it, with the same flags, instead of a bare CUDA trace.
 
@@ -24,7 +24,7 @@ GIB = 1 << 30
 FIT_FLAGS = (
     "--trainer.offload optimizer (AdamW moments in host memory: 8 bytes a trained parameter off the device)",
     "--model.lora.rank 16 (train adapters; the frozen base is held once, in bf16)",
-    "--inference.kv_cache paged --inference.kv_cache_tokens N (a smaller KV pool; admission waits for blocks)",
+    "--inference.native.kv_cache paged --inference.native.kv_cache_tokens N (a smaller KV pool; admission waits for blocks)",
     "--inference.max_batch_size N (fewer sequences decoding at once)",
     "--trainer.micro_batch_tokens N and --trainer.activation_checkpointing true (fewer activations)",
 )
@@ -41,8 +41,6 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     vocab_size: int
-    fused_params: int = 0
-    """Parameters the native engine copies into fused tensors (qkv, gate/up of dense layers)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -74,10 +72,6 @@ def model_shape(path: str, trust_remote_code: bool = False) -> ModelShape:
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     kv_heads = getattr(text, "num_key_value_heads", heads)
-    dense_mlp = not getattr(text, "num_experts", 0)
-    per_layer_fused = text.hidden_size * head_dim * (heads + 2 * kv_heads)
-    if dense_mlp:
-        per_layer_fused += 2 * text.hidden_size * text.intermediate_size
     return ModelShape(
         num_params=num_params,
         num_layers=text.num_hidden_layers,
@@ -86,7 +80,6 @@ def model_shape(path: str, trust_remote_code: bool = False) -> ModelShape:
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         vocab_size=text.vocab_size,
-        fused_params=per_layer_fused * text.num_hidden_layers,
     )
 
 
@@ -100,7 +93,6 @@ def estimate(
     kv_cache_tokens: int,
     micro_batch_tokens: int,
     activation_checkpointing: bool,
-    engine_fused: bool,
     param_bytes: int = 2,
 ) -> MemoryPlan:
     """Peak device bytes of a colocated run, by part.
@@ -108,7 +100,7 @@ def estimate(
     ``num_trainable``: parameters the optimizer updates (all, or the LoRA adapters). ``lora``: the frozen base is
     held once in the compute dtype (``param_bytes``) and shared with the engine when ``share_weights``.
     ``offload``: "none" or "optimizer" (moments on the host). ``kv_cache_tokens``: tokens the engine's KV cache
-    holds. ``engine_fused``: the engine copies qkv / gate-up weights into fused tensors.
+    holds.
     """
     plan = MemoryPlan()
     n, t = shape.num_params, num_trainable
@@ -126,8 +118,6 @@ def estimate(
         plan.parts["AdamW moments"] = moments
     if not (lora and share_weights):
         plan.parts["engine weights"] = n * param_bytes
-    if engine_fused:
-        plan.parts["engine fused qkv / gate-up"] = shape.fused_params * param_bytes
     plan.parts["KV cache"] = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * kv_cache_tokens * param_bytes
     per_token = shape.num_layers * shape.hidden_size * param_bytes  # each layer's input, kept for backward
     if activation_checkpointing:
@@ -176,7 +166,6 @@ def plan_colocated_run(
     kv_cache_tokens: int,
     micro_batch_tokens: int,
     activation_checkpointing: bool,
-    engine_fused: bool,
 ) -> MemoryPlan:
     """The plan of a colocated RL run from its settings (``estimate`` with the model's counts). LoRA's trainable
     count is estimated from the adapted projections (rank x (in + out) for q/k/v/o and the dense MLP's three)."""
@@ -195,5 +184,4 @@ def plan_colocated_run(
         kv_cache_tokens=kv_cache_tokens,
         micro_batch_tokens=micro_batch_tokens,
         activation_checkpointing=activation_checkpointing,
-        engine_fused=engine_fused,
     )

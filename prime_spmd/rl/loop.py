@@ -309,7 +309,6 @@ def check_colocated_memory(cfg: RLJobConfig, ctx: DistContext) -> memory.MemoryP
         kv_cache_tokens=kv_tokens,
         micro_batch_tokens=cfg.trainer.micro_batch_tokens,
         activation_checkpointing=cfg.trainer.activation_checkpointing,
-        engine_fused=inf.engine == "native",
     )
     if ctx.topo.rank == 0:
         logger.info(f"device memory plan (colocated; docs/memory.md):\n{plan.describe()}")
