@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prime_spmd.config.rl_sections import LossConfig, RolloutConfig
+from prime_spmd.config.rl_sections import LossConfig, RLEvalConfig, RolloutConfig
 from prime_spmd.config.sections import (
     CkptConfig,
     DataConfig,
@@ -22,6 +22,7 @@ from prime_spmd.config.sections import (
     SFTTrainerConfig,
     TopologyConfig,
     TrainerConfig,
+    env_label,
 )
 
 # Default peak learning rates of full fine-tuning of a pretrained model; LoRA and the tiny random models of
@@ -98,13 +99,32 @@ class RLJobConfig:
     """Inference engine."""
     env: EnvConfig = field(default_factory=EnvConfig)
     """Environment (rollout logic and rubric)."""
+    envs: list[EnvConfig] = field(default_factory=list)
+    """Several environments in one run: [[envs]] tables in the TOML, each an [env] with its weight (empty: the one --env)."""
+    eval: RLEvalConfig = field(default_factory=RLEvalConfig)
+    """Evaluation of every environment's eval split during training."""
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     """Checkpoints."""
     log: LogConfig = field(default_factory=LogConfig)
     """Metrics, progress and plots."""
 
+    def environments(self) -> list[EnvConfig]:
+        """The run's environments: the [[envs]] list, else the single [env]."""
+        return list(self.envs) or [self.env]
+
+    def max_tokens(self) -> int:
+        """The most tokens any environment samples per turn (its max_tokens, else --sampling.max_tokens)."""
+        return max(e.max_tokens or self.sampling.max_tokens for e in self.environments())
+
     def validate(self) -> None:
         check_model_path(self.model)
+        if self.envs and self.env != EnvConfig():
+            raise ValueError("set either [env] (one environment) or [[envs]] (a mixture), not both")
+        labels = [env_label(e) for e in self.environments()]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f'[[envs]]: environment labels must differ, got {labels}; set label = "..." per env')
+        if not self.rollout.curriculum and not any(e.weight > 0 for e in self.environments()):
+            raise ValueError(f"[[envs]]: every weight is 0 ({labels}); give one environment weight > 0")
         s = self.sampling
         for flag, value, off in (("top_k", s.top_k, 0), ("top_p", s.top_p, 1.0), ("min_p", s.min_p, 0.0)):
             if value != off:

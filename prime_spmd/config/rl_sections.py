@@ -22,8 +22,25 @@ class RolloutConfig:
     """Subtract this times (completion tokens / max_tokens) from each reward."""
     drop_zero_advantage_groups: bool = True
     """Drop groups whose advantages are all zero (they carry no gradient) and count them."""
+    filter_difficulty: bool = False
+    """Skip train prompts whose last group was all solved (every reward >= 1) or earned nothing (every reward <= 0); re-checked after --rollout.filter_recheck_steps."""
+    filter_recheck_steps: int = 8
+    """With --rollout.filter_difficulty: a skipped prompt comes back (to be re-checked) this many batches later."""
+    curriculum: str = ""
+    """A function step -> {env label: weight} (pkg.module:function or path/to/file.py:function) replacing the [[envs]] weights each batch; "": fixed weights."""
+    max_env_failure_rate: float = 0.5
+    """Stop the run when an environment's failed groups (raised, timed out, bad rewards) exceed this fraction of its groups so far (after 4 groups); 1: never."""
 
     def __post_init__(self) -> None:
+        _check(
+            self.filter_recheck_steps >= 1, "rollout.filter_recheck_steps", self.filter_recheck_steps, "must be >= 1"
+        )
+        _check(
+            0 <= self.max_env_failure_rate <= 1,
+            "rollout.max_env_failure_rate",
+            self.max_env_failure_rate,
+            "must be in [0, 1]",
+        )
         _check(self.prompts_per_step >= 1, "rollout.prompts_per_step", self.prompts_per_step, "must be >= 1")
         _check(self.group_size >= 1, "rollout.group_size", self.group_size, "must be >= 1")
         _check(self.max_async >= 0, "rollout.max_async", self.max_async, "must be >= 0")
@@ -55,3 +72,17 @@ class LossConfig:
         _check(0 < self.clip_low < 1, "loss.clip_low", self.clip_low, "must be in (0, 1)")
         _check(self.clip_high > 0, "loss.clip_high", self.clip_high, "must be > 0")
         _check(self.max_log_ratio > 0, "loss.max_log_ratio", self.max_log_ratio, "must be > 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class RLEvalConfig:
+    interval_steps: int = 0
+    """Run every environment's eval split on the in-process engine with the current weights every N steps (0: never)."""
+    final: bool = True
+    """With --eval.interval_steps > 0: also evaluate the final weights (after the last step)."""
+    samples_per_example: int = 2
+    """Completions per eval example; pass@k is logged for k up to this."""
+
+    def __post_init__(self) -> None:
+        _check(self.interval_steps >= 0, "eval.interval_steps", self.interval_steps, "must be >= 0 (0: never)")
+        _check(self.samples_per_example >= 1, "eval.samples_per_example", self.samples_per_example, "must be >= 1")

@@ -357,7 +357,29 @@ class EnvConfig:
     """verifiers envs without their own timeout_seconds: limit per rollout (past it: env_timeouts). 0: none."""
     train_on_eval_split: bool = False
     """verifiers envs with no train split: train on the eval split (a warning); otherwise that is an error."""
+    label: str = ""
+    """rl: the environment's name in metrics (env/<label>/...) and curriculum weights; "" derives it from name."""
+    weight: float = 1.0
+    """rl mixtures ([[envs]]): relative share of --rollout.prompts_per_step; 0 leaves it out until a curriculum raises it."""
+    max_tokens: int = 0
+    """rl: sampled tokens per turn for this environment (0: --sampling.max_tokens)."""
+    group_timeout_s: float = 0.0
+    """classic verifiers envs (multi-turn path): limit per group of rollouts; past it the group fails. 0: none."""
 
     def __post_init__(self) -> None:
+        _check(self.weight >= 0, "env.weight", self.weight, "must be >= 0")
+        _check(self.max_tokens >= 0, "env.max_tokens", self.max_tokens, "must be >= 0 (0: --sampling.max_tokens)")
+        _check(self.group_timeout_s >= 0, "env.group_timeout_s", self.group_timeout_s, "must be >= 0 (0: none)")
         _check(self.reward_timeout_s >= 0, "env.reward_timeout_s", self.reward_timeout_s, "must be >= 0 (0: no limit)")
         _check(self.rollout_timeout_s >= 0, "env.rollout_timeout_s", self.rollout_timeout_s, "must be >= 0 (0: none)")
+
+
+def env_label(cfg: EnvConfig) -> str:
+    """``cfg.label``, else the stem of ``cfg.name``: ``reverse_text``, ``pkg/env.py`` -> ``env``,
+    ``pkg.mod:load_environment`` -> ``mod``, an installed id as is."""
+    if cfg.label:
+        return cfg.label
+    target = cfg.name.partition(":")[0]
+    if target.endswith(".py"):
+        target = target[:-3].replace("\\", "/").rsplit("/", 1)[-1]
+    return target.rsplit(".", 1)[-1]

@@ -101,6 +101,7 @@ def load_verifiers_environment(cfg: EnvConfig) -> VerifiersEnvironment:
         reward_timeout_s=cfg.reward_timeout_s or None,
         rollout_timeout_s=cfg.rollout_timeout_s or None,
         train_on_eval_split=cfg.train_on_eval_split,
+        group_timeout_s=cfg.group_timeout_s or None,
     )
 
 
@@ -116,6 +117,7 @@ class VerifiersEnvironment(Environment):
     the same rollouts; off, every environment runs through ``run_group``.
     ``train_on_eval_split``: an environment without a train dataset trains on its eval split (with a
     warning); without it, asking for the train split of such an environment raises ``ValueError``.
+    ``group_timeout_s``: limit per group on the ``run_group`` path (None: none); past it the group fails.
     """
 
     def __init__(
@@ -130,8 +132,10 @@ class VerifiersEnvironment(Environment):
         check_rerender: bool = True,
         train_on_eval_split: bool = False,
         single_turn_fast_path: bool = True,
+        group_timeout_s: float | None = None,
     ) -> None:
         self.vf_env = vf_env
+        self.group_timeout_s = group_timeout_s
         self.single_turn_fast_path = single_turn_fast_path
         self.train_on_eval_split = train_on_eval_split
         self.name = name
@@ -260,9 +264,8 @@ class VerifiersEnvironment(Environment):
             # The environment's own sampling_args, as vf's generate() would pass them (run_group does
             # not read them itself); the client refuses distribution changes for training rollouts.
             sampling_args = copy.deepcopy(getattr(self.vf_env, "sampling_args", None) or {})
-            outputs = await self.vf_env.run_group(
-                inputs, client, MODEL, sampling_args, state_columns=["trajectory", STATS_KEY]
-            )
+            run = self.vf_env.run_group(inputs, client, MODEL, sampling_args, state_columns=["trajectory", STATS_KEY])
+            outputs = await asyncio.wait_for(run, self.group_timeout_s)  # past it: TimeoutError, the group fails
         # An exception escaping run_group comes from environment code (env_response, setup_state,
         # a group reward outside the guard); the run goes on with the group failed and counted.
         except Exception as e:  # noqa: BLE001

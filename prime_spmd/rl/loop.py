@@ -37,17 +37,24 @@ from prime_spmd import memory
 from prime_spmd.config import RLJobConfig, write_resolved_config
 from prime_spmd.distributed.groups import DistContext, init_distributed
 from prime_spmd.distributed.topology import CONTROLLER_RANK
-from prime_spmd.envs.base import Environment
-from prime_spmd.envs.loader import load_environment
 from prime_spmd.inference.engine import InferenceEngine
 from prime_spmd.log import logger
 from prime_spmd.models.loading import resolve_dtype
 from prime_spmd.progress import Progress
+from prime_spmd.rl.env_metrics import batch_env_metrics, eval_env_metrics
 from prime_spmd.rl.inference_loop import InferenceLoop
 from prime_spmd.rl.loss import make_rl_loss
+from prime_spmd.rl.mixture import EnvSlot, Mixture, load_envs
 from prime_spmd.rl.roles import make_role
 from prime_spmd.rl.samples import rollouts_to_samples
-from prime_spmd.rl.schedule import batch_after_step, pregenerated_batches, restored_batches, version_of_batch
+from prime_spmd.rl.schedule import (
+    batch_after_step,
+    eval_after_step,
+    pregenerated_batches,
+    restored_batches,
+    version_of_batch,
+    weights_after_step,
+)
 from prime_spmd.rl.types import Batch
 from prime_spmd.sync.weights import WeightSender
 from prime_spmd.trainer.build import build_trainer, prepare_model_dir, set_threads
@@ -59,12 +66,14 @@ from prime_spmd.trainer.step import router_metrics, train_step
 from prime_spmd.trainer.stop import SkipGuard, StopSignal
 
 BUFFER_FILE = "rollout_buffer.pkl"
+MIXTURE_FILE = "mixture.pkl"
 
 
 def bridge_timeout_s(cfg: RLJobConfig) -> float:
     """Watchdog of the cross-role bridges: --topology.bridge_timeout_s, or (0) --topology.timeout_s plus
-    1 s per --sampling.max_tokens token, since a controller waits on the bridge for a whole generation."""
-    return cfg.topology.bridge_timeout_s or cfg.topology.timeout_s + 1.0 * cfg.sampling.max_tokens
+    1 s per sampled token (the largest max_tokens of the run's environments), since a controller waits on the
+    bridge for a whole generation."""
+    return cfg.topology.bridge_timeout_s or cfg.topology.timeout_s + 1.0 * cfg.max_tokens()
 
 
 def _start_step(ctx: DistContext, cfg: RLJobConfig) -> int:
@@ -86,12 +95,12 @@ class _TrainerLoop:
         self,
         cfg: RLJobConfig,
         ctx: DistContext,
-        env: Environment,
+        envs: list[EnvSlot],
         engine: InferenceEngine | None,
         stop: StopSignal,
         plan: memory.MemoryPlan | None = None,
     ) -> None:
-        self.cfg, self.ctx, self.env, self.engine, self.stop = cfg, ctx, env, engine, stop
+        self.cfg, self.ctx, self.envs, self.engine, self.stop = cfg, ctx, envs, engine, stop
         self.plan = plan  # colocated on CUDA: named in an out-of-memory error (memory.phase)
         self.guard = SkipGuard(cfg.trainer.max_skipped_steps)
         self.stop_agreed = False
@@ -107,7 +116,14 @@ class _TrainerLoop:
             write_resolved_config(cfg, self.out, settings)
         wire = resolve_dtype(cfg.model.dtype, ctx.device)
         self.sender = WeightSender(self.parts.policy.lm, wire, cfg.inference.weight_bucket_mb << 20, self.topo.rank)
-        self.role = make_role(cfg, ctx, env, engine, self.sender)
+        self.role = make_role(cfg, ctx, envs, engine, self.sender)
+        # Controller: the batch planner (rl/mixture.py); batches produced and evals expected, so that the
+        # controller receives everything the inference ranks send before it leaves.
+        self.mixture = Mixture(cfg, envs) if self.topo.is_controller else None
+        self.produced: set[int] = set()
+        self.taken: set[int] = set()
+        self.evals_expected: set[int] = set()
+        self.evals_logged: set[int] = set()
         self.ckpt = Checkpointer(self.out, cfg.ckpt.keep_last, self.topo.trainer_rank)
         self.loss_fn = make_rl_loss(cfg.loss)
         self.buffer: dict[int, Batch] = {}
@@ -119,6 +135,7 @@ class _TrainerLoop:
         t0 = time.perf_counter()
         while j not in self.buffer:
             self.role.receive(self.buffer)
+        self.taken.add(j)
         return self.buffer.pop(j), time.perf_counter() - t0
 
     # ---- the loop ---------------------------------------------------------------------------
@@ -132,7 +149,7 @@ class _TrainerLoop:
         self.role.start()
         self.role.sync_weights(start)  # w_start
         for b in pregenerated_batches(start, k, n):
-            self.role.produce(b, version_of_batch(b, k), self.buffer)
+            self._produce(b, version_of_batch(b, k))
         bar = Progress(total=n - start, desc="rl", enabled=topo.is_controller and cfg.log.progress)
         last, stopped_at = run_steps(
             start,
@@ -144,6 +161,9 @@ class _TrainerLoop:
             bar=bar,
             bar_metric=("reward", "reward_mean"),
         )
+        self._drain()
+        if self.sink is not None and self.role.evals:  # evals whose results came after the last step's row
+            self.sink.log(n, self._eval_metrics())
         if stopped_at is None:
             export_hf(cfg.ckpt.save_hf, self.parts, self.out, is_writer=topo.is_controller)
         close_run(self.sink, self.out, cfg.log.plots and stopped_at is None, is_writer=topo.is_controller)
@@ -171,10 +191,16 @@ class _TrainerLoop:
         micro-batches (scatter over the trainer group). Returns (mine, batch metrics, wait s, forward tokens)."""
         cfg, topo = self.cfg, self.topo
         per_rank, bm, wait, forward_tokens = None, {}, 0.0, 0
+        abort = None
         if topo.is_controller:
+            assert self.mixture is not None
             batch, wait = self.take_batch(j)
             t_pack = time.perf_counter()
+            mix_metrics, abort = self.mixture.observe(batch)
+            env_metrics = {**batch_env_metrics(batch, self.mixture.labels), **mix_metrics}
             samples, bm = rollouts_to_samples(batch, cfg.rollout, cfg.sampling.max_tokens, cfg.trainer.seq_len)
+            bm.update(env_metrics)
+            bm["env_failed_groups"] = float(len(batch.failures))
             bm["policy_lag_mean"] = float(j) - sum(r.policy_version for g in batch.groups for r in g) / max(
                 1, sum(len(g) for g in batch.groups)
             )
@@ -183,9 +209,13 @@ class _TrainerLoop:
             per_rank = pack(samples, cfg.trainer.micro_batch_tokens, topo.num_trainer_ranks, share_prompts=share)
             forward_tokens = sum(mb.num_tokens for mbs in per_rank for mb in mbs)
             bm["pack_time_s"] = time.perf_counter() - t_pack  # advantages, samples, packing (host)
+            per_rank = [(mbs, abort) for mbs in per_rank]
         mine = [None]
         dist.scatter_object_list(mine, per_rank, src=CONTROLLER_RANK)
-        return mine[0], bm, wait, forward_tokens  # type: ignore[return-value]
+        micro_batches, abort = mine[0]  # type: ignore[misc]
+        if abort is not None:
+            self._abort(j, abort)
+        return micro_batches, bm, wait, forward_tokens
 
     def _train_phase(self, j: int, micro_batches: list) -> tuple[dict[str, float], float]:
         """One optimizer step (all trainer ranks); its all-reduce also agrees on a stop. Returns (stats, s)."""
@@ -215,21 +245,70 @@ class _TrainerLoop:
         """After step j: the non-finite guard, the go/stop decision for the inference ranks (disjoint mode),
         then, when the schedule generates a batch with w_(j+1) and nobody stops, the weight sync and that batch's
         production (generated here in colocated mode). Returns (sync wait s, sync s, generation s here)."""
-        k, n = self.cfg.rollout.max_async, self.cfg.trainer.max_steps
+        cfg = self.cfg
+        k, n = cfg.rollout.max_async, cfg.trainer.max_steps
         sync_wait_s, sync_s, gen_s = 0.0, 0.0, 0.0
         b = batch_after_step(j, k, n)
+        evaluate = eval_after_step(j, cfg.eval.interval_steps, cfg.eval.final, n)
+        send = weights_after_step(j, k, n, evaluate)
         try:
             self.guard.update(j, stats["nonfinite"] > 0)
         finally:  # on a guard failure too, the inference ranks leave instead of waiting for weights
-            if b is not None:
+            if send:
                 failed = self.guard.max_skipped_steps and self.guard.in_a_row >= self.guard.max_skipped_steps
                 self.role.post_go(j, go=not (self.stop_agreed or failed))
-        if b is not None and not self.stop_agreed:
+        if send and not self.stop_agreed:
             with memory.phase("the weight sync", self.plan):
                 sync_wait_s, sync_s = self.role.sync_weights(j + 1)
-            with memory.phase(f"generation of batch {b}", self.plan):
-                gen_s = self.role.produce(b, j + 1, self.buffer)
+            if b is not None:
+                with memory.phase(f"generation of batch {b}", self.plan):
+                    gen_s = self._produce(b, j + 1)
+            if evaluate:
+                self.evals_expected.add(j + 1)
+                with memory.phase(f"the eval of weights {j + 1}", self.plan):
+                    self.role.evaluate(j + 1)  # colocated: here, now; disjoint: the inference ranks, after batch b
         return sync_wait_s, sync_s, gen_s
+
+    def _produce(self, b: int, version: int) -> float:
+        """Batch b with w_version, on the prompts the controller plans (rl/mixture.py). Returns generation s here."""
+        batch_plan = self.mixture.plan(b) if self.mixture is not None else None
+        self.produced.add(b)
+        return self.role.produce(b, version, self.buffer, batch_plan)
+
+    def _eval_metrics(self) -> dict[str, float]:
+        """Controller: the metrics of the evals received so far (the newest wins a key), then forgets them."""
+        m: dict[str, float] = {}
+        for ev in sorted(self.role.evals, key=lambda e: e.version):
+            m.update(eval_env_metrics(ev))
+            self.evals_logged.add(ev.version)
+        self.role.evals.clear()
+        return m
+
+    def _drain(self) -> None:
+        """Controller: receive what the inference ranks still send (batches produced, evals expected), so that
+        their sends complete before anyone leaves (disjoint; colocated holds everything already)."""
+        if not self.topo.is_controller:
+            return
+
+        def outstanding() -> bool:
+            got = self.evals_logged | {e.version for e in self.role.evals}
+            return bool(self.evals_expected - got) or any(
+                b not in self.buffer and b not in self.taken for b in self.produced
+            )
+
+        while outstanding():
+            self.role.receive(self.buffer)
+
+    def _abort(self, j: int, message: str) -> None:
+        """Every trainer rank at step j: an environment failed too often. The controller tells the inference
+        ranks to leave and takes what they sent; then every trainer rank raises with ``message``."""
+        k, n, e = self.cfg.rollout.max_async, self.cfg.trainer.max_steps, self.cfg.eval
+        for jj in range(j, n):
+            if weights_after_step(jj, k, n, eval_after_step(jj, e.interval_steps, e.final, n)):
+                self.role.post_go(jj, go=False)
+        self.evals_expected.clear()
+        self._drain()
+        raise RuntimeError(message)
 
     def _metrics_phase(
         self,
@@ -264,10 +343,12 @@ class _TrainerLoop:
             **router_metrics(stats),
         }
         m["gen_time_s"] = gen_s or bm["gen_time_s"]  # generated during this step (colocated), else the batch's own
+        has_eval = bool(self.role.evals)
+        m.update(self._eval_metrics())
         if self.ctx.device.type == "cuda":  # this rank's peak since the job started (model, optimizer, engine)
             m["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.ctx.device) / 2**30
         assert self.sink is not None
-        if self.sink.should_log(j, last=j == n - 1 or self.stop_agreed):
+        if self.sink.should_log(j, last=j == n - 1 or self.stop_agreed or has_eval):
             keys = ["reward_mean", "policy_lag_mean", "mismatch_kl", "loss", "step_time_s"]
             self.sink.log(j, m, console_keys=keys)
         return m
@@ -281,7 +362,11 @@ class _TrainerLoop:
             need = restored_batches(step, self.cfg.rollout.max_async, self.cfg.trainer.max_steps)
             while not all(b in self.buffer for b in need):
                 self.role.receive(self.buffer)
-            blobs = {BUFFER_FILE: pickle.dumps({b: self.buffer[b] for b in need})}
+            assert self.mixture is not None
+            blobs = {
+                BUFFER_FILE: pickle.dumps({b: self.buffer[b] for b in need}),
+                MIXTURE_FILE: pickle.dumps(self.mixture.state_dict()),
+            }
         state = {"step": step, "scheduler": self.parts.scheduler.state_dict()}
         return self.ckpt.save(step, self.parts.policy, self.parts.optimizer, state, blobs)
 
@@ -290,7 +375,11 @@ class _TrainerLoop:
         assert path is not None and int(path.name[5:]) == start, (path, start)
         load_checkpoint(self.ckpt, path, self.parts)
         if self.topo.is_controller:
+            assert self.mixture is not None
             self.buffer.update(pickle.loads((path / BUFFER_FILE).read_bytes()))
+            self.produced.update(self.buffer)
+            if (path / MIXTURE_FILE).is_file():  # a checkpoint without it (older runs) plans afresh
+                self.mixture.load_state_dict(pickle.loads((path / MIXTURE_FILE).read_bytes()))
 
 
 def check_colocated_memory(cfg: RLJobConfig, ctx: DistContext) -> memory.MemoryPlan | None:
@@ -334,7 +423,7 @@ def _run_rl(cfg: RLJobConfig, stop: StopSignal) -> dict[str, float]:
         write_resolved_config(cfg, out)
     prepare_model_dir(cfg.model, ctx, cfg.trainer.seed)
     plan = check_colocated_memory(cfg, ctx)
-    env = load_environment(cfg.env)
+    envs = load_envs(cfg)
     engine = None
     if topo.is_inference:
         from prime_spmd.inference.factory import build_engine
@@ -347,10 +436,10 @@ def _run_rl(cfg: RLJobConfig, stop: StopSignal) -> dict[str, float]:
     start = _start_step(ctx, cfg)
     result: dict[str, float] = {}
     if topo.is_trainer:
-        result = _TrainerLoop(cfg, ctx, env, engine, stop, plan).run(start)
+        result = _TrainerLoop(cfg, ctx, envs, engine, stop, plan).run(start)
     else:
         assert engine is not None
-        InferenceLoop(cfg, ctx, env, engine, stop).run(start)
+        InferenceLoop(cfg, ctx, envs, engine, stop).run(start)
     if engine is not None and hasattr(engine, "close"):
         engine.close()  # vLLM: its teardown needs the process groups that ctx.close destroys
     ctx.close()

@@ -7,12 +7,18 @@ Both answer the same questions for ``rl/loop.py``, so the loop has no mode branc
   or a bucketed broadcast over the weight bridge; ``sync/weights.py``);
 - ``produce``: who generates batch b once the engines hold its weights (this rank generates its share and
   the controller gathers them over the default group, or the inference ranks generate it, ``rl/inference_loop.py``);
+  the controller's plan of the batch (rl/mixture.py) goes to the generating ranks (a broadcast over the default
+  group, or a store key the inference ranks read);
+- ``evaluate``: every environment's eval split with weights ``v`` (here, gathered to the controller; or on the
+  inference ranks, whose results arrive with the batches);
 - ``receive``: how the controller gets a batch it does not hold yet (only disjoint: over the data bridge);
+  eval results that come with it go to ``evals``;
 - ``stop_requested`` / ``post_go``: the stop/go protocol with the inference ranks (only disjoint, ``rl/stop_go.py``).
 """
 
 from __future__ import annotations
 
+import json
 import time
 
 import torch.distributed as dist
@@ -20,11 +26,11 @@ import torch.distributed as dist
 from prime_spmd.config import RLJobConfig
 from prime_spmd.distributed.groups import DistContext
 from prime_spmd.distributed.topology import CONTROLLER_RANK
-from prime_spmd.envs.base import Environment
 from prime_spmd.inference.engine import InferenceEngine
 from prime_spmd.rl import stop_go
-from prime_spmd.rl.generate import generate_share, merge
-from prime_spmd.rl.types import Batch
+from prime_spmd.rl.generate import eval_share, generate_share, merge, merge_evals
+from prime_spmd.rl.mixture import EnvSlot, Plan
+from prime_spmd.rl.types import Batch, EvalShare
 from prime_spmd.sync.weights import WeightSender
 
 
@@ -33,10 +39,16 @@ class Colocated:
     of a batch and the controller gathers the shares over the default group. No bridges, no stop/go keys."""
 
     def __init__(
-        self, cfg: RLJobConfig, ctx: DistContext, env: Environment, engine: InferenceEngine | None, sender: WeightSender
+        self,
+        cfg: RLJobConfig,
+        ctx: DistContext,
+        envs: list[EnvSlot],
+        engine: InferenceEngine | None,
+        sender: WeightSender,
     ) -> None:
         assert engine is not None, "colocated: every rank runs an engine"
-        self.cfg, self.ctx, self.env, self.engine, self.sender = cfg, ctx, env, engine, sender
+        self.cfg, self.ctx, self.envs, self.engine, self.sender = cfg, ctx, envs, engine, sender
+        self.evals: list[EvalShare] = []
 
     def start(self) -> None:
         """Nothing to send before the first sync: the engine is in this process."""
@@ -46,16 +58,34 @@ class Colocated:
         ranks). Returns (wait s, copy s); nothing waits here."""
         return 0.0, self.sender.copy_to(self.engine, version)
 
-    def produce(self, b: int, version: int, buffer: dict[int, Batch]) -> float:
-        """Every rank generates its share of batch b with ``version``; the controller gathers the shares into
-        ``buffer`` (collective over the default group). Returns the seconds it took."""
+    def produce(self, b: int, version: int, buffer: dict[int, Batch], plan: Plan | None = None) -> float:
+        """Every rank generates its share of batch b with ``version`` and the controller's ``plan`` (broadcast
+        from it); the controller gathers the shares into ``buffer`` (collectives over the default group).
+        Returns the seconds it took."""
         t0 = time.perf_counter()
         topo = self.ctx.topo
-        share = generate_share(self.cfg, self.env, self.engine, b, version, topo.rank, topo.world_size)
+        box = [plan]
+        dist.broadcast_object_list(box, src=CONTROLLER_RANK)
+        share = generate_share(self.cfg, self.envs, self.engine, b, version, topo.rank, topo.world_size, box[0])
         parts = [None] * topo.world_size if topo.is_controller else None
         dist.gather_object(share, parts, dst=CONTROLLER_RANK)
         if topo.is_controller:
             buffer[b] = merge(parts)  # type: ignore[arg-type]
+        return time.perf_counter() - t0
+
+    def evaluate(self, version: int) -> float:
+        """Every rank runs its share of the eval splits with w_version (copied in first when the engine holds
+        older weights; collective over the trainer ranks); the controller appends the result to ``evals``.
+        Returns the seconds it took."""
+        t0 = time.perf_counter()
+        topo = self.ctx.topo
+        if self.engine.weights_version != version:
+            self.sync_weights(version)
+        share = eval_share(self.cfg, self.envs, self.engine, version, topo.rank, topo.world_size)
+        parts = [None] * topo.world_size if topo.is_controller else None
+        dist.gather_object(share, parts, dst=CONTROLLER_RANK)
+        if topo.is_controller:
+            self.evals.append(merge_evals(parts))  # type: ignore[arg-type]
         return time.perf_counter() - t0
 
     def receive(self, buffer: dict[int, Batch]) -> None:
@@ -74,10 +104,16 @@ class Disjoint:
     come from the engine leaders over the data bridge, and the controller runs the stop/go protocol."""
 
     def __init__(
-        self, cfg: RLJobConfig, ctx: DistContext, env: Environment, engine: InferenceEngine | None, sender: WeightSender
+        self,
+        cfg: RLJobConfig,
+        ctx: DistContext,
+        envs: list[EnvSlot],
+        engine: InferenceEngine | None,
+        sender: WeightSender,
     ) -> None:
         assert engine is None, "disjoint: trainer ranks run no engine"
         self.ctx, self.sender, self.topo = ctx, sender, ctx.topo
+        self.evals: list[EvalShare] = []
 
     def start(self) -> None:
         """The controller sends the weight spec once; every inference rank builds its ``WeightReceiver`` from it."""
@@ -93,15 +129,28 @@ class Disjoint:
         which ``WeightSender.send`` times apart from the transfer."""
         return self.sender.send(self.ctx.weight_bridge, self.ctx.device, version)
 
-    def produce(self, b: int, version: int, buffer: dict[int, Batch]) -> float:
-        """The inference ranks generate batch b (``InferenceLoop``); nothing to do here, 0 s."""
+    def produce(self, b: int, version: int, buffer: dict[int, Batch], plan: Plan | None = None) -> float:
+        """The inference ranks generate batch b (``InferenceLoop``); the controller posts its ``plan`` under
+        ``stop_go.plan_key(b)`` for them. 0 s."""
+        if self.topo.is_controller and plan is not None:
+            self.ctx.store.set(stop_go.plan_key(b), json.dumps(plan))
+        return 0.0
+
+    def evaluate(self, version: int) -> float:
+        """The inference ranks evaluate w_version after generating that step's batch; the results arrive
+        through ``receive``. 0 s."""
         return 0.0
 
     def receive(self, buffer: dict[int, Batch]) -> None:
-        """Controller: the next batch from every engine leader's share (blocks on the data bridge)."""
+        """Controller: the next batch (or eval result, into ``evals``) from every engine leader's share (blocks on
+        the data bridge)."""
         bridge = self.ctx.data_bridge
         assert bridge is not None
-        batch = merge([bridge.recv_object(src) for src in self.topo.engine_leaders])
+        parts = [bridge.recv_object(src) for src in self.topo.engine_leaders]
+        if isinstance(parts[0], EvalShare):
+            self.evals.append(merge_evals(parts))
+            return
+        batch = merge(parts)
         buffer[batch.index] = batch
 
     def stop_requested(self) -> bool:
@@ -118,7 +167,7 @@ Role = Colocated | Disjoint
 
 
 def make_role(
-    cfg: RLJobConfig, ctx: DistContext, env: Environment, engine: InferenceEngine | None, sender: WeightSender
+    cfg: RLJobConfig, ctx: DistContext, envs: list[EnvSlot], engine: InferenceEngine | None, sender: WeightSender
 ) -> Role:
     """The trainer rank's role for the topology's mode (``--topology.mode``, resolved by ``plan_topology``)."""
-    return {"colocated": Colocated, "disjoint": Disjoint}[ctx.topo.mode](cfg, ctx, env, engine, sender)
+    return {"colocated": Colocated, "disjoint": Disjoint}[ctx.topo.mode](cfg, ctx, envs, engine, sender)

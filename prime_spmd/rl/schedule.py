@@ -49,3 +49,16 @@ def unreceived_batches_bound(k: int) -> int:
     pre-generated batches 0..k are k + 1 as well.
     """
     return k + 1
+
+
+def eval_after_step(j: int, interval_steps: int, final: bool, num_steps: int) -> bool:
+    """Whether w_(j+1) is evaluated after training step j: every ``interval_steps`` steps (--eval.interval_steps),
+    and after the last step when ``final``. Disjoint inference ranks evaluate it after generating that step's batch."""
+    if interval_steps <= 0:
+        return False
+    return (j + 1) % interval_steps == 0 or (final and j == num_steps - 1)
+
+
+def weights_after_step(j: int, k: int, num_steps: int, evaluate: bool) -> bool:
+    """Whether w_(j+1) goes to the engines after step j: a batch or an evaluation needs it."""
+    return batch_after_step(j, k, num_steps) is not None or evaluate

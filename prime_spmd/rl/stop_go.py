@@ -61,3 +61,8 @@ def post_go(store: Store, j: int, go: bool) -> None:
 def wait_go(store: Store, j: int) -> bool:
     """Inference rank: block until the controller finished step j; True on "go", False on "stop"."""
     return store.get(go_key(j)) != b"stop"
+
+
+def plan_key(b: int) -> str:
+    """Store key of batch b's plan (rl/mixture.py), posted by the controller for the inference ranks."""
+    return f"rl/{_attempt()}/plan/{b}"

@@ -106,7 +106,7 @@ class _Env:
 
 def test_generation_checks_the_engine_version_against_the_schedule() -> None:
     cfg = RLJobConfig()
-    cfg.rollout.prompts_per_step, cfg.rollout.max_async = 2, 1
+    cfg.rollout.prompts_per_step, cfg.rollout.max_async, cfg.rollout.group_size = 2, 1, 1
     engine = _Engine()
     engine.weights_version = 2
     batch = generate_share(cfg, _Env(), engine, b=3, version=2, engine_index=0, num_engines=1)
