@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from prime_spmd.kernels.decode_linear import kernel  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from prime_spmd.inference.runner import rms_norm  # noqa: E402
+from prime_spmd.models.common.norm import rms_norm  # noqa: E402
 
 # hidden D, q heads x head dim, kv heads x head dim, intermediate I (the Qwen3 configs of benchmarks/engine.py)
 SHAPES = {"qwen3-0.6b": (1024, 16 * 128, 8 * 128, 3072), "qwen3-8b": (4096, 32 * 128, 8 * 128, 12288)}

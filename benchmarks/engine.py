@@ -94,7 +94,7 @@ def run_native(
     sampler="auto",
     kv_cache: str = "slot",
     pdl: bool = True,
-    fused_prefill: bool | None = None,
+    prefill_layer_fn: bool | None = None,
     decode_steps: int = 0,
 ) -> tuple[float, list]:
     """(seconds of the second ``generate``, its token ids per request, the attention / linear / sampler it ran)."""
@@ -114,7 +114,7 @@ def run_native(
         sampler=sampler,
         kv_cache=kv_cache,
         pdl=pdl,
-        fused_prefill=fused_prefill,
+        prefill_layer_fn=prefill_layer_fn,
         decode_steps_per_launch=decode_steps,
     )
 
@@ -136,13 +136,13 @@ def run_native(
 
     once()  # warm-up: captures the CUDA graphs and compiles the sampler
     secs, toks = once()
-    # what "auto" resolved to ("fused" attention runs as "triton" where the fused decode layer does not apply)
+    # what "auto" resolved to ("triton_qkv" attention runs as "triton" where the decode layer function does not apply)
     runner = eng.runner
     resolved = dict(
         decode_attention=getattr(runner, "attention", attention),
         decode_linear=getattr(runner, "linear", linear),
         sampler=eng.sampler,
-        fused_prefill=getattr(runner, "prefill_layer", None) is not None,
+        prefill_layer_fn=getattr(runner, "prefill_layer", None) is not None,
         pdl=eng.pdl,
         decode_steps_per_launch=eng.decode_steps,
     )
@@ -256,7 +256,7 @@ def main() -> None:
     ap.add_argument(
         "--decode-attention",
         default="auto",
-        help="native engines: comma list of auto (the engine's default), bmm, triton, fused (each a row; native rows "
+        help="native engines: comma list of auto (the engine's default), bmm, triton, triton_qkv (each a row; native rows "
         "after a batch's first also report token agreement with it; rows name what auto resolved to)",
     )
     ap.add_argument(
@@ -267,7 +267,7 @@ def main() -> None:
     ap.add_argument(
         "--sampler",
         default="auto",
-        help="native engines: comma list of auto, torch, triton, fused (kernels/gumbel_sample); crossed with the two above",
+        help="native engines: comma list of auto, torch, triton, triton_lm_head (kernels/gumbel_sample); crossed with the two above",
     )
     ap.add_argument(
         "--kv-cache",
@@ -276,15 +276,15 @@ def main() -> None:
     )
     common.add_on_off(ap, "--pdl", "native engines: programmatic dependent launch (kernels/pdl)")
     ap.add_argument(
-        "--fused-prefill",
+        "--prefill",
         default="auto",
-        help="native engines: comma list of auto, off, on (prefill through one compiled layer function instead of the "
-        "model's modules; auto, the default: on CUDA for dense Llama-style models); crossed with the variants above",
+        help="native engines: comma list of auto, layer_fn, modules (prefill through one compiled layer function or the "
+        "model's modules; auto, the default: layer_fn on CUDA for dense Llama-style models); crossed with the variants above",
     )
     ap.add_argument(
         "--decode-steps",
         default="0",
-        help="native engines: comma list of decode steps a launch (--inference.decode_steps_per_launch; 0: auto, 4 "
+        help="native engines: comma list of decode steps a launch (--inference.native.decode_steps_per_launch; 0: auto, 4 "
         "with CUDA graphs); crossed with the variants above",
     )
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
@@ -301,9 +301,9 @@ def main() -> None:
     # Dynamo's default of 8 compiles per code object it would run the rest eagerly and time that instead
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     args.pdl = args.pdl == "on"
-    from prime_spmd.inference.runner import fused_prefill_choice
+    from prime_spmd.inference.runner import prefill_choice
 
-    fused_prefills = [fused_prefill_choice(f) for f in args.fused_prefill.split(",")]  # a bad one fails before any run
+    prefills = [prefill_choice(f) for f in args.prefill.split(",")]  # a bad one fails before any run
     from prime_spmd.kernels.decode_linear import kernel as decode_linear_kernel
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -324,7 +324,7 @@ def main() -> None:
                     args.decode_linear.split(","),
                     args.sampler.split(","),
                     args.kv_cache.split(","),
-                    fused_prefills,
+                    prefills,
                     [int(x) for x in args.decode_steps.split(",")],
                 )
                 for attn, lin, smp, kv, fprefill, dsteps in variants:
@@ -336,7 +336,7 @@ def main() -> None:
                     row = dict(engine=name, **ran, kv_cache=kv)
                     # one-row steps on the GEMV kernel (the ops whose K it takes: kernel.uses_gemv)
                     row["decode_gemv"] = lin == "triton" and bs <= decode_linear_kernel.GEMV_MAX_ROWS
-                    row["fused_prefill"] = ran["fused_prefill"]
+                    row["prefill_layer_fn"] = ran["prefill_layer_fn"]
                     row.update(batch=bs, seconds=secs)
                     row["roofline_tok_s"] = roof
                     row["tokens_per_s"] = bs * args.new_tokens / secs
@@ -346,7 +346,7 @@ def main() -> None:
                         row.update(token_agreement(base_tokens, toks))
                     rows.append(row)
                     extra = f", same tokens as the first: {row['same_tokens']:.3f}" if "same_tokens" in row else ""
-                    tag = ",fused prefill" if ran["fused_prefill"] else ""
+                    tag = ",prefill layer_fn" if ran["prefill_layer_fn"] else ""
                     tag += f",{ran['decode_steps_per_launch']} steps a launch"
                     print(f"{name}[{attn},{lin},{smp},{kv}{tag}] batch {bs:4d}: {row['tokens_per_s']:10.1f} tok/s ({secs:.2f} s){extra}",
                           file=sys.stderr, flush=True)  # fmt: skip
@@ -388,7 +388,7 @@ def main() -> None:
         label = r["engine"]
         if "decode_linear" in r:
             lin = r["decode_linear"] + ("-gemv" if r.get("decode_gemv") else "")
-            tag = ",fused prefill" if r.get("fused_prefill") else ""
+            tag = ",prefill layer_fn" if r.get("prefill_layer_fn") else ""
             tag += f",{r['decode_steps_per_launch']} steps/launch" if r.get("decode_steps_per_launch", 1) > 1 else ""
             label += f"[{r['decode_attention']},{lin},{r['sampler']},{r['kv_cache']}{tag}]"
         table.append([label, r["batch"], f"{tok_s:.0f}", vs, f"{roof:.0f}", f"{100 * frac:.1f}%"])

@@ -36,7 +36,7 @@ def profile_batch(model, bs: int, args, device: torch.device, out_dir: Path | No
 
     from prime_spmd.inference.engine import Request, SamplingParams
     from prime_spmd.inference.native import NativeEngine
-    from prime_spmd.inference.runner import fused_prefill_choice
+    from prime_spmd.inference.runner import prefill_choice
 
     ids = prompts(bs, args.prompt_len, model.config.vocab_size)
     eng = NativeEngine(
@@ -49,7 +49,7 @@ def profile_batch(model, bs: int, args, device: torch.device, out_dir: Path | No
         sampler=args.sampler,
         kv_cache=args.profile_kv_cache,
         pdl=args.pdl == "on",
-        fused_prefill=fused_prefill_choice(args.fused_prefill),
+        prefill_layer_fn=prefill_choice(args.prefill),
         decode_steps_per_launch=args.decode_steps,
     )
 
@@ -250,7 +250,7 @@ def main() -> None:
     ap.add_argument("--profile-kv-cache", default="slot", help="decode profile: the engine's KV cache")
     common.add_on_off(ap, "--pdl", "decode profile: PDL (kernels/pdl)")
     ap.add_argument(
-        "--fused-prefill", default="auto", choices=["auto", "on", "off"], help="decode profile: one-function prefill"
+        "--prefill", default="auto", choices=["auto", "layer_fn", "modules"], help="decode profile: the prefill path"
     )
     ap.add_argument(
         "--decode-steps", type=int, default=0, help="decode profile: decode steps a launch (0: auto, 4 with graphs)"

@@ -49,17 +49,20 @@ def main() -> None:
     )
     ap.add_argument("--decode-linear", default="auto", choices=["auto", "torch", "triton"], help="the engine's linears")
     ap.add_argument(
-        "--sampler", default="auto", choices=["auto", "torch", "triton", "fused"], help="the engine's sampler"
+        "--sampler", default="auto", choices=["auto", "torch", "triton", "triton_lm_head"], help="the engine's sampler"
     )
     ap.add_argument(
-        "--decode-attention", default="auto", choices=["auto", "bmm", "triton", "fused"], help="the engine's attention"
+        "--decode-attention",
+        default="auto",
+        choices=["auto", "bmm", "triton", "triton_qkv"],
+        help="the engine's attention",
     )
     ap.add_argument("--kv-cache", default="slot", choices=["slot", "paged"], help="the engine's KV cache")
     ap.add_argument(
-        "--fused-prefill",
+        "--prefill",
         default="auto",
-        choices=["auto", "on", "off"],
-        help="the engine's prefill: one fused layer function (auto, the default: on CUDA) or the model's modules",
+        choices=["auto", "layer_fn", "modules"],
+        help="the engine's prefill: one layer function (auto, the default: on CUDA) or the model's modules",
     )
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -67,7 +70,7 @@ def main() -> None:
     from prime_spmd.config.sections import ModelConfig
     from prime_spmd.inference.engine import Request, SamplingParams
     from prime_spmd.inference.native import NativeEngine
-    from prime_spmd.inference.runner import fused_prefill_choice
+    from prime_spmd.inference.runner import prefill_choice
     from prime_spmd.models.loading import load_model, resolve_dtype
     from prime_spmd.models.tiny import build_char_tokenizer, build_tiny_model
     from prime_spmd.trainer.policy import PolicyModel
@@ -90,7 +93,7 @@ def main() -> None:
             sampler=args.sampler,
             decode_attention=args.decode_attention,
             kv_cache=args.kv_cache,
-            fused_prefill=fused_prefill_choice(args.fused_prefill),
+            prefill_layer_fn=prefill_choice(args.prefill),
         )
         trainer_lm = load_model(mcfg, device, dtype).eval()
     vocab = engine.vocab_size
@@ -125,9 +128,9 @@ def main() -> None:
         "init_std": shape["overrides"].get("initializer_range", 0.02),
         "loss_impl": policy.loss_impl,
         "engine": {
-            k: getattr(args, k) for k in ("decode_attention", "decode_linear", "sampler", "kv_cache", "fused_prefill")
+            k: getattr(args, k) for k in ("decode_attention", "decode_linear", "sampler", "kv_cache", "prefill")
         },
-        "fused_prefill_ran": getattr(engine.runner, "prefill_layer", None) is not None,
+        "prefill_layer_fn_ran": getattr(engine.runner, "prefill_layer", None) is not None,
         "tokens": d.numel(),
         "mean_abs_diff": d.abs().mean().item(),
         "max_abs_diff": d.abs().max().item(),

@@ -4,7 +4,7 @@ writes are visible before they touch memory an earlier kernel wrote, then let th
 (``griddepcontrol.launch_dependents``). What overlaps is the next kernel's launch and scheduling with the previous
 one's tail: the decode step of a small batch is a chain of ~150 short kernels (docs/inference.md, decode profile).
 
-Process-wide (``set_enabled``); the native engine turns it on on CUDA by default (``--inference.pdl``, since 14976e9;
+Process-wide (``set_enabled``); the native engine turns it on on CUDA by default (``--inference.native.pdl``, since 14976e9;
 measured on an H200, docs/benchmarks.md). Kernels
 take ``USE_PDL`` (a constexpr: False compiles them exactly as without) and call ``pdl_enter(USE_PDL)`` first;
 launchers pass ``USE_PDL=enabled()`` and ``**launch_options()``. Never under the Triton interpreter (it cannot run

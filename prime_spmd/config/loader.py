@@ -142,7 +142,7 @@ def to_json(cfg: Any) -> str:
 PICKED_BY_RUN: dict[str, object] = {
     "topology.bridge_timeout_s": 0,
     "inference.max_model_len": 0,
-    "inference.decode_steps_per_launch": 0,
+    "inference.native.decode_steps_per_launch": 0,
     "model.router_aux_loss_coef": None,
 }
 

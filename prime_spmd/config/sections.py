@@ -281,6 +281,48 @@ class SamplingConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class NativeEngineConfig:
+    """Settings only the native engine reads (``[inference.native]``; the vLLM engine never sees them)."""
+
+    decode_attention: Literal["auto", "bmm", "triton", "triton_qkv"] = "auto"
+    """Decode attention: auto (triton_qkv on CUDA, bmm elsewhere), bmm (batched matmuls over the length bucket), triton (flash-decoding kernel) or triton_qkv (that kernel taking the QKV projection: q/k norm, RoPE and KV-cache write folded in; dense models' layer function, else triton)."""
+    decode_linear: Literal["auto", "torch", "triton"] = "auto"
+    """Decode linears: auto (triton on CUDA for hidden size <= 1024, torch otherwise), torch (F.linear + separate norm/SiLU/residual ops) or triton (fused kernels of kernels/decode_linear for decode steps of <= 16 / 64 rows)."""
+    sampler: Literal["auto", "torch", "triton", "triton_lm_head"] = "auto"
+    """Token sampler: torch (compiled on CUDA), triton (split-vocabulary Gumbel-max kernels of kernels/gumbel_sample for plain sampling; top-k/top-p/min-p steps use torch), triton_lm_head (as triton, and decode steps of <= 64 rows compute the LM head inside the sampling kernel) or auto (triton_lm_head on CUDA, torch elsewhere)."""
+    warmup: Literal["auto", "on", "off"] = "auto"
+    """Compile and capture the decode step of every (rows, length) bucket when the engine is built, not in the first steps that meet each one; costs more the longer the cache. auto: on CUDA with --inference.cuda_graphs; on: also elsewhere (runs each once)."""
+    kv_cache: Literal["slot", "paged"] = "slot"
+    """KV cache: slot (one max_model_len slot per sequence) or paged (blocks of kv_block_size positions; a sequence holds its prompt + max_tokens, a GRPO group's samples share their prompt's blocks)."""
+    kv_block_size: int = 16
+    """Paged KV cache: positions per block."""
+    kv_cache_tokens: int = 0
+    """Paged KV cache: pool size in tokens (0: max_batch_size x max_model_len, the slot cache's memory); smaller bounds KV memory, admission then waits for free blocks."""
+    pdl: bool = True
+    """CUDA: launch the decode step's Triton kernels (decode linears, triton_qkv attention, the step's glue) with programmatic dependent launch, so each one's launch overlaps the previous one's tail (kernels/pdl; one-row GEMVs load their weights before the wait: H200, Qwen3-0.6B, batch 1: 1,331 vs 1,225 tok/s without, commit 3836786). Ignored elsewhere."""
+    prefill: Literal["auto", "layer_fn", "modules"] = "auto"
+    """Prefill path: layer_fn (one pure layer function over packed QKV and gate/up weights; compiled on CUDA, where the module path is ~50 kernels a layer; any device, ValueError for models other than dense Llama-style ones) or modules (the model's own modules). auto: layer_fn on CUDA for dense Llama-style models, else modules. H100, Qwen3-0.6B, batch 1: +1.4% tok/s; mismatch KL at 64 rows 3.52e-5 with it, 3.54e-5 without (commit 9715fa2)."""
+    decode_steps_per_launch: int = 0
+    """Decode steps one launch (CUDA-graph replay) runs for row buckets of <= 16 rows while no request waits for admission and every row has room for them; the host's per-launch work and the gap between replays are paid once for them. 0: auto (4 with CUDA graphs, else 1)."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.decode_steps_per_launch >= 0,
+            "inference.native.decode_steps_per_launch",
+            self.decode_steps_per_launch,
+            "must be >= 0 (0: auto)",
+        )
+        _check(self.kv_block_size >= 1, "inference.native.kv_block_size", self.kv_block_size, "must be >= 1")
+        _check(self.kv_cache_tokens >= 0, "inference.native.kv_cache_tokens", self.kv_cache_tokens, "must be >= 0")
+        _check(
+            self.kv_cache == "paged" or self.kv_cache_tokens == 0,
+            "inference.native.kv_cache_tokens",
+            self.kv_cache_tokens,
+            "sizes the paged cache only: set --inference.native.kv_cache=paged",
+        )
+
+
+@dataclass(kw_only=True, slots=True)
 class InferenceConfig:
     engine: Literal["native", "vllm"] = "native"
     """Inference engine: our PyTorch engine (any device) or vLLM (CUDA, optional extra)."""
@@ -290,49 +332,17 @@ class InferenceConfig:
     """KV-cache length per sequence in tokens (0: --trainer.seq_len, or the model's limit for eval)."""
     cuda_graphs: bool = True
     """Capture the decode step in CUDA graphs (CUDA only)."""
-    decode_attention: Literal["auto", "bmm", "triton", "fused"] = "auto"
-    """Native engine decode attention: auto (fused on CUDA, bmm elsewhere), bmm (batched matmuls over the length bucket), triton (flash-decoding kernel) or fused (that kernel with the q/k norm, RoPE and KV-cache write folded in; dense models' fused decode layer, else triton)."""
-    decode_linear: Literal["auto", "torch", "triton"] = "auto"
-    """Native engine decode linears: auto (triton on CUDA for hidden size <= 1024, torch otherwise), torch (F.linear + separate norm/SiLU/residual ops) or triton (fused kernels of kernels/decode_linear for decode steps of <= 16 / 64 rows)."""
-    sampler: Literal["auto", "torch", "triton", "fused"] = "auto"
-    """Native engine token sampler: torch (compiled on CUDA), triton (split-vocabulary Gumbel-max kernels of kernels/gumbel_sample for plain sampling; top-k/top-p/min-p steps use torch), fused (as triton, and decode steps of <= 64 rows compute the LM head inside the sampling kernel) or auto (fused on CUDA, torch elsewhere)."""
-    warmup: Literal["auto", "on", "off"] = "auto"
-    """Native engine: compile and capture the decode step of every (rows, length) bucket when the engine is built, not in the first steps that meet each one; costs more the longer the cache. auto: on CUDA with --inference.cuda_graphs; on: also elsewhere (runs each once)."""
-    kv_cache: Literal["slot", "paged"] = "slot"
-    """Native engine KV cache: slot (one max_model_len slot per sequence) or paged (blocks of kv_block_size positions; a sequence holds its prompt + max_tokens, a GRPO group's samples share their prompt's blocks)."""
-    kv_block_size: int = 16
-    """Native engine, paged KV cache: positions per block."""
-    kv_cache_tokens: int = 0
-    """Native engine, paged KV cache: pool size in tokens (0: max_batch_size x max_model_len, the slot cache's memory); smaller bounds KV memory, admission then waits for free blocks."""
-    pdl: bool = True
-    """Native engine on CUDA: launch the decode step's Triton kernels (decode linears, fused attention, the step's glue) with programmatic dependent launch, so each one's launch overlaps the previous one's tail (kernels/pdl; one-row GEMVs load their weights before the wait: H200, Qwen3-0.6B, batch 1: 1,331 vs 1,225 tok/s without, commit 3836786). Ignored elsewhere."""
-    fused_prefill: Literal["auto", "on", "off"] = "auto"
-    """Native engine: prefill runs one pure layer function (fused QKV and gate/up weights; compiled on CUDA, where the module path is ~50 kernels a layer) instead of the model's own modules. auto (the default): on CUDA for dense Llama-style models; on: any device (ValueError for other models); off: the model's modules. H100, Qwen3-0.6B, batch 1: +1.4% tok/s; mismatch KL at 64 rows 3.52e-5 with it, 3.54e-5 without (commit 9715fa2)."""
-    decode_steps_per_launch: int = 0
-    """Native engine: decode steps one launch (CUDA-graph replay) runs for row buckets of <= 16 rows while no request waits for admission and every row has room for them; the host's per-launch work and the gap between replays are paid once for them. 0: auto (4 with CUDA graphs, else 1)."""
     gpu_memory_utilization: float = 0.3
     """vLLM: fraction of GPU memory for the engine."""
     weight_bucket_mb: int = 256
     """Weight sync: largest bucket broadcast at once (bounds the extra memory of a sync)."""
+    native: NativeEngineConfig = field(default_factory=NativeEngineConfig)
+    """The native engine's own settings."""
 
     def __post_init__(self) -> None:
         _check(self.max_batch_size >= 1, "inference.max_batch_size", self.max_batch_size, "must be >= 1")
         _check(self.max_model_len >= 0, "inference.max_model_len", self.max_model_len, "must be >= 0")
         _check(self.weight_bucket_mb >= 1, "inference.weight_bucket_mb", self.weight_bucket_mb, "must be >= 1")
-        _check(
-            self.decode_steps_per_launch >= 0,
-            "inference.decode_steps_per_launch",
-            self.decode_steps_per_launch,
-            "must be >= 0 (0: auto)",
-        )
-        _check(self.kv_block_size >= 1, "inference.kv_block_size", self.kv_block_size, "must be >= 1")
-        _check(self.kv_cache_tokens >= 0, "inference.kv_cache_tokens", self.kv_cache_tokens, "must be >= 0")
-        _check(
-            self.kv_cache == "paged" or self.kv_cache_tokens == 0,
-            "inference.kv_cache_tokens",
-            self.kv_cache_tokens,
-            "sizes the paged cache only: set --inference.kv_cache=paged",
-        )
         _check(
             0 < self.gpu_memory_utilization <= 1,
             "inference.gpu_memory_utilization",

@@ -6,31 +6,12 @@ import time
 
 import torch
 
-from prime_spmd.config.sections import InferenceConfig, ModelConfig
+from prime_spmd.config.sections import InferenceConfig, ModelConfig, NativeEngineConfig
 from prime_spmd.inference.engine import InferenceEngine
 from prime_spmd.inference.native import NativeEngine
-from prime_spmd.inference.runner import fused_prefill_choice
+from prime_spmd.inference.runner import prefill_choice
 from prime_spmd.log import logger
 from prime_spmd.models.loading import load_model, load_tokenizer, resolve_dtype
-
-NATIVE_ONLY = (
-    "decode_attention",
-    "decode_linear",
-    "sampler",
-    "warmup",
-    "kv_cache",
-    "kv_block_size",
-    "kv_cache_tokens",
-    "pdl",
-    "fused_prefill",
-    "decode_steps_per_launch",
-)
-
-
-def native_only_settings(inference_cfg: InferenceConfig) -> dict[str, object]:
-    """The native-engine-only fields of ``inference_cfg`` set away from their defaults (vLLM ignores them)."""
-    default = InferenceConfig()
-    return {f: getattr(inference_cfg, f) for f in NATIVE_ONLY if getattr(inference_cfg, f) != getattr(default, f)}
 
 
 def build_engine(
@@ -54,15 +35,15 @@ def build_engine(
     if inference_cfg.engine == "vllm":
         from prime_spmd.inference.vllm_engine import build_vllm_engine
 
-        ignored = native_only_settings(inference_cfg)
-        if ignored:
-            logger.warning(f"--inference.engine=vllm ignores the native engine's settings {ignored}")
+        if inference_cfg.native != NativeEngineConfig():
+            logger.warning(f"--inference.engine=vllm ignores [inference.native]: {inference_cfg.native}")
 
         return build_vllm_engine(model_cfg, inference_cfg, device=device, tp=tp, seed=seed, max_model_len=max_len)
     if tp != 1:
         raise ValueError(f"--topology.engine_tp={tp} needs --inference.engine=vllm (the native engine runs tp 1)")
     dtype = resolve_dtype(model_cfg.dtype, device)
     model = load_model(model_cfg, device, dtype)
+    native = inference_cfg.native
     engine = NativeEngine(
         model,
         load_tokenizer(model_cfg),
@@ -70,17 +51,17 @@ def build_engine(
         max_model_len=max_len,
         device=device,
         cuda_graphs=inference_cfg.cuda_graphs,
-        decode_attention=inference_cfg.decode_attention,
-        decode_linear=inference_cfg.decode_linear,
-        sampler=inference_cfg.sampler,
-        kv_cache=inference_cfg.kv_cache,
-        kv_block_size=inference_cfg.kv_block_size,
-        kv_cache_tokens=inference_cfg.kv_cache_tokens,
-        pdl=inference_cfg.pdl,
-        fused_prefill=fused_prefill_choice(inference_cfg.fused_prefill),
-        decode_steps_per_launch=inference_cfg.decode_steps_per_launch,
+        decode_attention=native.decode_attention,
+        decode_linear=native.decode_linear,
+        sampler=native.sampler,
+        kv_cache=native.kv_cache,
+        kv_block_size=native.kv_block_size,
+        kv_cache_tokens=native.kv_cache_tokens,
+        pdl=native.pdl,
+        prefill_layer_fn=prefill_choice(native.prefill),
+        decode_steps_per_launch=native.decode_steps_per_launch,
     )
-    warm = inference_cfg.warmup
+    warm = native.warmup
     if warm == "on" or (warm == "auto" and engine.use_graphs):
         t0 = time.perf_counter()
         logger.info("native engine warm-up: compiling and capturing the decode step of every batch/length bucket")

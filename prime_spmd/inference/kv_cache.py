@@ -1,9 +1,9 @@
 """The native engine's KV caches, allocated once and reused for every request.
 
-- ``SlotKVCache`` (``--inference.kv_cache slot``): one fixed slot of Tc positions per sequence. Layout per layer
+- ``SlotKVCache`` (``--inference.native.kv_cache slot``): one fixed slot of Tc positions per sequence. Layout per layer
   [Bc, Nkv, Tc, Dh] so that a decode step's read of slots [0, n) and positions [0, kv_len) is a strided view whose
   (slot, head) batch dims collapse into one stride: batched matmuls read it in place, with no gather or copy.
-- ``PagedKVCache`` (``--inference.kv_cache paged``): a pool of blocks of Sb positions and a block table per slot.
+- ``PagedKVCache`` (``--inference.native.kv_cache paged``): a pool of blocks of Sb positions and a block table per slot.
   A sequence holds the blocks its prompt + max_tokens can fill, not a whole slot, and a GRPO group's samples point
   at the same blocks for their shared prompt (only the prompt's last, partial block is copied per sample), so the
   KV memory of a group with a long prompt is about 1/group_size of the slot cache's.
@@ -152,9 +152,9 @@ class PagedKVCache(_KVPair):
         num_tokens: int = 0,
     ) -> None:
         if block_size < 1:
-            raise ValueError(f"--inference.kv_block_size={block_size}: must be >= 1")
+            raise ValueError(f"--inference.native.kv_block_size={block_size}: must be >= 1")
         if num_tokens < 0:
-            raise ValueError(f"--inference.kv_cache_tokens={num_tokens}: must be >= 0 (0: slots x max length)")
+            raise ValueError(f"--inference.native.kv_cache_tokens={num_tokens}: must be >= 0 (0: slots x max length)")
         self.block_size = block_size
         self.blocks_per_slot = -(-max_len // block_size)
         self.num_blocks = -(-num_tokens // block_size) if num_tokens else num_slots * self.blocks_per_slot

@@ -20,27 +20,21 @@ See docs/inference.md for the logprob contract and the seeding scheme.
 
 from __future__ import annotations
 
-import collections
 import math
-import random
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 import torch
 
 from prime_spmd.inference.engine import Completion, InferenceEngine, Request
+from prime_spmd.inference.graphs import PREFILL_GRAPH_MAX_TOKENS, GraphPool, PrefillGraphs
 from prime_spmd.inference.kv_cache import PagedKVCache, bucket_sizes, pick_bucket
 from prime_spmd.inference.runner import DecodeAttention, DecodeLinear, KVCacheKind, build_runner
 from prime_spmd.inference.sampling import Sampler, SamplingTensors, make_sampler, resolve_sampler
+from prime_spmd.inference.scheduler import Scheduler, Seq
 from prime_spmd.kernels.decode_glue.reference import advance_reference as advance_decode_state
 from prime_spmd.models.lora import LoraMerger, base_name
 from prime_spmd.models.registry import adapter_for
 
-# Prefills of up to this many padded tokens (row bucket x length bucket) run as captured CUDA graphs (CUDA, the slot
-# cache, no MoE): an eager prefill launches ~50 kernels a layer from Python, which for a small model costs far
-# more host time than GPU time (Qwen3-0.6B, one 128-token prompt, H200: a generate's first step 61.6 ms eager, 6.8 ms
-# with the graph; docs/benchmarks.md).
-PREFILL_GRAPH_MAX_TOKENS = 8192
 PREFILL_MIN_LEN = 16  # the shortest prefill length bucket (powers of two up to max_model_len)
 MULTI_STEP_MAX_ROWS = 16
 """Row buckets up to this size may run several decode steps a launch (``decode_steps_per_launch``): there the gap
@@ -50,54 +44,22 @@ AUTO_DECODE_STEPS = 4
 """``decode_steps_per_launch`` 0 (auto): this many with CUDA graphs, else 1."""
 
 
-def pad_prefill(ids_BT: torch.Tensor, slots: list[int], last: list[int], rows: int, length: int):
-    """A prefill batch padded to ``rows`` x ``length`` for a captured graph: ids right-padded with 0 (after each
-    prompt, as in any batched prefill: causal attention keeps the real positions exact, and the K/V written past a
-    prompt are overwritten by decode before they are attended); the extra rows repeat row 0 (its ids, slot and last
-    position), so they write the same K/V into the same slot and touch no other slot. Returns CPU tensors
-    (ids [rows, length], slots [rows], last [rows])."""
-    b, t = ids_BT.shape
-    if not (b <= rows and t <= length):
-        raise ValueError(f"pad_prefill: batch {b} x {t} does not fit {rows} x {length}")
-    ids = torch.zeros(rows, length, dtype=torch.long)
-    ids[:b, :t] = ids_BT
-    ids[b:] = ids[0]
-    return ids, torch.tensor(slots + slots[:1] * (rows - b)), torch.tensor(last + last[:1] * (rows - b))
-
-
-@dataclass(slots=True)
-class _Seq:
-    req: Request
-    slot: int
-    seed: int
-    stop_ids: frozenset[int]
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    num_launched: int = 0
-    """Tokens whose sampling has been launched on the device (>= len(tokens): the host lags one step)."""
-    finished: bool = False
-
-    @property
-    def length(self) -> int:
-        return len(self.req.prompt_ids) + len(self.tokens)
-
-
 class NativeEngine(InferenceEngine):
     """Continuous-batching engine over ``model`` (an HF causal LM or a model with its own runner).
 
     ``model`` is used in place (its parameters are read at every forward). ``dtype`` casts the
     model once at construction (None keeps it). ``decode_attention``: "bmm" (batched matmuls over
-    the length bucket), "triton" (the flash-decoding kernel, kernels/decode_attention), "fused"
-    (that kernel with the q/k norm, RoPE and cache write folded in) or "auto" (fused on CUDA, bmm elsewhere); ``decode_linear``: "torch", "triton" (fused norm / GEMM / epilogue
+    the length bucket), "triton" (the flash-decoding kernel, kernels/decode_attention), "triton_qkv"
+    (that kernel with the q/k norm, RoPE and cache write folded in) or "auto" (triton_qkv on CUDA, bmm elsewhere); ``decode_linear``: "torch", "triton" (fused norm / GEMM / epilogue
     kernels, kernels/decode_linear) or "auto" (triton on CUDA for hidden size <= 1024, else torch); both
     used by the Llama-style runner. ``sampler``: "torch", "triton" (kernels/gumbel_sample for plain sampling),
-    "fused" (as triton, and decode steps of <= 64 rows sample inside the LM head) or "auto" (fused on CUDA, torch
+    "triton_lm_head" (as triton, and decode steps of <= 64 rows sample inside the LM head) or "auto" (that on CUDA, torch
     elsewhere: ``sampling.resolve_sampler``). ``kv_cache``: "slot" (a whole ``max_model_len`` slot per sequence) or "paged"
     (blocks of ``kv_block_size`` positions from a pool of ``kv_cache_tokens`` tokens, 0: as many as the slots
     hold; a sequence takes the blocks of its prompt + max_tokens, a group's samples share their prompt's blocks,
     and admission waits while the pool is short). ``pdl``: launch the decode step's Triton kernels (decode linears,
-    the fused attention) with programmatic dependent launch (kernels/pdl; CUDA, process-wide; ``self.pdl`` says
-    whether it is on). ``fused_prefill``: prefill through one pure layer function (fused QKV / gate-up weights, compiled
+    the triton_qkv attention) with programmatic dependent launch (kernels/pdl; CUDA, process-wide; ``self.pdl`` says
+    whether it is on). ``prefill_layer_fn``: prefill through one pure layer function (packed QKV / gate-up weights, compiled
     on CUDA) instead of the model's modules (dense Llama-style models; None: on CUDA). Call every method from one thread.
     """
 
@@ -122,7 +84,7 @@ class NativeEngine(InferenceEngine):
         kv_block_size: int = 16,
         kv_cache_tokens: int = 0,
         pdl: bool = True,
-        fused_prefill: bool | None = None,
+        prefill_layer_fn: bool | None = None,
         decode_steps_per_launch: int = 0,
     ) -> None:
         device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -150,7 +112,7 @@ class NativeEngine(InferenceEngine):
             kv_cache=kv_cache,
             kv_block_size=kv_block_size,
             kv_cache_tokens=kv_cache_tokens,
-            fused_prefill=fused_prefill,
+            prefill_layer_fn=prefill_layer_fn,
         )
         self.vocab_size = self.runner.vocab_size
         self.batch_buckets = bucket_sizes(max_batch_size, 1, "pow2")
@@ -167,9 +129,9 @@ class NativeEngine(InferenceEngine):
             self._advance = advance
         else:
             self._advance = torch.compile(advance_decode_state) if self.use_graphs else advance_decode_state
-        # "fused": decode steps of few rows sample inside the LM head (kernels/gumbel_sample), logits never written
+        # "triton_lm_head": decode steps of few rows sample inside the LM head (kernels/gumbel_sample), logits never written
         self._head_rows = 0
-        if self.sampler == "fused" and self.runner.cache is not None:
+        if self.sampler == "triton_lm_head" and self.runner.cache is not None:
             from prime_spmd.kernels.gumbel_sample.kernel import LM_HEAD_MAX_ROWS
 
             self._head_rows = LM_HEAD_MAX_ROWS
@@ -179,11 +141,8 @@ class NativeEngine(InferenceEngine):
         # with the step launched before the host saw its stop)
         self.decode_steps = decode_steps_per_launch or (AUTO_DECODE_STEPS if self.use_graphs else 1)
         self._graphs: dict[tuple[int, int, bool, bool, int], torch.cuda.CUDAGraph] = {}
-        self._pool = None
-        # prefill graphs by (row bucket, length bucket): the graph and its static inputs (ids, slots, last); all of
-        # them write their logits into one buffer [max_batch_size, V] (allocated at the first capture)
-        self._prefill_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple]] = {}
-        self._prefill_logits: torch.Tensor | None = None
+        self._graph_pool = GraphPool(device)
+        self._prefill_graphs = PrefillGraphs(self._graph_pool, self.runner.prefill, max_batch_size, self.vocab_size)
         self.prefill_len_buckets = bucket_sizes(max_model_len, min(PREFILL_MIN_LEN, max_model_len), "pow2")
         # per-slot decode state on the device, written at admission and advanced by each decode step
         s_ = max_batch_size
@@ -198,18 +157,21 @@ class NativeEngine(InferenceEngine):
         pin = device.type == "cuda"
         self._host_out = [torch.zeros(k_, 2, s_, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
         self._num_launches = 0
-        self._pending: tuple[list[_Seq], torch.Tensor, torch.cuda.Event | None, int] | None = None
-        self._waiting: collections.deque[Request] = collections.deque()
-        self._running: dict[int, _Seq] = {}
-        self._free = list(range(max_batch_size))
-        self._rng = random.Random(seed)
-        eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
-        self._eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
-        self.num_generated_tokens = 0
+        self._pending: tuple[list[Seq], torch.Tensor, torch.cuda.Event | None, int] | None = None
+        self._paged = isinstance(self.runner.cache, PagedKVCache)
         # requests admitted together with identical prompts (a GRPO group) prefill once; the other
         # slots get a copy of the prompt's K/V (slot cache) or point at its blocks (paged cache)
-        self.share_prefill = share_prefill and self.runner.cache is not None
-        self._paged = isinstance(self.runner.cache, PagedKVCache)
+        cache = self.runner.cache
+        self.sched = Scheduler(
+            num_slots=max_batch_size,
+            max_model_len=max_model_len,
+            prefill_tokens=self.prefill_tokens,
+            share_prompts=share_prefill and cache is not None,
+            tokenizer=tokenizer,
+            seed=seed,
+            blocks=cache if self._paged else None,
+            release=cache.release if cache is not None else (lambda slot: None),
+        )
         self.num_prefill_tokens = 0
         """Prompt tokens run through the model (shared prompts counted once)."""
         self.num_prompt_tokens = 0
@@ -233,25 +195,25 @@ class NativeEngine(InferenceEngine):
                 f"request {request.request_id!r}: token ids {bad[:5]} outside vocab [0, {self.vocab_size})"
             )
         if self._paged:
-            cache, n = self.runner.cache, self._reserve_len(request)
+            cache, n = self.runner.cache, self.sched.reserve_len(request)
             need = cache.blocks_for(n)
             if need > cache.num_blocks:
                 raise ValueError(
                     f"request {request.request_id!r}: {n} positions (prompt + max_tokens) need {need} KV blocks, "
-                    f"the pool has {cache.num_blocks}: raise --inference.kv_cache_tokens"
+                    f"the pool has {cache.num_blocks}: raise --inference.native.kv_cache_tokens"
                 )
-        self._waiting.append(request)
+        self.sched.waiting.append(request)
 
-    def _reserve_len(self, req: Request) -> int:
-        """Cache positions a request can fill: its prompt and max_tokens, within the cache length."""
-        return min(len(req.prompt_ids) + req.sampling.max_tokens, self.max_model_len)
+    @property
+    def num_generated_tokens(self) -> int:
+        return self.sched.num_generated_tokens
 
     def kv_cache_stats(self) -> dict[str, float]:
         """The KV cache's memory (``SlotKVCache.stats`` / ``PagedKVCache.stats``); empty without a cache."""
         return self.runner.cache.stats() if self.runner.cache is not None else {}
 
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running or self._pending)
+        return bool(self.sched.waiting or self.sched.running or self._pending)
 
     def step(self) -> list[Completion]:
         done: list[Completion] = []
@@ -348,50 +310,12 @@ class NativeEngine(InferenceEngine):
 
     # ---- scheduling ------------------------------------------------------------------------
     def _admit(self, done: list[Completion]) -> None:
-        admitted: list[_Seq] = []
-        budget = self.runner.cache.num_free_blocks if self._paged else 0
-        prompts: set[tuple[int, ...]] = set()  # admitted this round: a repeat shares their whole prompt blocks
-        while self._waiting and self._free:
-            req = self._waiting[0]
-            if self._paged:  # wait (FIFO) while the pool is short of this request's blocks
-                key = tuple(req.prompt_ids)
-                shared = len(key) if self.share_prefill and key in prompts else 0
-                need = self.runner.cache.blocks_for(self._reserve_len(req), shared)
-                if need > budget:
-                    break
-                budget -= need
-                prompts.add(key)
-            self._waiting.popleft()
-            self._free.sort()
-            slot = self._free.pop(0)
-            s = req.sampling
-            seed = s.seed if s.seed is not None else self._rng.getrandbits(63)
-            stop = set(s.stop_token_ids) | (set() if s.ignore_eos else set(self._eos_ids))
-            admitted.append(_Seq(req=req, slot=slot, seed=seed, stop_ids=frozenset(stop)))
-        if not admitted:
-            return
-        # identical prompts end up adjacent, so a group shares one chunk (and one prefill)
-        admitted.sort(key=lambda q: (len(q.req.prompt_ids), tuple(q.req.prompt_ids)))
-        chunk: list[_Seq] = []
-        num_unique = 0
-        for q in admitted:
-            t = len(q.req.prompt_ids)
-            new = not (self.share_prefill and chunk and chunk[-1].req.prompt_ids == q.req.prompt_ids)
-            if new and chunk and (num_unique + 1) * t > self.prefill_tokens:
-                self._prefill(chunk, done)
-                chunk, num_unique = [], 0
-            chunk.append(q)
-            num_unique += new
-        self._prefill(chunk, done)
+        for chunk in self.sched.admit():
+            self._prefill(chunk, done)
 
-    def _prefill(self, seqs: list[_Seq], done: list[Completion]) -> None:
+    def _prefill(self, seqs: list[Seq], done: list[Completion]) -> None:
         """Prefill ``seqs`` (sorted so that identical prompts are adjacent), sample their first tokens."""
-        leaders: list[_Seq] = []  # one per distinct prompt
-        row = []  # seqs[i]'s row among the leaders
-        for q in seqs:
-            if not (self.share_prefill and leaders and leaders[-1].req.prompt_ids == q.req.prompt_ids):
-                leaders.append(q)
-            row.append(len(leaders) - 1)
+        leaders, row = self.sched.leaders(seqs)  # one per distinct prompt; seqs[i]'s row among them
         t = max(len(q.req.prompt_ids) for q in leaders)
         ids = torch.zeros(len(leaders), t, dtype=torch.long)
         for i, q in enumerate(leaders):
@@ -400,7 +324,7 @@ class NativeEngine(InferenceEngine):
         if cache is not None:
             for q, r in zip(seqs, row):  # a leader precedes the seqs that share its prompt
                 shared = 0 if q is leaders[r] else len(q.req.prompt_ids)
-                cache.reserve(q.slot, self._reserve_len(q.req), leaders[r].slot, shared)
+                cache.reserve(q.slot, self.sched.reserve_len(q.req), leaders[r].slot, shared)
             cache.sync()
         self.num_prefill_tokens += sum(len(q.req.prompt_ids) for q in leaders)
         self.num_prompt_tokens += sum(len(q.req.prompt_ids) for q in seqs)
@@ -419,61 +343,23 @@ class NativeEngine(InferenceEngine):
         self._seeds[slots], self._top_k[slots] = st.seeds_B, st.top_k_B
         self._floats[:, slots] = torch.stack([st.temperature_B, st.top_p_B, st.min_p_B])
         both = torch.stack([tokens.double(), logprobs.double()]).cpu()  # prefill's one device->host sync
-        for q in seqs:
-            self._running[q.slot] = q
-            q.num_launched = 1
-        self._record(seqs, both[0].long().tolist(), both[1].tolist(), done)
+        self.sched.start(seqs)
+        done += self.sched.record(seqs, both[0].long().tolist(), both[1].tolist())
 
     def _run_prefill(self, ids_BT: torch.Tensor, slots: list[int], last: list[int]) -> torch.Tensor:
         """``runner.prefill`` of CPU ids [B, T] into ``slots``: logits [B, V] at ``last``. On CUDA with graphs (slot
         cache: the paged cache's prefill graphs have not run on a GPU yet), a batch of up to
-        ``PREFILL_GRAPH_MAX_TOKENS`` padded tokens replays the graph of its (row, length) bucket, captured on first
-        use (``pad_prefill`` states the padding); the logits are then a view of the graphs' shared output buffer,
-        valid until the next prefill (the caller samples from them at once)."""
+        ``PREFILL_GRAPH_MAX_TOKENS`` padded tokens replays the graph of its (row, length) bucket (``PrefillGraphs``);
+        the logits are then valid until the next prefill (the caller samples from them at once)."""
         b, t = ids_BT.shape
         if self.use_graphs and not self._paged:
             rows, length = pick_bucket(self.batch_buckets, b), pick_bucket(self.prefill_len_buckets, t)
             if rows * length <= PREFILL_GRAPH_MAX_TOKENS:
-                padded = pad_prefill(ids_BT, slots, last, rows, length)
-                if (rows, length) not in self._prefill_graphs:
-                    self._prefill_graphs[(rows, length)] = self._capture_prefill(padded)
-                graph, static = self._prefill_graphs[(rows, length)]
-                for dst, src in zip(static, padded, strict=True):
-                    dst.copy_(src, non_blocking=True)
-                graph.replay()
-                return self._prefill_logits[:b]
+                return self._prefill_graphs.run(ids_BT, slots, last, rows, length)
         dev = self.device
         return self.runner.prefill(ids_BT.to(dev), torch.tensor(slots).to(dev), torch.tensor(last).to(dev))
 
-    def _capture_prefill(self, padded: tuple) -> tuple[torch.cuda.CUDAGraph, tuple]:
-        """Capture ``runner.prefill`` at ``padded``'s shapes, writing its logits into the shared buffer. Its static
-        inputs hold this batch's real values first, so the eager warm-up run writes only the slots being prefilled."""
-        static = tuple(t.to(self.device) for t in padded)
-        if self._prefill_logits is None:  # the runner's logits are fp32 (runner._lm_head)
-            self._prefill_logits = torch.empty(
-                self.max_batch_size, self.vocab_size, device=self.device, dtype=torch.float32
-            )
-        out = self._prefill_logits[: len(static[1])]
-        return self._capture_graph(lambda: out.copy_(self.runner.prefill(*static)), warmups=1), static
-
-    def _capture_graph(self, fn, warmups: int) -> torch.cuda.CUDAGraph:
-        """Run ``fn`` ``warmups`` times on a side stream (compiles, cuBLAS / SDPA workspaces, allocator first use),
-        then capture it into a CUDA graph in the engine's one memory pool (decode and prefill graphs share it: they
-        never run at the same time, and what outlives a replay lives in buffers allocated outside the pool)."""
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(warmups):
-                fn()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            fn()
-        return graph
-
-    def _copy_shared_prompts(self, seqs: list[_Seq], leader_of: list[_Seq]) -> None:
+    def _copy_shared_prompts(self, seqs: list[Seq], leader_of: list[Seq]) -> None:
         """Copy each leader's prompt K/V (all layers) into the slots of the seqs that share it (paged: only the
         prompt's partial last block; the whole ones are already the leader's)."""
         by_len: dict[int, tuple[list[int], list[int]]] = {}
@@ -498,27 +384,19 @@ class NativeEngine(InferenceEngine):
             st.needs_min_p,
         )
 
-    def _room(self, q: _Seq) -> int:
-        """Tokens ``q`` may still be launched: up to its max_tokens and the cache length."""
-        return min(q.req.sampling.max_tokens, self.max_model_len - len(q.req.prompt_ids)) - q.num_launched
-
-    def _needs_more(self, q: _Seq) -> bool:
-        """Can ``q`` still need a token beyond those launched (as far as the host knows now)?"""
-        return not q.finished and self._room(q) > 0
-
-    def _steps_for(self, seqs: list[_Seq], nb: int) -> int:
+    def _steps_for(self, seqs: list[Seq], nb: int) -> int:
         """Decode steps the next launch runs: ``self.decode_steps`` while nothing waits for admission, the row bucket
         is small (``MULTI_STEP_MAX_ROWS``) and every row may take that many more tokens (max_tokens, the cache
         length), else 1."""
         k = self.decode_steps
-        if k == 1 or nb > MULTI_STEP_MAX_ROWS or self._waiting:
+        if k == 1 or nb > MULTI_STEP_MAX_ROWS or self.sched.waiting:
             return 1
-        return k if min(self._room(q) for q in seqs) >= k else 1
+        return k if min(self.sched.room(q) for q in seqs) >= k else 1
 
-    def _launch_decode(self) -> tuple[list[_Seq], torch.Tensor, torch.cuda.Event | None, int] | None:
+    def _launch_decode(self) -> tuple[list[Seq], torch.Tensor, torch.cuda.Event | None, int] | None:
         """Launch the next decode step (or ``_steps_for`` steps) for the running sequences that may need a token; no
         host sync."""
-        seqs = [q for q in self._running.values() if self._needs_more(q)]
+        seqs = self.sched.to_decode()
         if not seqs:
             return None
         if self.runner.cache is not None:
@@ -575,13 +453,13 @@ class NativeEngine(InferenceEngine):
         allocator, cuBLAS workspaces) advance the device state, so it is saved and restored; the
         K/V they write past each sequence's position are overwritten before they are attended."""
         saved = [t.clone() for t in (self._ids, self._pos, self._steps)]
-        graph = self._capture_graph(lambda: self._decode_step(nb, kv_len, needs_sort, needs_min_p, k), warmups=2)
+        graph = self._graph_pool.capture(lambda: self._decode_step(nb, kv_len, needs_sort, needs_min_p, k), warmups=2)
         for t, v in zip((self._ids, self._pos, self._steps), saved):  # (the capture itself ran nothing)
             t.copy_(v)
         return graph
 
     def _collect(
-        self, pending: tuple[list[_Seq], torch.Tensor, torch.cuda.Event | None, int], done: list[Completion]
+        self, pending: tuple[list[Seq], torch.Tensor, torch.cuda.Event | None, int], done: list[Completion]
     ) -> None:
         seqs, host, event, k = pending
         if event is not None:
@@ -590,9 +468,9 @@ class NativeEngine(InferenceEngine):
         # the 2-core dev VM (1.79 ms -> 31 us at 256), host time that must stay under the GPU's step
         for tok_S, lp_S in host[:k].tolist():
             live = [q for q in seqs if not q.finished]  # a row that stopped drops the launch's later tokens
-            self._record(live, [int(tok_S[q.slot]) for q in live], [lp_S[q.slot] for q in live], done)
+            done += self.sched.record(live, [int(tok_S[q.slot]) for q in live], [lp_S[q.slot] for q in live])
 
-    def _sampling_tensors(self, seqs: list[_Seq]) -> SamplingTensors:
+    def _sampling_tensors(self, seqs: list[Seq]) -> SamplingTensors:
         sp = [q.req.sampling for q in seqs]
         floats = torch.tensor([[s.temperature, s.top_p, s.min_p] for s in sp], dtype=torch.float32)
         ints = torch.tensor([[s.top_k, q.seed, len(q.tokens)] for s, q in zip(sp, seqs)], dtype=torch.int64)
@@ -606,49 +484,4 @@ class NativeEngine(InferenceEngine):
             steps_B=ints[:, 2],
             needs_sort=any(s.temperature > 0 and (s.top_k > 0 or s.top_p < 1.0) for s in sp),
             needs_min_p=any(s.temperature > 0 and s.min_p > 0 for s in sp),
-        )
-
-    def _record(self, seqs: list[_Seq], tok_list: list[int], lp_list: list[float], done: list[Completion]) -> None:
-        self.num_generated_tokens += len(seqs)
-        for q, tok, lp in zip(seqs, tok_list, lp_list):
-            q.tokens.append(tok)
-            q.logprobs.append(lp)
-            reason = self._finish_reason(q, tok)
-            if reason is not None:
-                q.finished = True
-                del self._running[q.slot]
-                if self.runner.cache is not None:
-                    self.runner.cache.release(q.slot)
-                self._free.append(q.slot)
-                done.append(self._completion(q, reason))
-
-    def _finish_reason(self, q: _Seq, tok: int) -> str | None:
-        s = q.req.sampling
-        if tok in q.stop_ids:
-            return "stop"
-        if s.stop and self._hits_stop_string(q):
-            return "stop"
-        if len(q.tokens) >= s.max_tokens or q.length >= self.max_model_len:
-            return "length"
-        return None
-
-    def _hits_stop_string(self, q: _Seq) -> bool:
-        """Does the text of the last token complete a stop string? Decodes a short tail window."""
-        stops = q.req.sampling.stop
-        window = max(len(x) for x in stops) + 8
-        tail = q.tokens[-window:]
-        text = self.tokenizer.decode(tail, skip_special_tokens=False)
-        prev = self.tokenizer.decode(tail[:-1], skip_special_tokens=False)
-        # a stop string that the new token's text completes (earlier ones would have stopped already)
-        return any(x in text and x not in prev for x in stops)
-
-    def _completion(self, q: _Seq, reason: str) -> Completion:
-        text = self.tokenizer.decode(q.tokens, skip_special_tokens=True) if self.tokenizer is not None else ""
-        return Completion(
-            request_id=q.req.request_id,
-            prompt_ids=list(q.req.prompt_ids),
-            token_ids=q.tokens,
-            logprobs=q.logprobs,
-            finish_reason=reason,  # type: ignore[arg-type]
-            text=text,
         )

@@ -26,9 +26,11 @@ import torch
 import torch.nn.functional as F
 
 from prime_spmd.inference.kv_cache import PagedKVCache, SlotKVCache, read_positions, write_token
+from prime_spmd.models.common.norm import rms_norm
+from prime_spmd.models.common.rope import rotate
 from prime_spmd.models.registry import adapter_for
 
-DecodeAttention = Literal["auto", "bmm", "triton", "fused"]
+DecodeAttention = Literal["auto", "bmm", "triton", "triton_qkv"]
 DecodeLinear = Literal["auto", "torch", "triton"]
 KVCacheKind = Literal["slot", "paged"]
 # Rows up to which the fused decode linears (kernels/decode_linear) replace F.linear: the norm-prologue ones
@@ -41,16 +43,16 @@ DECODE_LINEAR_MAX_ROWS_RESIDUAL = 64
 
 
 def resolve_decode_attention(attention: str, device: torch.device) -> str:
-    """The decode attention to run on ``device``: "auto" is "fused" on CUDA (the fused decode layer's; the runner
+    """The decode attention to run on ``device``: "auto" is "triton_qkv" on CUDA (the decode layer function's; the runner
     takes "triton" where that layer does not apply) and "bmm" elsewhere (Triton on CPU runs only under the
-    interpreter). On an H200 at the Qwen3-0.6B shape (docs/benchmarks.md, 2026-12-05) fused beat triton at batch
-    1 / 16 / 64 / 256 (815 vs 750, 11.3k vs 11.1k, 32.9k vs 29.3k, 56.7k vs 56.6k tok/s, fused sampler) and triton
-    beat bmm (2026-12-04). "bmm", "triton" and "fused" (the Triton kernel with the q/k norm, RoPE and the new token's
+    interpreter). On an H200 at the Qwen3-0.6B shape (docs/benchmarks.md, 2026-12-05) triton_qkv beat triton at batch
+    1 / 16 / 64 / 256 (815 vs 750, 11.3k vs 11.1k, 32.9k vs 29.3k, 56.7k vs 56.6k tok/s, sampler triton_lm_head) and triton
+    beat bmm (2026-12-04). "bmm", "triton" and "triton_qkv" (the Triton kernel with the q/k norm, RoPE and the new token's
     cache write folded in) are kept. ValueError for any other name."""
-    if attention not in ("auto", "bmm", "triton", "fused"):
-        raise ValueError(f"decode attention {attention!r}: choose auto, bmm, triton or fused")
+    if attention not in ("auto", "bmm", "triton", "triton_qkv"):
+        raise ValueError(f"decode attention {attention!r}: choose auto, bmm, triton or triton_qkv")
     if attention == "auto":
-        return "fused" if device.type == "cuda" else "bmm"
+        return "triton_qkv" if device.type == "cuda" else "bmm"
     return attention
 
 
@@ -74,11 +76,6 @@ def resolve_decode_linear(linear: str, device: torch.device, hidden_size: int) -
     return linear
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 _OUT_DTYPE_OK: dict[str, bool] = {}
 
 
@@ -99,15 +96,15 @@ def fp32_out_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], w.shape[0])
 
 
-FUSED_PREFILL_CHOICES = {"auto": None, "on": True, "off": False}
-"""``--inference.fused_prefill`` (and the benchmarks' ``--fused-prefill``) -> the runner's ``fused_prefill`` argument."""
+PREFILL_CHOICES = {"auto": None, "layer_fn": True, "modules": False}
+"""``--inference.native.prefill`` (and the benchmarks' ``--prefill``) -> the runner's ``prefill_layer_fn`` argument."""
 
 
-def fused_prefill_choice(name: str) -> bool | None:
-    """``FUSED_PREFILL_CHOICES[name]``, or ValueError naming the bad value."""
-    if name not in FUSED_PREFILL_CHOICES:
-        raise ValueError(f"fused prefill {name!r}: choose one of {sorted(FUSED_PREFILL_CHOICES)}")
-    return FUSED_PREFILL_CHOICES[name]
+def prefill_choice(name: str) -> bool | None:
+    """``PREFILL_CHOICES[name]``, or ValueError naming the bad value."""
+    if name not in PREFILL_CHOICES:
+        raise ValueError(f"prefill {name!r}: choose one of {sorted(PREFILL_CHOICES)}")
+    return PREFILL_CHOICES[name]
 
 
 def compile_exact(fn, **kwargs):
@@ -116,12 +113,6 @@ def compile_exact(fn, **kwargs):
     (``rms_norm``: fp32 statistics, cast back, then scale) differs from HF's eager one in ~1 of 4 bf16 outputs by an
     ulp (CPU, 2026-12-05) and the engine's logprobs drift from the trainer's. With it they are bit-equal."""
     return torch.compile(fn, options={"emulate_precision_casts": True}, **kwargs)
-
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's Llama/Qwen RMSNorm, op for op: fp32 statistics, cast back, then scale by ``w``."""
-    xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def make_decode_layer(
@@ -151,9 +142,6 @@ def make_decode_layer(
     g = num_heads // num_kv_heads
     nq, nk = num_heads * head_dim, num_kv_heads * head_dim
 
-    def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return x * cos + _rotate_half(x) * sin
-
     def attend(qkv, q_norm_w, k_norm_w, k_cache, v_cache, table_BcMb, cos_BDh, sin_BDh, pos_B, mask_BTkv, lens_B,
                kv_len):  # fmt: skip
         """Split the QKV projection, q/k norm, RoPE, write the new k/v, attend ("bmm" or "triton"): o [B, N Dh]."""
@@ -163,7 +151,7 @@ def make_decode_layer(
         v = qkv[:, nq + nk :].view(b, num_kv_heads, head_dim)
         if q_norm_w is not None:
             q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
-        q, k = rope(q, cos_BDh[:, None], sin_BDh[:, None]), rope(k, cos_BDh[:, None], sin_BDh[:, None])
+        q, k = rotate(q, cos_BDh[:, None], sin_BDh[:, None]), rotate(k, cos_BDh[:, None], sin_BDh[:, None])
         write_token(k_cache, table_BcMb, pos_B, k)  # [B, Nkv, Dh] at (slot b, position pos_B[b])
         write_token(v_cache, table_BcMb, pos_B, v)
         if attention == "triton":
@@ -185,7 +173,7 @@ def make_decode_layer(
             qkv = torch.ops.prime_spmd.decode_linear(x_BD, qkv_w, qkv_b, ln1_w, eps, None, False)
         else:
             qkv = F.linear(rms_norm(x_BD, ln1_w, eps), qkv_w, qkv_b)
-        if attention == "fused":  # q/k norm, RoPE, the cache write and attention in one kernel
+        if attention == "triton_qkv":  # q/k norm, RoPE, the cache write and attention in one kernel
             o = torch.ops.prime_spmd.fused_decode_attention(
                 qkv, num_heads, q_norm_w, k_norm_w, cos_BDh, sin_BDh, pos_B, k_BcNkvTcDh, v_BcNkvTcDh, table_BcMb,
                 lens_B, kv_len, scale, eps, 0,
@@ -229,8 +217,7 @@ def make_prefill_layer(num_heads: int, num_kv_heads: int, head_dim: int, eps: fl
         if q_norm_w is not None:
             q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, N or Nkv, T, Dh]
-        q = q * cos_11TDh + _rotate_half(q) * sin_11TDh
-        k = k * cos_11TDh + _rotate_half(k) * sin_11TDh
+        q, k = rotate(q, cos_11TDh, sin_11TDh), rotate(k, cos_11TDh, sin_11TDh)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         x_BTD = x_BTD + F.linear(o.transpose(1, 2).reshape(b, t, nq), o_w, o_b)
         gu = F.linear(rms_norm(x_BTD, ln2_w, eps), gate_up_w)
@@ -273,14 +260,14 @@ class LlamaStyleRunner:
     Qwen3) decode through ``make_decode_layer`` with fused QKV and gate/up weights, compiled on CUDA
     (``compile_decode``); others (MoE) decode through the model's own submodules. ``attention`` picks the decode attention of both
     paths: "bmm" (two batched matmuls + softmax over the whole length bucket), "triton" (the
-    flash-decoding kernel of kernels/decode_attention, which reads each row's own positions only), "fused" (that
+    flash-decoding kernel of kernels/decode_attention, which reads each row's own positions only), "triton_qkv" (that
     kernel taking the QKV projection: q/k norm, RoPE and the new token's cache write inside it; fused decode layer
     only, the submodule path runs "triton") or "auto" (``resolve_decode_attention``: triton on CUDA, bmm elsewhere);
     ``self.attention`` holds the resolved name. ``linear`` picks the fused path's linears (``resolve_decode_linear``; held in
     ``self.linear``; the model's own submodules, used otherwise, ignore it). ``kv_cache`` picks the cache
     (``build_kv_cache``): "slot" (a whole slot per sequence) or "paged" (blocks of ``kv_block_size`` positions
     from a pool of ``kv_cache_tokens`` tokens; shared prompt blocks), read by both decode paths and both attentions.
-    ``fused_prefill``: prefill runs ``make_prefill_layer`` (fused QKV / gate-up weights, compiled on CUDA) instead of
+    ``prefill_layer_fn``: prefill runs ``make_prefill_layer`` (packed QKV / gate-up weights, compiled on CUDA) instead of
     the model's modules (dense Llama-style models only, else ValueError); None: on CUDA where the model allows it.
     """
 
@@ -296,10 +283,10 @@ class LlamaStyleRunner:
         kv_cache: KVCacheKind = "slot",
         kv_block_size: int = 16,
         kv_cache_tokens: int = 0,
-        fused_prefill: bool | None = None,
+        prefill_layer_fn: bool | None = None,
     ) -> None:
         attention = resolve_decode_attention(attention, device)
-        if attention in ("triton", "fused"):
+        if attention in ("triton", "triton_qkv"):
             import prime_spmd.kernels.decode_attention.op  # noqa: F401  registers torch.ops.prime_spmd.*decode_attention
         self.attention = attention
         self.adapter = adapter_for(model)
@@ -332,14 +319,14 @@ class LlamaStyleRunner:
         self.layer_args: list[tuple] | None = None
         if self.adapter.supports_fused_decode():
             self._setup_fused_decode(model, compile_decode and device.type == "cuda")
-        elif self.attention == "fused":  # the models' own modules compute q/k: the kernel cannot take them over
+        elif self.attention == "triton_qkv":  # the models' own modules compute q/k: the kernel cannot take them over
             self.attention = "triton"
         # the Triton decode path (decode linears triton: CUDA's default at hidden size <= 1024) also takes the step's
         # inputs and the engine's state advance from kernels/decode_glue: one launch each instead of five and four
         self.glue = (
             self.layer_args is not None
             and self.linear == "triton"
-            and self.attention in ("triton", "fused")
+            and self.attention in ("triton", "triton_qkv")
             and type(self.inner.embed_tokens) is torch.nn.Embedding
         )
         if self.glue:
@@ -347,11 +334,11 @@ class LlamaStyleRunner:
 
             self.step_inputs = step_inputs
         self.prefill_layer = None
-        if fused_prefill is None:
-            fused_prefill = device.type == "cuda" and self.layer_args is not None
-        if fused_prefill:
+        if prefill_layer_fn is None:
+            prefill_layer_fn = device.type == "cuda" and self.layer_args is not None
+        if prefill_layer_fn:
             if self.layer_args is None:
-                raise ValueError(f"fused_prefill needs a dense Llama-style decoder, not {type(model).__name__}")
+                raise ValueError(f"prefill layer_fn needs a dense Llama-style decoder, not {type(model).__name__}")
             fn = make_prefill_layer(self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale)
             self.prefill_layer = compile_exact(fn) if compile_decode and device.type == "cuda" else fn
 
@@ -430,7 +417,7 @@ class LlamaStyleRunner:
         x = self.inner.embed_tokens(ids_BT)
         cos = self.cos_TcDh[:t][None, None]
         sin = self.sin_TcDh[:t][None, None]
-        if self.prefill_layer is not None:  # the fused layer function (compiled on CUDA)
+        if self.prefill_layer is not None:  # the layer function (compiled on CUDA)
             for li, args in enumerate(self.layer_args):
                 x, k, v = self.prefill_layer(x, *args, cos, sin)
                 self.cache.write_prefill(li, slots_B, k, v)
@@ -441,8 +428,7 @@ class LlamaStyleRunner:
             h = layer.input_layernorm(x)
             q, k, v = self._qkv(attn, h)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, N or Nkv, T, Dh]
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             self.cache.write_prefill(li, slots_B, k, v)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
             x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
@@ -469,8 +455,7 @@ class LlamaStyleRunner:
             attn = layer.self_attn
             h = layer.input_layernorm(x)[:, 0]
             q, k, v = self._qkv(attn, h)  # [B, N, Dh], [B, Nkv, Dh]
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             self.cache.write_decode(li, pos_B, k, v)
             if self.attention == "triton":
                 kc, vc, table = self.cache.k[li], self.cache.v[li], self.cache.block_table
@@ -494,7 +479,7 @@ class LlamaStyleRunner:
         else:
             x = self.inner.embed_tokens(ids_B)  # [B, D]
             cos, sin = self.cos_TcDh[pos_B], self.sin_TcDh[pos_B]  # [B, Dh]
-            if self.attention in ("triton", "fused"):
+            if self.attention in ("triton", "triton_qkv"):
                 # row b attends positions <= pos_B[b]; rows past the bucket (free slots) are clamped to it
                 mask_BTkv, lens_B, tkv = None, (pos_B + 1).clamp(max=kv_len), kv_len
             else:
@@ -548,7 +533,7 @@ def build_kv_cache(kind: KVCacheKind, *, block_size: int, num_tokens: int, **dim
     (pool capacity in tokens, 0: slots x max length) size the paged cache; the slot cache takes neither."""
     if kind == "slot":
         if num_tokens:
-            raise ValueError(f"--inference.kv_cache_tokens={num_tokens} needs --inference.kv_cache=paged")
+            raise ValueError(f"--inference.native.kv_cache_tokens={num_tokens} needs --inference.native.kv_cache=paged")
         return SlotKVCache(**dims)
     if kind == "paged":
         return PagedKVCache(**dims, block_size=block_size, num_tokens=num_tokens)
@@ -566,11 +551,11 @@ def build_runner(
     kv_cache: KVCacheKind = "slot",
     kv_block_size: int = 16,
     kv_cache_tokens: int = 0,
-    fused_prefill: bool | None = None,
+    prefill_layer_fn: bool | None = None,
 ):
     """The fastest runner that supports ``model`` (``attention``, ``linear``, ``kv_cache``,
-    ``fused_prefill``: see ``LlamaStyleRunner``; the generic runner keeps token ids, no KV cache, and ignores the first
-    three; ``fused_prefill`` None is off there)."""
+    ``prefill_layer_fn``: see ``LlamaStyleRunner``; the generic runner keeps token ids, no KV cache, and ignores the
+    first three; ``prefill_layer_fn`` None is off there)."""
     if adapter_for(model).supports_slot_cache():
         return LlamaStyleRunner(
             model,
@@ -583,8 +568,8 @@ def build_runner(
             kv_cache,
             kv_block_size,
             kv_cache_tokens,
-            fused_prefill,
+            prefill_layer_fn,
         )
-    if fused_prefill:
-        raise ValueError(f"fused_prefill needs a Llama-style decoder with a KV cache, not {type(model).__name__}")
+    if prefill_layer_fn:
+        raise ValueError(f"prefill layer_fn needs a Llama-style decoder with a KV cache, not {type(model).__name__}")
     return GenericRunner(model, num_slots, max_len, device)

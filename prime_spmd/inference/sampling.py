@@ -37,7 +37,7 @@ __all__ = [
     "sample_flat",
 ]
 
-Sampler = Literal["auto", "torch", "triton", "fused"]
+Sampler = Literal["auto", "torch", "triton", "triton_lm_head"]
 
 
 def exponential_noise(seeds_B: torch.Tensor, steps_B: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -158,26 +158,26 @@ def sample_flat(
 
 
 def resolve_sampler(impl: str, device: torch.device) -> str:
-    """The sampler to run on ``device``: "auto" is "fused" on CUDA and "torch" elsewhere (Triton on CPU runs only
-    under the interpreter). On an H200 at the Qwen3-0.6B shape (docs/benchmarks.md, 2026-12-05) fused beat torch
-    at batch 1 / 16 / 64 / 256 (815 vs 743, 11.3k vs 10.2k, 32.9k vs 31.6k, 56.7k vs 56.2k tok/s, fused attention)
+    """The sampler to run on ``device``: "auto" is "triton_lm_head" on CUDA and "torch" elsewhere (Triton on CPU runs only
+    under the interpreter). On an H200 at the Qwen3-0.6B shape (docs/benchmarks.md, 2026-12-05) triton_lm_head beat torch
+    at batch 1 / 16 / 64 / 256 (815 vs 743, 11.3k vs 10.2k, 32.9k vs 31.6k, 56.7k vs 56.2k tok/s, attention triton_qkv)
     with the same mismatch KL (3.5e-5). Other names are kept; ValueError for an unknown one."""
-    if impl not in ("auto", "torch", "triton", "fused"):
-        raise ValueError(f"unknown sampler {impl!r}; choose auto, torch, triton or fused")
+    if impl not in ("auto", "torch", "triton", "triton_lm_head"):
+        raise ValueError(f"unknown sampler {impl!r}; choose auto, torch, triton or triton_lm_head")
     if impl == "auto":
-        return "fused" if device.type == "cuda" else "torch"
+        return "triton_lm_head" if device.type == "cuda" else "torch"
     return impl
 
 
 def make_sampler(impl: Sampler, compile_torch: bool) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """The engine's ``sample_flat``-shaped sampler over logits. "torch": ``sample_flat`` (``torch.compile``d when
-    ``compile_torch``); "triton" (and "fused", whose decode steps of few rows sample inside the LM head instead:
+    ``compile_torch``); "triton" (and "triton_lm_head", whose decode steps of few rows sample inside the LM head instead:
     ``NativeEngine._decode_step``): plain sampling (no top-k / top-p / min-p in the step) through the
     split-vocabulary kernels of kernels/gumbel_sample, filtered sampling through the torch one; "auto": torch
     (the engine resolves "auto" by device first: ``resolve_sampler``)."""
     kind = resolve_sampler(impl, torch.device("cpu"))  # checks the name; "auto" is torch here
     torch_fn = torch.compile(sample_flat, dynamic=True) if compile_torch else sample_flat
-    if kind not in ("triton", "fused"):
+    if kind not in ("triton", "triton_lm_head"):
         return torch_fn
     import prime_spmd.kernels.gumbel_sample.op  # noqa: F401  registers torch.ops.prime_spmd.gumbel_sample
 

@@ -19,7 +19,7 @@ from prime_spmd.models.registry import use_custom
 from prime_spmd.trainer.build import compile_training
 
 # native-engine flags that the vLLM engine does not read
-_NATIVE_ONLY = ("decode_attention", "decode_linear", "sampler", "warmup", "fused_prefill", "decode_steps_per_launch")
+_NATIVE_ONLY = ("decode_attention", "decode_linear", "sampler", "warmup", "prefill", "decode_steps_per_launch")
 
 
 def resolved_settings(
@@ -59,15 +59,16 @@ def resolved_settings(
         out["inference.max_model_len"] = max_model_len
     if isinstance(engine, NativeEngine):
         inf = cfg.inference  # type: ignore[union-attr]
-        out["inference.decode_attention"] = engine.runner.attention
-        out["inference.decode_linear"] = engine.runner.linear
-        out["inference.sampler"] = engine.sampler
-        out["inference.warmup"] = "on" if inf.warmup == "on" or (inf.warmup == "auto" and engine.use_graphs) else "off"
-        out["inference.fused_prefill"] = "on" if engine.runner.prefill_layer is not None else "off"
-        out["inference.decode_steps_per_launch"] = engine.decode_steps
+        warm = inf.native.warmup
+        out["inference.native.decode_attention"] = engine.runner.attention
+        out["inference.native.decode_linear"] = engine.runner.linear
+        out["inference.native.sampler"] = engine.sampler
+        out["inference.native.warmup"] = "on" if warm == "on" or (warm == "auto" and engine.use_graphs) else "off"
+        out["inference.native.prefill"] = "layer_fn" if engine.runner.prefill_layer is not None else "modules"
+        out["inference.native.decode_steps_per_launch"] = engine.decode_steps
         out["inference.max_model_len"] = engine.max_model_len
     elif engine is not None:
-        out.update({f"inference.{name}": "ignored (vllm)" for name in _NATIVE_ONLY})
+        out.update({f"inference.native.{name}": "ignored (vllm)" for name in _NATIVE_ONLY})
     return out
 
 

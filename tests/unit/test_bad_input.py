@@ -165,7 +165,7 @@ def test_model_dir_missing_files(tmp_path: Path) -> None:
 def test_config_values_out_of_range_name_the_flag(capsys) -> None:
     from prime_spmd.__main__ import main
     from prime_spmd.config.rl_sections import LossConfig
-    from prime_spmd.config.sections import CkptConfig, InferenceConfig, LogConfig, SamplingConfig, TrainerConfig
+    from prime_spmd.config.sections import CkptConfig, LogConfig, NativeEngineConfig, SamplingConfig, TrainerConfig
 
     cases = [
         (lambda: TrainerConfig(max_skipped_steps=-1), r"--trainer.max_skipped_steps=-1 is invalid: must be >= 0"),
@@ -177,8 +177,8 @@ def test_config_values_out_of_range_name_the_flag(capsys) -> None:
         (lambda: DataConfig(source="jsonl"), r"--data.path='' is invalid: --data.source=jsonl needs a file path"),
         (lambda: LossConfig(max_log_ratio=0.0), r"--loss.max_log_ratio=0.0 is invalid: must be > 0"),
         (
-            lambda: InferenceConfig(decode_steps_per_launch=-1),
-            r"--inference.decode_steps_per_launch=-1 is invalid: must be >= 0 \(0: auto\)",
+            lambda: NativeEngineConfig(decode_steps_per_launch=-1),
+            r"--inference.native.decode_steps_per_launch=-1 is invalid: must be >= 0 \(0: auto\)",
         ),
     ]
     for make, message in cases:

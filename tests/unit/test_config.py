@@ -178,7 +178,7 @@ def test_config_json_holds_what_every_auto_resolved_to(tmp_path: Path) -> None:
     assert resolved["model.dtype"] == "float32" and resolved["trainer.loss_impl"] == "reference"
     assert resolved["trainer.compile"] == "off" and resolved["topology.backend"] == "gloo"
     resolved = json.loads((eval_out / "config.json").read_text())["resolved"]
-    assert resolved["inference.decode_attention"] == "bmm" and resolved["inference.sampler"] == "torch"
+    assert resolved["inference.native.decode_attention"] == "bmm" and resolved["inference.native.sampler"] == "torch"
 
 
 def test_rl_config_cross_section_rule() -> None:

@@ -48,9 +48,9 @@ def _generate(model, attention: str, kv_cache: str = "slot", **kw):
         **kw,
     )  # fmt: skip
     assert isinstance(eng.runner, runner_mod.LlamaStyleRunner)
-    # "fused" needs the fused decode layer; the submodule path runs "triton" for it
+    # "triton_qkv" needs the decode layer function; the submodule path runs "triton" for it
     assert eng.runner.attention == (
-        attention if eng.runner.layer_args is not None else attention.replace("fused", "triton")
+        attention if eng.runner.layer_args is not None else attention.replace("triton_qkv", "triton")
     )
     outs = sorted(eng.generate(_requests(eng.vocab_size)), key=lambda o: o.request_id)
     return eng, outs
@@ -69,8 +69,8 @@ def _compare(model, kv_cache: str, attention: str = "triton") -> tuple[NativeEng
     return eng, worst
 
 
-@pytest.mark.parametrize(("attention", "kv_cache"), [("triton", "slot"), ("triton", "paged"), ("fused", "slot"),
-                                                      ("fused", "paged")])  # fmt: skip
+@pytest.mark.parametrize(("attention", "kv_cache"), [("triton", "slot"), ("triton", "paged"), ("triton_qkv", "slot"),
+                                                      ("triton_qkv", "paged")])  # fmt: skip
 def test_fused_decode_layer_triton_matches_bmm(record_property, attention, kv_cache):
     eng, worst = _compare(_hf_model(), kv_cache, attention)
     assert eng.runner.layer_args is not None  # the fused path
@@ -97,7 +97,7 @@ def test_unknown_attention_raises():
 
 
 def test_auto_is_fused_on_cuda_bmm_elsewhere():
-    assert runner_mod.resolve_decode_attention("auto", torch.device("cuda")) == "fused"
+    assert runner_mod.resolve_decode_attention("auto", torch.device("cuda")) == "triton_qkv"
     assert runner_mod.resolve_decode_attention("auto", torch.device("cpu")) == "bmm"
     assert runner_mod.resolve_decode_attention("bmm", torch.device("cuda")) == "bmm"
     eng = NativeEngine(_hf_model(), None, max_batch_size=1, max_model_len=16, device="cpu")  # default: auto
@@ -115,9 +115,9 @@ def test_pdl_samples_the_same_tokens():
         eng = NativeEngine(model, None, max_batch_size=3, max_model_len=64, device=DEVICE, pdl=True)
         assert not eng.pdl and not pdl.enabled()
         return
-    _, ref = _generate(model, "fused", decode_linear="triton")
+    _, ref = _generate(model, "triton_qkv", decode_linear="triton")
     try:
-        eng, got = _generate(model, "fused", decode_linear="triton", pdl=True)
+        eng, got = _generate(model, "triton_qkv", decode_linear="triton", pdl=True)
         assert eng.pdl and pdl.enabled() and pdl.prefetch_enabled()  # the weight rows prefetched before the wait
         assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     finally:
@@ -145,7 +145,7 @@ def test_fused_attention_on_a_model_without_qk_norm():
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     _, ref = _generate(model, "bmm")
-    eng, got = _generate(model, "fused")
+    eng, got = _generate(model, "triton_qkv")
     assert eng.runner.layer_args is not None and not eng.runner.qk_norm
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     worst = max(abs(x - y) for a, b in zip(got, ref) for x, y in zip(a.logprobs, b.logprobs))

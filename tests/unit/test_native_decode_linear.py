@@ -113,10 +113,10 @@ def test_triton_path_takes_the_glue_kernels(record_property):
     launches (one each a step); same tokens and logprobs as the torch linears' path, which keeps the eager glue."""
     model = _model("qwen3")
     torch_path = NativeEngine(model, None, max_batch_size=3, max_model_len=64, device=DEVICE, decode_linear="torch",
-                              decode_attention="fused")  # fmt: skip
+                              decode_attention="triton_qkv")  # fmt: skip
     assert not torch_path.runner.glue
     calls: list[str] = []
-    worst = _max_diff(model, "fused", calls)
+    worst = _max_diff(model, "triton_qkv", calls)
     assert worst < LOGPROB_ATOL, worst
     assert calls and calls.count("inputs") == calls.count("advance"), calls[:6]
     record_property("max_logprob_diff", worst)

@@ -295,7 +295,7 @@ def test_cuda_graph_decode_keeps_the_contract(model_dir, record_property):
     cpu_model, _ = _load(model_dir)
     for r, o in zip(greedy, eng.generate(greedy)):
         assert o.token_ids == _hf_greedy(cpu_model, r.prompt_ids, r.sampling.max_tokens), o.request_id
-    assert eng._prefill_graphs  # the prefills above replayed captured graphs (native.PREFILL_GRAPH_MAX_TOKENS)
+    assert eng._prefill_graphs._graphs  # the prefills above replayed captured graphs (graphs.PREFILL_GRAPH_MAX_TOKENS)
     sp = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
     outs = eng.generate(_reqs(tok, sp, seed0=5))
     trainer = torch.cat([teacher_forced_logprobs(cpu_model, o.prompt_ids, o.token_ids, 1.0) for o in outs])
@@ -389,9 +389,9 @@ def test_warmup_runs_every_decode_bucket_and_changes_no_output(model_dir, device
         warm.warmup()
 
 
-@pytest.mark.parametrize("sampler", ["triton", "fused"])
+@pytest.mark.parametrize("sampler", ["triton", "triton_lm_head"])
 def test_triton_sampler_draws_the_torch_samplers_tokens(model_dir, device, sampler):
-    # plain sampling through kernels/gumbel_sample (CPU: the Triton interpreter; "fused": decode steps compute the
+    # plain sampling through kernels/gumbel_sample (CPU: the Triton interpreter; "triton_lm_head": decode steps compute the
     # LM head inside the sampling kernel); a greedy request and a top-p one (which falls back to torch)
     reqs = lambda tok: _reqs(tok, SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True), seed0=3)  # noqa: E731
     want_eng, _, tok = _engine(model_dir, device, max_batch_size=4, sampler="torch")
@@ -406,10 +406,10 @@ def test_triton_sampler_draws_the_torch_samplers_tokens(model_dir, device, sampl
 
 
 def test_padded_prefill_matches_the_unpadded_one(model_dir, device):
-    """What a captured prefill graph runs (``native.pad_prefill``: rows repeated from row 0, ids right-padded to a
+    """What a captured prefill graph runs (``graphs.pad_prefill``: rows repeated from row 0, ids right-padded to a
     length bucket): the real rows' logits and their slots' K/V at real positions equal an unpadded prefill's, and
     slots outside the batch are not written."""
-    from prime_spmd.inference.native import pad_prefill
+    from prime_spmd.inference.graphs import pad_prefill
 
     eng, _, tok = _engine(model_dir, device, max_batch_size=4)
     prompts = [tok.encode(t) for t in TEXTS[:3]]
@@ -439,7 +439,8 @@ def test_step_helpers_match_the_eager_ops(model_dir, device):
     on views of the engine's buffers, rows past nb untouched) and the fused runner's final norm (its weight and eps
     taken from the model: eager, bit-equal to the model's own norm)."""
     from prime_spmd.inference.native import advance_decode_state
-    from prime_spmd.inference.runner import compile_exact, rms_norm
+    from prime_spmd.inference.runner import compile_exact
+    from prime_spmd.models.common.norm import rms_norm
 
     def buffers():
         g = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""The paged KV cache (``--inference.kv_cache paged``): the native engine samples the slot cache's tokens and
+"""The paged KV cache (``--inference.native.kv_cache paged``): the native engine samples the slot cache's tokens and
 logprobs through it, GRPO groups share their prompt's blocks (memory counted), a small pool makes admission wait
 and frees every block at the end, the allocator's bookkeeping, and the fused layer over the pool through
 torch.compile. Tiny fp32 Qwen3 on CPU (bmm attention, the fused decode layer uncompiled; the submodule path by
@@ -123,23 +123,17 @@ def test_allocator_bookkeeping():
 
 
 def test_kv_cache_options_are_checked():
-    from prime_spmd.config.sections import InferenceConfig
+    from prime_spmd.config.sections import InferenceConfig, NativeEngineConfig
 
-    with pytest.raises(ValueError, match="kv_cache_tokens"):
-        InferenceConfig(kv_cache_tokens=64)  # a pool size for the slot cache
-    with pytest.raises(ValueError, match="kv_block_size"):
-        InferenceConfig(kv_cache="paged", kv_block_size=0)
-    from prime_spmd.inference.factory import native_only_settings
-
-    # what build_engine warns that vLLM ignores
-    assert native_only_settings(InferenceConfig(engine="vllm", kv_cache="paged", kv_cache_tokens=64)) == {
-        "kv_cache": "paged",
-        "kv_cache_tokens": 64,
-    }
-    assert native_only_settings(InferenceConfig(engine="vllm")) == {}
+    with pytest.raises(ValueError, match="inference.native.kv_cache_tokens"):
+        NativeEngineConfig(kv_cache_tokens=64)  # a pool size for the slot cache
+    with pytest.raises(ValueError, match="inference.native.kv_block_size"):
+        NativeEngineConfig(kv_cache="paged", kv_block_size=0)
+    # the native engine's settings live in their own section, which the vLLM engine never reads
+    assert InferenceConfig(engine="vllm").native == NativeEngineConfig()
 
 
-@pytest.mark.parametrize("attention", ["bmm", "fused"])
+@pytest.mark.parametrize("attention", ["bmm", "triton_qkv"])
 def test_compiled_fused_layer_reads_and_writes_the_paged_cache(attention, device):
     """The fused decode layer over a paged pool, through torch.compile (inductor; on CPU in CI, so that a tracing
     problem of the paged writes and gathers shows before a GPU run; on the GPU there) equals the eager layer: output
@@ -164,7 +158,7 @@ def test_compiled_fused_layer_reads_and_writes_the_paged_cache(attention, device
     pools[1] = (pools[0][0].clone(), pools[0][1].clone())
     before = pools[0][0].clone()
     layer = make_decode_layer(N, Nkv, Dh, 1e-6, Dh**-0.5, attention, "torch")
-    if attention == "fused":  # the Triton kernel (interpreter) as an opaque, cache-mutating op inside the graph
+    if attention == "triton_qkv":  # the Triton kernel (interpreter) as an opaque, cache-mutating op inside the graph
         import prime_spmd.kernels.decode_attention.op  # noqa: F401
 
         mask, lens, kv_len = None, pos + 1, 32

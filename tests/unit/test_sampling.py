@@ -141,7 +141,7 @@ def test_sampler_names_resolve_by_device():
     also through ``make_sampler``."""
     from prime_spmd.inference.sampling import make_sampler, resolve_sampler, sample_flat
 
-    assert resolve_sampler("auto", torch.device("cuda")) == "fused"
+    assert resolve_sampler("auto", torch.device("cuda")) == "triton_lm_head"
     assert resolve_sampler("auto", torch.device("cpu")) == "torch"
     assert resolve_sampler("triton", torch.device("cpu")) == "triton"
     assert make_sampler("auto", compile_torch=False) is sample_flat

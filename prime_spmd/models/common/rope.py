@@ -37,7 +37,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin``: RoPE with tables already broadcastable to ``x`` (the trainer's modules and
+    the inference engine's layer functions share it)."""
+    return x * cos + rotate_half(x) * sin
+
+
 def apply_rope(x_BTNDh: torch.Tensor, cos_BTDh: torch.Tensor, sin_BTDh: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` [B, T, N, Dh] by the tables [B, T, Dh]."""
-    cos_BT1Dh, sin_BT1Dh = cos_BTDh.unsqueeze(2), sin_BTDh.unsqueeze(2)
-    return x_BTNDh * cos_BT1Dh + rotate_half(x_BTNDh) * sin_BT1Dh
+    return rotate(x_BTNDh, cos_BTDh.unsqueeze(2), sin_BTDh.unsqueeze(2))
