@@ -15,6 +15,7 @@ from prime_spmd.envs.base import Environment
 from prime_spmd.inference.engine import InferenceEngine, SamplingParams
 from prime_spmd.rl.isolation import run_isolated
 from prime_spmd.rl.mixture import EnvSlot, Plan
+from prime_spmd.rl.samples import is_failed
 from prime_spmd.rl.schedule import version_of_batch
 from prime_spmd.rl.types import Batch, EvalShare
 
@@ -121,7 +122,8 @@ def eval_share(
 ) -> EvalShare:
     """This engine's share of every environment's eval split (``--eval.samples_per_example`` samples each)
     with the weights the engine holds (``version``). Seeded the same at every eval, so evals differ by the
-    weights only. Failures are isolated and counted, as in training."""
+    weights only. Failures are isolated and counted, as in training; a failed rollout scores its reward (0),
+    as in the ``eval`` job."""
     assert engine.weights_version == version, (engine.weights_version, version)
     t0 = time.perf_counter()
     n = cfg.eval.samples_per_example
@@ -137,7 +139,7 @@ def eval_share(
         out.rewards[slot.label] = [[r.reward for r in g] for g in groups]
         out.completion_lens[slot.label] = [sum(r.completion_mask) for g in groups for r in g]
         out.truncated[slot.label] = sum(r.info.get("finish_reason") == "length" for g in groups for r in g)
-        out.failed_groups[slot.label] = len(failures)
+        out.failed_groups[slot.label] = len(failures) + sum(all(is_failed(r) for r in g) for g in groups)
     out.gen_time_s = time.perf_counter() - t0
     return out
 

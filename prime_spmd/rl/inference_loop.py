@@ -22,6 +22,7 @@ from prime_spmd.rl.mixture import EnvSlot
 from prime_spmd.rl.schedule import (
     batch_after_step,
     eval_after_step,
+    eval_at_start,
     pregenerated_batches,
     unreceived_batches_bound,
     version_of_batch,
@@ -51,6 +52,8 @@ class InferenceLoop:
         receiver.recv(bridge)  # w_start
         for b in pregenerated_batches(start, k, n):
             self._generate_and_send(b, version_of_batch(b, k))
+        if eval_at_start(start, cfg.eval.interval_steps):
+            self._send(eval_share(cfg, self.envs, self.engine, start, topo.engine_index, topo.num_engines))
         for j in range(start, n):
             b = batch_after_step(j, k, n)
             evaluate = eval_after_step(j, cfg.eval.interval_steps, cfg.eval.final, n)

@@ -50,6 +50,7 @@ from prime_spmd.rl.samples import rollouts_to_samples
 from prime_spmd.rl.schedule import (
     batch_after_step,
     eval_after_step,
+    eval_at_start,
     pregenerated_batches,
     restored_batches,
     version_of_batch,
@@ -150,6 +151,9 @@ class _TrainerLoop:
         self.role.sync_weights(start)  # w_start
         for b in pregenerated_batches(start, k, n):
             self._produce(b, version_of_batch(b, k))
+        if eval_at_start(start, cfg.eval.interval_steps):
+            self.evals_expected.add(start)
+            self.role.evaluate(start)  # the baseline, logged with step 0
         bar = Progress(total=n - start, desc="rl", enabled=topo.is_controller and cfg.log.progress)
         last, stopped_at = run_steps(
             start,
@@ -284,6 +288,18 @@ class _TrainerLoop:
         self.role.evals.clear()
         return m
 
+    def _receive_due_evals(self, j: int) -> None:
+        """Controller, at step j's metrics: receive the evals the inference ranks have sent by now (disjoint), so
+        that each lands in its own row: the eval of w_v follows batch v + k, or the weights when no batch does."""
+        k, n = self.cfg.rollout.max_async, self.cfg.trainer.max_steps
+
+        def due() -> bool:
+            got = self.evals_logged | {e.version for e in self.role.evals}
+            return any(v + k <= j or v + k >= n for v in self.evals_expected - got)
+
+        while due():
+            self.role.receive(self.buffer)
+
     def _drain(self) -> None:
         """Controller: receive what the inference ranks still send (batches produced, evals expected), so that
         their sends complete before anyone leaves (disjoint; colocated holds everything already)."""
@@ -343,6 +359,7 @@ class _TrainerLoop:
             **router_metrics(stats),
         }
         m["gen_time_s"] = gen_s or bm["gen_time_s"]  # generated during this step (colocated), else the batch's own
+        self._receive_due_evals(j)
         has_eval = bool(self.role.evals)
         m.update(self._eval_metrics())
         if self.ctx.device.type == "cuda":  # this rank's peak since the job started (model, optimizer, engine)

@@ -59,6 +59,12 @@ def eval_after_step(j: int, interval_steps: int, final: bool, num_steps: int) ->
     return (j + 1) % interval_steps == 0 or (final and j == num_steps - 1)
 
 
+def eval_at_start(start: int, interval_steps: int) -> bool:
+    """Whether w_0 is evaluated before the first step (a fresh run with --eval.interval_steps > 0): the baseline
+    the later evals compare with. Disjoint inference ranks evaluate it after the pre-generated batches."""
+    return start == 0 and interval_steps > 0
+
+
 def weights_after_step(j: int, k: int, num_steps: int, evaluate: bool) -> bool:
     """Whether w_(j+1) goes to the engines after step j: a batch or an evaluation needs it."""
     return batch_after_step(j, k, num_steps) is not None or evaluate
