@@ -221,3 +221,31 @@ def test_envs_toml_and_labels(tmp_path: Path) -> None:
     assert RLJobConfig().environments() == [EnvConfig()]  # the single [env]: a mixture of one
     counts = Counter(len(Mixture(_cfg(p=5), _slots({"x": 1.0})).plan(b)["x"]) for b in range(3))
     assert counts == {5: 3}
+
+
+def test_verifiers_env_group_runs_through_the_bridge(tmp_path: Path) -> None:
+    """``vf.EnvGroup`` is one classic environment to the bridge: each row goes to its sub-environment
+    (single-turn arithmetic, multi-turn guessing), token-exact."""
+    vf = pytest.importorskip("verifiers")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from prime_spmd.envs.verifiers_bridge import VerifiersEnvironment
+    from prime_spmd.inference.engine import SamplingParams
+    from prime_spmd.inference.native import NativeEngine
+    from prime_spmd.models.tiny import build_tiny_model
+    from tests.envs_for_tests import load_multi_turn_env, load_single_turn_env
+
+    path = build_tiny_model(tmp_path / "m", "qwen3-nano", seed=0, initializer_range=0.3)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine = NativeEngine(model, AutoTokenizer.from_pretrained(path), max_batch_size=16, max_model_len=96, device="cpu")
+    group = vf.EnvGroup(envs=[load_single_turn_env(num_examples=2), load_multi_turn_env(num_examples=2)])
+    env = VerifiersEnvironment(group, name="group", reward_timeout_s=None)
+    assert env.num_examples("train") == 4
+    groups = env.run_groups(engine, "train", [0, 1, 2, 3], 2, SamplingParams(temperature=1.0, max_tokens=6), 0)
+    sampled = [sum(g[0].completion_mask) for g in groups]
+    assert sampled[:2] == [6, 6] and all(s > 6 for s in sampled[2:])  # the guessing game takes more turns
+    assert not any(r.metrics.get("failed") for g in groups for r in g)
+    for g in groups:
+        for r in g:
+            r.validate()
