@@ -6,13 +6,10 @@ with the same per-request seeds. Sides, interleaved in every repeat so that mach
 alike:
 
 - ``direct``: ``engine.generate(requests)``, one call, one batch;
-- ``bridge``: ``VerifiersEnvironment.run_groups`` as it runs by default: a ``SingleTurnEnv`` takes the
-  single-turn fast path (prime_spmd/envs/vf_single_turn.py: one engine batch, verifiers' per-rollout
-  steps phase by phase);
-- ``bridge-general``: the general path (``single_turn_fast_path=False``): verifiers' ``run_group`` per
-  example, the engine stepped inside the event loop (``AsyncEngine``), as every multi-turn env runs;
+- ``bridge``: ``VerifiersEnvironment.run_groups``: verifiers' ``run_group`` per example, the engine stepped
+  inside the event loop (``AsyncEngine``).
 
-The bridge sides also score (one cheap reward function) and convert to ``Rollout``s.
+The bridge side also scores (one cheap reward function) and convert to ``Rollout``s.
 ``--lengths fixed``: greedy + ignore_eos, every rollout generates exactly max_tokens tokens.
 ``--lengths varied``: temperature 1 with a set of stop token ids sized so that completions end at
 geometric lengths (mean ~0.43 x max_tokens), as EOS does in RL; both sides sample the same tokens.
@@ -42,8 +39,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common  # noqa: E402
 from prime_spmd.inference.engine import Completion, InferenceEngine, Request  # noqa: E402
-
-SIDES = ("direct", "bridge", "bridge-general")
 
 
 def build_env(num_examples: int):
@@ -138,7 +133,7 @@ def sampling_for(lengths: str, max_tokens: int, vocab_size: int):
     return SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, stop_token_ids=stop)
 
 
-def run_config(engine, env, args, max_tokens: int, lengths: str, sides: list[str]) -> dict[str, Any]:
+def run_config(engine, env, args, max_tokens: int, lengths: str) -> dict[str, Any]:
     """Time every side ``args.repeats`` times (interleaved) for one (max_tokens, lengths) setting."""
     import dataclasses
 
@@ -152,10 +147,7 @@ def run_config(engine, env, args, max_tokens: int, lengths: str, sides: list[str
     prompts = [engine.render_chat(env.example("train", e)["prompt"]) for e, _ in keys]
     # The bridge seeds request (example e, sample k, turn 0) so; the direct side uses the same seeds.
     seeds = [turn_seed(sample_seed(0, e, k), 0) for e, k in keys]
-    envs = {
-        "bridge": VerifiersEnvironment(env.vf_env, name="bench"),
-        "bridge-general": VerifiersEnvironment(env.vf_env, name="bench", single_turn_fast_path=False),
-    }
+    bridge_env = VerifiersEnvironment(env.vf_env, name="bench")
 
     def direct() -> list[list[int]]:
         reqs = [
@@ -168,7 +160,7 @@ def run_config(engine, env, args, max_tokens: int, lengths: str, sides: list[str
         groups = e.run_groups(engine, "train", ids, args.group_size, sp, seed=0)
         return [r.completion_ids for g in groups for r in g]
 
-    fns = {"direct": direct} | {name: (lambda e=e: through(e)) for name, e in envs.items() if name in sides}
+    fns = {"direct": direct, "bridge": lambda: through(bridge_env)}
     outs = {name: fn() for name, fn in fns.items()}  # warm-up; also the token check
     same = {name: sum(a == b for a, b in zip(outs["direct"], o)) for name, o in outs.items()}
     tokens = {name: sum(map(len, o)) for name, o in outs.items()}
@@ -182,9 +174,7 @@ def run_config(engine, env, args, max_tokens: int, lengths: str, sides: list[str
             common.sync(engine.device)
             wall[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
-    result: dict[str, Any] = dict(
-        max_tokens=max_tokens, lengths=lengths, bridge_fast_path=envs["bridge"].fast_single_turn, sides={}
-    )
+    result: dict[str, Any] = dict(max_tokens=max_tokens, lengths=lengths, sides={})
     for name in fns:
         best, med = min(wall[name]), statistics.median(wall[name])
         result["sides"][name] = dict(
@@ -213,7 +203,6 @@ def main() -> None:
     p.add_argument("--engine", default="native", choices=("native", "zero"), help="zero: see ZeroCostEngine")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--sides", default="direct,bridge,bridge-general", help=f"comma-separated, of {','.join(SIDES)}")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: 1 on cpu)")
     p.add_argument("--out", default=None, help="write the results and run metadata as JSON here")
     args = p.parse_args()
@@ -227,10 +216,6 @@ def main() -> None:
     threads = args.threads if args.threads is not None else (0 if common.is_cuda(device) else 1)
     if threads > 0:
         torch.set_num_threads(threads)
-    sides = args.sides.split(",")
-    bad = [x for x in sides if x not in SIDES]
-    if bad or "direct" not in sides:
-        raise ValueError(f"--sides {args.sides!r}: choose from {SIDES}, including direct (overheads are against it)")
     max_tokens = [int(x) for x in args.max_tokens.split(",")]
     lengths = args.lengths.split(",")
     max_len = 64 + max(max_tokens)  # prompts here render to ~55 tokens
@@ -254,7 +239,7 @@ def main() -> None:
     results = []
     for mt in max_tokens:
         for ln in lengths:
-            r = run_config(engine, env, args, mt, ln, sides)
+            r = run_config(engine, env, args, mt, ln)
             results.append(r)
             d = r["sides"]["direct"]
             print(f"\nmax_tokens={mt} lengths={ln} N={args.n}: {d['completion_tokens']} completion tokens (direct)")

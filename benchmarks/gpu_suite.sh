@@ -48,7 +48,7 @@ case $PART in
     for r in 0 16; do
       run "ws_colocated_r$r" 180 torchrun --standalone --nproc-per-node 1 benchmarks/weight_sync.py --shape qwen3-0.6b --trainer-ranks 1 --lora-rank "$r" --iters 10 --out "$OUT/ws_colocated_r$r.json"
     done ;;
-  env_bridge)  # model build, graph capture, then 4 settings x 3 sides (direct, fast path, general path) x 6 runs; ~2 min
+  env_bridge)  # model build, graph capture, then 4 settings x 2 sides (direct, bridge) x 6 runs; ~2 min
     run env_bridge 300 python3 benchmarks/env_bridge.py --device cuda --preset qwen3-0.6b --max-tokens 32,128 --lengths fixed,varied --repeats 5 --out "$OUT/env_bridge.json" ;;
   engine_warmup)  # first-use costs, cold vs warm caches; engine:hf last, skipped if the budget is spent; <= 2.7 min
     run engine_warmup 160 python3 benchmarks/engine_warmup.py --device cuda --shape qwen3-0.6b --parts engine:custom,trainer,engine:hf \

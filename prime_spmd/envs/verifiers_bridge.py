@@ -4,8 +4,7 @@
 ``module:function`` import path, or from a ``.py`` file, and wraps it as our ``Environment``.
 ``VerifiersEnvironment.run_groups`` runs ``env.run_group(..., state_columns=["trajectory", ...])``
 for every example concurrently, with an ``EngineClient`` (prime_spmd/envs/vf_client.py) over one
-``AsyncEngine``, so all rollouts of the call share the engine's continuous batch. Single-turn environments take a fast path
-instead (vf_single_turn.py: the same steps, one engine batch for the call; ``single_turn_fast_path``).
+``AsyncEngine``, so all rollouts of the call share the engine's continuous batch.
 Each result becomes a ``Rollout`` built from the trajectory's token ids only (no re-tokenization):
 
     prompt_ids      = turn 0's prompt ids
@@ -40,10 +39,10 @@ from prime_spmd.envs.rollout import Rollout
 from prime_spmd.envs.vf_client import SEED_KEY, STATS_KEY, ChatRenderer, EngineClient, refuse_sampling_overrides
 from prime_spmd.envs.vf_output import failed_group, output_to_rollout
 from prime_spmd.envs.vf_rewards import guard_rubric
-from prime_spmd.envs.vf_single_turn import MODEL, run_single_turn, single_turn_blocker
 from prime_spmd.inference.engine import AsyncEngine, InferenceEngine, SamplingParams
 
 logger = logging.getLogger("prime_spmd")
+MODEL = "prime-spmd"  # the model name run_group gets (our client serves the one engine)
 
 
 def parse_env_args(args: dict[str, str]) -> dict[str, Any]:
@@ -112,9 +111,6 @@ class VerifiersEnvironment(Environment):
     ``rollout_timeout_s``: sets the environment's ``timeout_seconds`` when it has none (a rollout
     past it stops with ``stop_condition == "timeout_reached"``; counted as ``env_timeouts``).
     ``check_rerender``: count turns whose stitched prompt differs from a fresh render of the messages.
-    ``single_turn_fast_path``: run environments that ``single_turn_blocker`` (vf_single_turn.py) accepts
-    (``max_turns == 1``, e.g. ``vf.SingleTurnEnv``) with ``run_single_turn``: one engine batch per call,
-    the same rollouts; off, every environment runs through ``run_group``.
     ``train_on_eval_split``: an environment without a train dataset trains on its eval split (with a
     warning); without it, asking for the train split of such an environment raises ``ValueError``.
     ``group_timeout_s``: limit per group on the ``run_group`` path (None: none); past it the group fails.
@@ -131,12 +127,10 @@ class VerifiersEnvironment(Environment):
         rollout_timeout_s: float | None = None,
         check_rerender: bool = True,
         train_on_eval_split: bool = False,
-        single_turn_fast_path: bool = True,
         group_timeout_s: float | None = None,
     ) -> None:
         self.vf_env = vf_env
         self.group_timeout_s = group_timeout_s
-        self.single_turn_fast_path = single_turn_fast_path
         self.train_on_eval_split = train_on_eval_split
         self.name = name
         self.num_eval_examples = num_eval_examples
@@ -149,11 +143,6 @@ class VerifiersEnvironment(Environment):
         self._rows: dict[tuple[str, int], dict[str, Any]] = {}
         self._plain_rows: dict[tuple[str, int], bool] = {}
         self._renderer: ChatRenderer | None = None
-
-    @property
-    def fast_single_turn(self) -> bool:
-        """True when ``run_groups`` takes the single-turn fast path (see the class doc)."""
-        return self.single_turn_fast_path and single_turn_blocker(self.vf_env) is None
 
     def _split(self, split: Literal["train", "eval"]) -> Any:
         if split not in self._splits:
@@ -203,9 +192,7 @@ class VerifiersEnvironment(Environment):
     ) -> list[list[Rollout]]:
         """See ``Environment.run_groups``. Runs its own event loop (``asyncio.run``): call it from sync code."""
         coro = self.arun_groups(engine, split, example_ids, group_size, sampling, seed)
-        # The fast path makes no asyncio.to_thread call of its own; without a default executor set,
-        # asyncio.run's shutdown starts no thread to shut it down (~0.35 ms per call here).
-        return asyncio.run(coro if self.fast_single_turn else self._with_executor(coro))
+        return asyncio.run(self._with_executor(coro))
 
     async def _with_executor(self, coro: Any) -> Any:
         # verifiers runs two asyncio.to_thread calls per rollout turn (parse_response_tokens,
@@ -223,8 +210,7 @@ class VerifiersEnvironment(Environment):
         sampling: SamplingParams,
         seed: int,
     ) -> list[list[Rollout]]:
-        """``run_groups`` inside a running event loop; every group runs concurrently (``run_group`` each, or
-        all through ``run_single_turn`` when ``fast_single_turn``)."""
+        """``run_groups`` inside a running event loop; every group runs concurrently (``run_group`` each)."""
         aengine = AsyncEngine(engine)
         client = EngineClient(
             aengine,
@@ -236,12 +222,7 @@ class VerifiersEnvironment(Environment):
         self._renderer = client.renderer  # reused by the next call: its prompt cache stays warm
         inputs = [(eid, [self._input(split, eid, k, seed) for k in range(group_size)]) for eid in example_ids]
         try:
-            if self.fast_single_turn:
-                # The environment's own sampling_args, as vf's generate() would pass them (see _run_group).
-                args = getattr(self.vf_env, "sampling_args", None) or {}
-                groups = await run_single_turn(self.vf_env, client, engine, inputs, args)
-            else:
-                groups = list(await asyncio.gather(*(self._run_group(client, eid, inp) for eid, inp in inputs)))
+            groups = list(await asyncio.gather(*(self._run_group(client, eid, inp) for eid, inp in inputs)))
         finally:  # also steps requests of cancelled rollouts (timeouts) to the end: the engine is left empty
             await aengine.aclose()
         if aengine.failure is not None:

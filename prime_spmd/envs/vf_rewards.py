@@ -25,7 +25,6 @@ import math
 import os
 import queue
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -48,19 +47,15 @@ def guard_rubric(rubric: Any, timeout_s: float | None) -> None:
 
 @dataclass(frozen=True, slots=True)
 class GuardInfo:
-    """What a guarded wrapper knows of its function; ``vf_scoring`` calls the function through it."""
+    """What a guarded wrapper knows of its function."""
 
-    func: Callable
     name: str
     is_group: bool
     key: str
     """``state`` or ``states``: the keyword the guard reads the rollout(s) from."""
     passes_key: bool
     """Whether ``func`` itself takes ``key`` (else the guard pops it before the call)."""
-    names: frozenset[str] | None
-    """The wrapper's parameter names (what verifiers passes it); None when it takes ``**kwargs`` (all)."""
     timeout_s: float | None
-    is_coroutine: bool
 
     def split(self, kwargs: dict) -> Any:
         """The rollout (or list of rollouts) a failure is counted on; pops ``key`` when ``func`` lacks it."""
@@ -85,11 +80,6 @@ class GuardInfo:
         return [0.0] * len(states) if self.is_group else 0.0
 
 
-def guard_info(func: Any) -> GuardInfo | None:
-    """The ``GuardInfo`` of a wrapper made by ``guard_rubric`` (None for any other callable)."""
-    return getattr(func, _GUARDED, None)
-
-
 def _guard(rubric: Any, func: Callable, timeout_s: float | None) -> Callable:
     is_group = rubric._is_group_func(func)
     key = "states" if is_group else "state"
@@ -101,17 +91,7 @@ def _guard(rubric: Any, func: Callable, timeout_s: float | None) -> Callable:
         params.append(extra)
         sig = sig.replace(parameters=params)
     name = getattr(func, "__name__", type(func).__name__)
-    var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
-    info = GuardInfo(
-        func=func,
-        name=name,
-        is_group=is_group,
-        key=key,
-        passes_key=passes_key,
-        names=None if var_kw else frozenset(sig.parameters),
-        timeout_s=timeout_s,
-        is_coroutine=inspect.iscoroutinefunction(func),
-    )
+    info = GuardInfo(name=name, is_group=is_group, key=key, passes_key=passes_key, timeout_s=timeout_s)
 
     async def guarded(**kwargs: Any) -> Any:
         target = info.split(kwargs)
@@ -151,66 +131,6 @@ async def _call(func: Callable, kwargs: dict, timeout_s: float | None) -> Any:
     if inspect.isawaitable(result):
         result = await asyncio.wait_for(result, timeout_s)
     return result
-
-
-async def call_burst(calls: list[tuple[Callable, dict]], timeout_s: float) -> list[tuple[bool, Any]]:
-    """``func(**kwargs)`` for every call, in order, on ONE daemon worker (one thread hop for all);
-    (True, result) or (False, exception) per call. Each call still gets its own ``timeout_s``, counted
-    from when the worker starts it (from submission for the first): a call past it gets
-    (False, TimeoutError), its worker is abandoned, as ``_call`` abandons a hung one, and the calls
-    after it go to a fresh worker. An awaitable result is returned as is (the caller awaits it)."""
-    out: list[tuple[bool, Any]] = []
-    while len(out) < len(calls):
-        burst = _Burst(calls[len(out) :])
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        _WORKERS.submit(burst.run, {}, loop, fut)
-        while not fut.done():
-            with burst.lock:
-                index, since = burst.index, burst.since
-            wait = since + timeout_s - time.monotonic()
-            if wait <= 0:
-                with burst.lock:
-                    hung = not burst.finished and burst.index == index
-                    burst.abandoned = hung
-                if hung:
-                    out += burst.results[:index] + [(False, TimeoutError())]
-                    break
-                wait = 0
-            try:
-                await asyncio.wait_for(asyncio.shield(fut), wait)
-            except TimeoutError:
-                pass
-        else:
-            out += burst.results
-    return out
-
-
-class _Burst:
-    """The calls of one ``call_burst`` worker job; ``index`` / ``since``: the call running and its start."""
-
-    def __init__(self, calls: list[tuple[Callable, dict]]) -> None:
-        self.calls, self.results = calls, []
-        self.lock = threading.Lock()
-        self.index, self.since = 0, time.monotonic()
-        self.finished = self.abandoned = False
-
-    def run(self) -> None:
-        for i, (func, kwargs) in enumerate(self.calls):
-            with self.lock:
-                if self.abandoned:
-                    return
-                self.index, self.since = i, time.monotonic()
-            try:
-                result = (True, func(**kwargs))
-            except Exception as e:  # noqa: BLE001 - returned to the awaiting coroutine
-                result = (False, e)
-            with self.lock:
-                if self.abandoned:
-                    return
-                self.results.append(result)
-        with self.lock:
-            self.finished = True
 
 
 def _in_daemon_thread(func: Callable, kwargs: dict) -> asyncio.Future:
