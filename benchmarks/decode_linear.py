@@ -5,8 +5,7 @@ qkv (RMSNorm + GEMM), o (GEMM + residual), gate_up (RMSNorm + GEMM + SiLU-gate),
 Each op runs over ``copies`` distinct weight copies (together > 256 MB, so weights come from HBM, not
 L2, as in a real step), captured in one CUDA graph, median over replays. Reports us per op and the
 bandwidth over its weight bytes (what bounds decode), for the kernel's default config and, with
-``--sweep full``, a grid of (BLOCK_N, BLOCK_K, warps, stages); ``--split-k 1,2,4`` adds the default tiles with K
-split over that many programs (and crosses the full grid with them); ``--gemv`` adds, at M = 1, a grid of the
+``--sweep full``, a grid of (BLOCK_N, BLOCK_K, warps, stages); ``--gemv`` adds, at M = 1, a grid of the
 one-row GEMV kernel's (BLOCK_N, BLOCK_K, warps); plus the best config found per op and M. The default config is
 what the engine runs (the GEMV kernel at one row, kernel.GEMV_MAX_ROWS); the tile kernel's default runs too.
 
@@ -75,14 +74,13 @@ def bench_op(name: str, spec, m: int, args, compiled) -> list[dict]:
     no = n // 2 if silu else n
     tiles = kernel.default_config(m, no, k, silu, 2)
     default = kernel.gemv_config(no, k, silu) if kernel.uses_gemv(m, k) else tiles
-    splits = [int(x) for x in args.split_k.split(",")]
-    configs = [default, tiles] + [(*tiles[:5], sk) for sk in splits if sk != tiles[5]]
+    configs = [default, tiles]
     if m == 1 and args.gemv:  # the one-row kernel's (BLOCK_N, BLOCK_K, warps)
         configs += [("gemv", bn, bk, wp) for bn in (2, 4, 8, 16) for bk in (512, 1024) for wp in (2, 4)]
     if args.sweep == "full":
         bm = default[0]
-        grid = itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 4), splits)
-        configs += [(bm, bn, bk, wp, st, sk) for bn, bk, wp, st, sk in grid]
+        grid = itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 4))
+        configs += [(bm, bn, bk, wp, st) for bn, bk, wp, st in grid]
     for cfg in dict.fromkeys(configs):
 
         def run(i, cfg=cfg):
@@ -111,7 +109,6 @@ def main() -> None:
     ap.add_argument("--ops", default="qkv,o,gate_up,down")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--sweep", default="full", choices=["full", "default"])
-    ap.add_argument("--split-k", default="1", help="comma list of K splits (kernel.decode_linear's SPLIT_K) to time")
     ap.add_argument("--gemv", action="store_true", help="at M = 1 also sweep the GEMV kernel's configs")
     ap.add_argument("--out", default="")
     args = ap.parse_args()

@@ -1,6 +1,6 @@
-"""Zeroed int32 counters that a kernel's last program of a group resets (split-K in kernels/decode_linear, the
-fused decode attention's split combination): kept per (device, user), so no launch needs a memset and a CUDA
-graph that captured a launch reads the same buffer at every replay."""
+"""Zeroed int32 counters that a kernel's last program of a group resets (the fused decode attention's split
+combination): kept per (device, user), so no launch needs a memset and a CUDA graph that captured a launch reads the
+same buffer at every replay."""
 
 from __future__ import annotations
 

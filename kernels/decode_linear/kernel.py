@@ -5,10 +5,8 @@ for the sum of squares (M x K elements: a few KB, from L2), then streams its sla
 tiles, normalizing each x tile on the fly, and accumulates with ``tl.dot`` in fp32 (rows padded to
 16, so the dot has its minimum shape; the padding costs compute only, and the kernel is bound by
 reading w). "silu_mul" programs read two slabs, columns j of the gate half and of the up half, and
-write silu(gate) * up; a residual is added in the epilogue. ``SPLIT_K`` > 1 (a config option, off by default
-until measured) also splits K over programs, for outputs too narrow to fill the GPU (Qwen3-0.6B's o and down
-projections have 1,024 columns: 32 programs at BLOCK_N 32): each stores an fp32 partial, and the last program
-of a tile (an atomic counter) sums them in split order and runs the epilogue.
+write silu(gate) * up; a residual is added in the epilogue. (Splitting K over programs lost to the one-row GEMV:
+H200, Qwen3-0.6B, o / down at one row 4.74 / 5.77 us at the best split against 3.34 / 4.04; docs/benchmarks.md.)
 
 Interpreter (CPU, TRITON_INTERPRET=1): tiles are upcast to fp32 before ``tl.dot`` (bf16 dots give garbage
 there); fp32 inputs use IEEE fp32 dots on GPU too (no TF32).
@@ -23,7 +21,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-from prime_spmd.kernels.counters import zeroed_counters
 from prime_spmd.kernels.pdl import launch as pdl
 from prime_spmd.kernels.pdl.launch import pdl_enter, prefetch_rows_l2
 
@@ -68,36 +65,29 @@ def _slab_dot(acc, h, w_ptr, offs_n, mask_n, offs_k, mask_k, swn, UPCAST: tl.con
 
 @triton.jit
 def _decode_linear_kernel(
-    x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, o_ptr, ws_ptr, cnt_ptr,
+    x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, o_ptr,
     M, K, NO, eps,
     sxm, swn, srm, som,
     HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, RNE_EMU: tl.constexpr, USE_PDL: tl.constexpr,
     PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
     dtype = o_ptr.dtype.element_ty
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < NO
     rk = tl.arange(0, BLOCK_K)
-    k_lo, k_hi = 0, K
-    if SPLIT_K > 1:
-        k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K  # whole tiles per split
-        k_lo, k_hi = pid_k * k_per, tl.minimum(K, (pid_k + 1) * k_per)
     if PREFETCH:  # (PDL only) this program's weight rows into L2 while the kernel before still runs: w is not
         # written by the decode step, and L2 is the point of coherence; kernels/pdl/launch.py
         rows = tl.minimum(offs_n, NO - 1)  # a ragged tile's extra rows prefetch the last row again
-        nbytes = tl.zeros([BLOCK_N], dtype=tl.int32) + tl.maximum(k_hi - k_lo, 0) * (
-            w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        )
-        prefetch_rows_l2(w_ptr + rows.to(tl.int64) * swn + k_lo, nbytes)
+        nbytes = tl.zeros([BLOCK_N], dtype=tl.int32) + K * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+        prefetch_rows_l2(w_ptr + rows.to(tl.int64) * swn, nbytes)
         if SILU_MUL:
-            prefetch_rows_l2(w_ptr + (rows + NO).to(tl.int64) * swn + k_lo, nbytes)
+            prefetch_rows_l2(w_ptr + (rows + NO).to(tl.int64) * swn, nbytes)
     pdl_enter(USE_PDL)  # kernels/pdl: a no-op unless launched with programmatic dependent launch
 
     if HAS_NORM:
@@ -112,7 +102,7 @@ def _decode_linear_kernel(
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + rk
         mask_k = offs_k < K
         h = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
@@ -127,29 +117,8 @@ def _decode_linear_kernel(
             acc_up = _slab_dot(acc_up, h, w_ptr + NO * swn, offs_n, mask_n, offs_k, mask_k, swn, UPCAST, IEEE)
 
     mask_mn = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K > 1:
-        # each split stores its fp32 partial; the last to arrive (per output tile, an atomic counter) sums all
-        # of them in split order, so the result does not depend on arrival order, and resets the counter
-        ws = ws_ptr + offs_m[:, None] * NO + offs_n[None, :]
-        plane = M * NO
-        tl.store(ws + pid_k * plane, acc, mask=mask_mn)
-        if SILU_MUL:
-            tl.store(ws + (SPLIT_K + pid_k) * plane, acc_up, mask=mask_mn)
-        tile = pid_m * tl.num_programs(0) + pid_n
-        last = tl.atomic_add(cnt_ptr + tile, 1) == SPLIT_K - 1  # acq_rel: the others' partials are visible
-        if last:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for sk in tl.static_range(SPLIT_K):
-                acc += tl.load(ws + sk * plane, mask=mask_mn, other=0.0)
-                if SILU_MUL:
-                    acc_up += tl.load(ws + (SPLIT_K + sk) * plane, mask=mask_mn, other=0.0)
-            tl.store(cnt_ptr + tile, 0)
-            _epilogue(acc, acc_up, b_ptr, r_ptr, o_ptr, offs_m, offs_n, mask_n, mask_mn, NO, srm, som,
-                      HAS_BIAS, HAS_RES, SILU_MUL, RNE_EMU)  # fmt: skip
-    else:
-        _epilogue(acc, acc_up, b_ptr, r_ptr, o_ptr, offs_m, offs_n, mask_n, mask_mn, NO, srm, som,
-                  HAS_BIAS, HAS_RES, SILU_MUL, RNE_EMU)  # fmt: skip
+    _epilogue(acc, acc_up, b_ptr, r_ptr, o_ptr, offs_m, offs_n, mask_n, mask_mn, NO, srm, som,
+              HAS_BIAS, HAS_RES, SILU_MUL, RNE_EMU)  # fmt: skip
 
 
 @triton.jit
@@ -275,9 +244,9 @@ def _gemv_kernel(
 SMEM_BUDGET = 160 * 1024  # bytes of pipelined tiles: the H200 sweep's bf16 configs at this estimate compiled and ran
 
 
-def default_config(m: int, no: int, k: int, silu_mul: bool, elsize: int = 2) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) for M rows, No output columns, K inputs of
-    ``elsize`` bytes. SPLIT_K is 1 (no split over K) until a GPU sweep measures the split (``decode_linear``).
+def default_config(m: int, no: int, k: int, silu_mul: bool, elsize: int = 2) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for M rows, No output columns, K inputs of ``elsize``
+    bytes.
 
     GPU: the best of the sweep at M = 1 for all four Qwen3-0.6B layer linears on an H200 (benchmarks/
     decode_linear.py, docs/benchmarks.md) is 32 x 256 tiles, 4 warps, 4 stages; at M = 64 the residual
@@ -287,7 +256,7 @@ def default_config(m: int, no: int, k: int, silu_mul: bool, elsize: int = 2) -> 
     tiles and ragged edges cheaply."""
     block_m = max(16, triton.next_power_of_2(m)) if m <= 64 else 64
     if INTERPRET:
-        return block_m, 16, 32, 4, 1, 1
+        return block_m, 16, 32, 4, 1
     block_n = 32 if block_m <= 16 else 16
     block_k = min(256, max(32, triton.next_power_of_2(k)))
     stages = 4
@@ -299,7 +268,7 @@ def default_config(m: int, no: int, k: int, silu_mul: bool, elsize: int = 2) -> 
         block_k //= 2
     while smem() > SMEM_BUDGET and stages > 2:
         stages -= 1
-    return block_m, block_n, block_k, 4, stages, 1
+    return block_m, block_n, block_k, 4, stages
 
 
 # Steps of this many rows take the GEMV kernel (``_gemv_kernel``): H200, Qwen3-0.6B, batch 1: 1,129 tok/s vs 927 for
@@ -360,11 +329,9 @@ def decode_linear(
     silu_mul: bool,
     config: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
-    """out [M, No] (reference.py); ``config`` (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, SPLIT_K]) overrides
-    ``default_config`` (benchmarks/decode_linear.py sweeps it). SPLIT_K > 1 splits K over that many programs per
-    output tile: fp32 partials in a workspace, summed in split order by the last program to finish (an atomic
-    counter per tile, kept zeroed between calls), so results are deterministic. Inputs: x, w (and residual) with
-    contiguous last dims, one float dtype; checked by op.check_inputs."""
+    """out [M, No] (reference.py); ``config`` (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) overrides
+    ``default_config`` (benchmarks/decode_linear.py sweeps it). Inputs: x, w (and residual) with contiguous last
+    dims, one float dtype; checked by op.check_inputs."""
     M, K = x_MK.shape
     no = w_NK.shape[0] // 2 if silu_mul else w_NK.shape[0]
     if config:
@@ -375,29 +342,23 @@ def decode_linear(
         cfg = default_config(M, no, K, silu_mul, x_MK.element_size())
     if cfg[0] == "gemv":
         return _gemv(x_MK, w_NK, bias_N, norm_w_K, eps, residual_MNo, silu_mul, cfg, no)
-    block_m, block_n, block_k, num_warps, num_stages = cfg[:5]
-    split_k = cfg[5] if len(cfg) > 5 else 1
+    block_m, block_n, block_k, num_warps, num_stages = cfg
     out = torch.empty(M, no, device=x_MK.device, dtype=x_MK.dtype)
     dummy = out
-    grid = (triton.cdiv(no, block_n), triton.cdiv(M, block_m), split_k)
-    ws, counters = dummy, dummy
-    if split_k > 1:
-        ws = torch.empty((2 if silu_mul else 1) * split_k * M * no, device=x_MK.device, dtype=torch.float32)
-        counters = zeroed_counters(x_MK.device, grid[0] * grid[1], "decode_linear")
-    # (PDL) the weight-row prefetch where cp.async.bulk's 16-byte rules hold for the rows and the split-K ranges
-    k_per = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k  # as the kernel splits K
-    prefetch = pdl.prefetch_enabled() and pdl.bulk_prefetchable(w_NK, w_NK.stride(0), K, k_per)
+    grid = (triton.cdiv(no, block_n), triton.cdiv(M, block_m))
+    # (PDL) the weight-row prefetch where cp.async.bulk's 16-byte rules hold for the rows
+    prefetch = pdl.prefetch_enabled() and pdl.bulk_prefetchable(w_NK, w_NK.stride(0), K)
     _decode_linear_kernel[grid](
         x_MK, w_NK,
         bias_N if bias_N is not None else dummy,
         norm_w_K if norm_w_K is not None else dummy,
         residual_MNo if residual_MNo is not None else dummy,
-        out, ws, counters,
+        out,
         M, K, no, eps,
         x_MK.stride(0), w_NK.stride(0),
         residual_MNo.stride(0) if residual_MNo is not None else 0, out.stride(0),
         HAS_BIAS=bias_N is not None, HAS_NORM=norm_w_K is not None, HAS_RES=residual_MNo is not None,
-        SILU_MUL=silu_mul, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+        SILU_MUL=silu_mul, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         UPCAST=INTERPRET, IEEE=x_MK.dtype == torch.float32 and not INTERPRET,
         RNE_EMU=INTERPRET and x_MK.dtype == torch.bfloat16, USE_PDL=pdl.enabled(), PREFETCH=prefetch,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(),

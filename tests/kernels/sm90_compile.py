@@ -72,13 +72,12 @@ def variants():
             {"num_warps": warps, "num_stages": stages},
         )  # fmt: skip
     lin = sig(
-        "x_ptr w_ptr b_ptr nw_ptr r_ptr o_ptr ws_ptr cnt_ptr M K NO eps sxm swn srm som",
-        "*bf16 *bf16 *bf16 *bf16 *bf16 *bf16 *fp32 *i32 i32 i32 i32 fp32 i32 i32 i32 i32",
+        "x_ptr w_ptr b_ptr nw_ptr r_ptr o_ptr M K NO eps sxm swn srm som",
+        "*bf16 *bf16 *bf16 *bf16 *bf16 *bf16 i32 i32 i32 fp32 i32 i32 i32 i32",
     )
     # pdl: the minimal form (qkv); pdl prefetch: the weight rows bulk-prefetched into L2 before the wait (one and two
-    # slabs, whole rows and split-K ranges)
-    for split_k, use_pdl, prefetch in ((1, False, False), (4, False, False), (1, True, False), (1, True, True),
-                                       (4, True, True)):  # fmt: skip
+    # slabs)
+    for use_pdl, prefetch in ((False, False), (True, False), (True, True)):
         for name, silu, norm, res in (
             ("qkv", False, True, False),
             ("gate_up", True, True, False),
@@ -86,10 +85,8 @@ def variants():
         ):
             if use_pdl and not prefetch and name != "qkv":
                 continue
-            if split_k > 1 and prefetch and name != "o":
-                continue
             yield (
-                f"decode_linear {name} split_k {split_k}{' pdl' if use_pdl else ''}{' prefetch' if prefetch else ''}",
+                f"decode_linear {name}{' pdl' if use_pdl else ''}{' prefetch' if prefetch else ''}",
                 linear._decode_linear_kernel,
                 lin,
                 {
@@ -100,7 +97,6 @@ def variants():
                     "BLOCK_M": 16,
                     "BLOCK_N": 32,
                     "BLOCK_K": 256,
-                    "SPLIT_K": split_k,
                     "UPCAST": False,
                     "IEEE": False,
                     "RNE_EMU": False,

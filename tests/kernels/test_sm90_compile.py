@@ -22,4 +22,4 @@ def test_decode_kernels_compile_for_sm90() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600)
     lines = [x for x in res.stdout.splitlines() if x.startswith(("ok", "FAILED"))]
-    assert res.returncode == 0 and len(lines) == 59, res.stdout[-4000:] + res.stderr[-4000:]  # every variant ok
+    assert res.returncode == 0 and len(lines) == 55, res.stdout[-4000:] + res.stderr[-4000:]  # every variant ok
