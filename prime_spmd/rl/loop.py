@@ -166,8 +166,9 @@ class _TrainerLoop:
             bar_metric=("reward", "reward_mean"),
         )
         self._drain()
-        if self.sink is not None and self.role.evals:  # evals whose results came after the last step's row
-            self.sink.log(n, self._eval_metrics())
+        if self.sink is not None:  # the final weights' eval (and any that came after the last row): rows of step n
+            for row in self._take_evals(below=n + 1):
+                self.sink.log(n, row)
         if stopped_at is None:
             export_hf(cfg.ckpt.save_hf, self.parts, self.out, is_writer=topo.is_controller)
         close_run(self.sink, self.out, cfg.log.plots and stopped_at is None, is_writer=topo.is_controller)
@@ -279,14 +280,13 @@ class _TrainerLoop:
         self.produced.add(b)
         return self.role.produce(b, version, self.buffer, batch_plan)
 
-    def _eval_metrics(self) -> dict[str, float]:
-        """Controller: the metrics of the evals received so far (the newest wins a key), then forgets them."""
-        m: dict[str, float] = {}
-        for ev in sorted(self.role.evals, key=lambda e: e.version):
-            m.update(eval_env_metrics(ev))
-            self.evals_logged.add(ev.version)
-        self.role.evals.clear()
-        return m
+    def _take_evals(self, below: int) -> list[dict[str, float]]:
+        """Controller: the metrics of each eval received so far of weights older than ``below``, oldest first;
+        forgets them (the others stay for later)."""
+        taken = sorted((ev for ev in self.role.evals if ev.version < below), key=lambda e: e.version)
+        self.role.evals = [ev for ev in self.role.evals if ev.version >= below]
+        self.evals_logged.update(ev.version for ev in taken)
+        return [eval_env_metrics(ev) for ev in taken]
 
     def _receive_due_evals(self, j: int) -> None:
         """Controller, at step j's metrics: receive the evals the inference ranks have sent by now (disjoint), so
@@ -360,12 +360,17 @@ class _TrainerLoop:
         }
         m["gen_time_s"] = gen_s or bm["gen_time_s"]  # generated during this step (colocated), else the batch's own
         self._receive_due_evals(j)
-        has_eval = bool(self.role.evals)
-        m.update(self._eval_metrics())
+        # A row holds one eval (w_v, eval_step v); an older one arriving with it (disjoint, last steps) is
+        # written first as a row of its own. The final weights' eval waits for the row of step n.
+        evals = self._take_evals(below=n)
+        assert self.sink is not None
+        for row in evals[:-1]:
+            self.sink.log(j, row)
+        if evals:
+            m.update(evals[-1])
         if self.ctx.device.type == "cuda":  # this rank's peak since the job started (model, optimizer, engine)
             m["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.ctx.device) / 2**30
-        assert self.sink is not None
-        if self.sink.should_log(j, last=j == n - 1 or self.stop_agreed or has_eval):
+        if self.sink.should_log(j, last=j == n - 1 or self.stop_agreed or bool(evals)):
             keys = ["reward_mean", "policy_lag_mean", "mismatch_kl", "loss", "step_time_s"]
             self.sink.log(j, m, console_keys=keys)
         return m

@@ -55,7 +55,8 @@ def _same(a: dict, b: dict) -> None:
             assert b[k] == pytest.approx(v, rel=1e-5, abs=1e-6), (a["step"], k, v, b[k])
 
 
-def _check_mixture(m: list[dict]) -> None:
+def _check_mixture(rows: list[dict]) -> None:
+    m = [r for r in rows if "loss" in r]  # train rows; the final weights' eval is a row of step 4
     assert [r["step"] for r in m] == [0, 1, 2, 3]
     for r in m:
         assert r["env/rev/prompts"] == 3.0 and r["env/flaky/prompts"] == 1.0  # 3:1 of 4, every batch
@@ -63,8 +64,9 @@ def _check_mixture(m: list[dict]) -> None:
         assert 0.0 <= r["env/rev/reward"] <= 1.0 and r["train_samples"] > 0
     # half the flaky env's examples raise: their groups are dropped and counted, the run goes on
     assert sum(r["env/flaky/failed_groups"] for r in m) >= 1
-    evals = {r["eval_step"]: r for r in m if "eval_step" in r}
+    evals = {r["eval_step"]: r for r in rows if "eval_step" in r}
     assert set(evals) == {0.0, 2.0, 4.0}  # before training, every 2 steps, the final weights
+    assert evals[4.0]["step"] == 4 and "loss" not in evals[4.0]
     for r in evals.values():
         assert 0.0 <= r["env/rev/eval_reward"] <= 1.0 and "env/rev/eval_pass@2" in r
         assert r["env/flaky/eval_failed_groups"] == 4.0  # 4 of its 8 eval examples raise
@@ -79,7 +81,7 @@ def test_mixture_colocated_runs_isolates_failures_evaluates_and_resumes(tiny_mod
     copy_for_resume(out, resumed, 2)
     run_ranks(rl_rank, 1, _cfg(tiny_model, resumed, resume=True))
     got = read_metrics(resumed)
-    assert [r["step"] for r in got] == [0, 1, 2, 3]
+    assert [r["step"] for r in got] == [r["step"] for r in m]
     for a, b in zip(m[2:], got[2:]):
         _same({k: v for k, v in a.items() if not k.startswith("env/") or "eval" not in k}, b)
 
