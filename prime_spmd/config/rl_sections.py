@@ -49,28 +49,53 @@ class RolloutConfig:
 
 @dataclass(kw_only=True, slots=True)
 class LossConfig:
-    type: Literal["dppo", "ppo"] = "dppo"
-    """dppo: PRIME-RL's default masked importance-ratio loss; ppo: clipped-ratio surrogate (GRPO-style)."""
+    type: Literal["dppo", "ipo", "ppo", "cispo", "gspo"] = "dppo"
+    """Policy-gradient loss (docs/algorithms.md): dppo (PRIME-RL's DPPO), ipo (PRIME-RL's IPO), ppo (clipped ratio), cispo (clipped IS weight, MiniMax-M1), gspo (sequence-level ratio)."""
     prob_delta_high: float = 0.2
     """dppo: mask a token with A > 0 when p_train - p_inf exceeds this."""
     prob_delta_low: float = 0.2
     """dppo: mask a token with A < 0 when p_inf - p_train exceeds this."""
+    ipo_eps: float = 0.3
+    """ipo: mask a token when |p_train - p_inf| exceeds this (either sign of A)."""
     kl_coef: float = 1e-3
     """Weight of the (log r)^2 term that keeps the trainer near the inference policy."""
     clip_low: float = 0.2
     """ppo: lower clip of the ratio is 1 - clip_low."""
     clip_high: float = 0.28
     """ppo: upper clip of the ratio is 1 + clip_high."""
+    cispo_clip_low: float = 1.0
+    """cispo: the importance weight is clipped below at 1 - cispo_clip_low (1: no lower clip, as in MiniMax-M1)."""
+    cispo_clip_high: float = 0.28
+    """cispo: the importance weight is clipped above at 1 + cispo_clip_high."""
+    gspo_clip_low: float = 3e-4
+    """gspo: lower clip of the sequence ratio is 1 - gspo_clip_low (the GSPO paper's 3e-4)."""
+    gspo_clip_high: float = 4e-4
+    """gspo: upper clip of the sequence ratio is 1 + gspo_clip_high (the GSPO paper's 4e-4)."""
+    token_mask: Literal["none", "icepop"] = "none"
+    """icepop: also drop the policy-gradient term of tokens whose ratio p_train / p_inf is outside [mask_ratio_low, mask_ratio_high] (any --loss.type)."""
+    mask_ratio_low: float = 0.5
+    """With --loss.token_mask icepop: the lowest kept ratio p_train / p_inf (0.5 and 5 are INTELLECT-3's alpha, beta)."""
+    mask_ratio_high: float = 5.0
+    """With --loss.token_mask icepop: the highest kept ratio p_train / p_inf."""
     max_log_ratio: float = 10.0
     """Clamp log r to [-max_log_ratio, max_log_ratio] before exp so ratios cannot overflow."""
 
     def __post_init__(self) -> None:
-        for name in ("prob_delta_high", "prob_delta_low"):
+        for name in ("prob_delta_high", "prob_delta_low", "ipo_eps"):
             v = getattr(self, name)
             _check(0 < v <= 1, f"loss.{name}", v, "must be in (0, 1]")
         _check(self.kl_coef >= 0, "loss.kl_coef", self.kl_coef, "must be >= 0")
-        _check(0 < self.clip_low < 1, "loss.clip_low", self.clip_low, "must be in (0, 1)")
-        _check(self.clip_high > 0, "loss.clip_high", self.clip_high, "must be > 0")
+        for name in ("clip_low", "gspo_clip_low"):
+            _check(0 < getattr(self, name) < 1, f"loss.{name}", getattr(self, name), "must be in (0, 1)")
+        _check(0 <= self.cispo_clip_low <= 1, "loss.cispo_clip_low", self.cispo_clip_low, "must be in [0, 1]")
+        for name in ("clip_high", "cispo_clip_high", "gspo_clip_high"):
+            _check(getattr(self, name) > 0, f"loss.{name}", getattr(self, name), "must be > 0")
+        _check(
+            0 <= self.mask_ratio_low < 1 < self.mask_ratio_high,
+            "loss.mask_ratio_low/high",
+            (self.mask_ratio_low, self.mask_ratio_high),
+            "need 0 <= low < 1 < high",
+        )
         _check(self.max_log_ratio > 0, "loss.max_log_ratio", self.max_log_ratio, "must be > 0")
 
 

@@ -45,7 +45,7 @@ def rollouts_to_samples(
     num_too_long_groups = sum(1 for g in fitting if not g)
     adv = compute_advantages([g for g in fitting if g], cfg, max_tokens)
     samples: list[Sample] = []
-    for r, a in adv.kept:
+    for i, (r, a) in enumerate(adv.kept):
         ids = r.prompt_ids + r.completion_ids
         n_p = len(r.prompt_ids)
         samples.append(
@@ -55,6 +55,7 @@ def rollouts_to_samples(
                 fields={
                     "advantages": [a] * len(ids),
                     "inference_logprobs": [0.0] * n_p + [float(x) for x in r.inference_logprobs],
+                    "sample_ids": [float(i)] * len(ids),  # groups a sample's tokens in a packed row (gspo)
                 },
             )
         )

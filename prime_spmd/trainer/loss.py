@@ -14,7 +14,12 @@ class TokenLoss:
     ``fields`` holds per-token float tensors aligned with the targets, including ``loss_mask``
     (1.0 where the target is trained); ``token_loss`` must be elementwise over tokens and return 0
     where the mask is 0. ``stats`` returns summed, detached statistics of a micro-batch.
+
+    ``sequence_level``: ``token_loss`` couples the tokens of a document (e.g. GSPO's per-sample ratio), so it
+    must see the whole micro-batch at once; the policy then skips the chunked fused LM-head loss.
     """
+
+    sequence_level: bool = False
 
     def token_loss(self, lp: torch.Tensor, ent: torch.Tensor, fields: dict[str, torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError

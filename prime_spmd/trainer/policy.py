@@ -166,13 +166,14 @@ class PolicyModel(nn.Module):
 
         hidden_TD, out, shared_tokens = self.hidden(input_ids_BT, position_ids_BT, fields.get("loss_mask"))
         weight_VD = self.adapter.lm_head_weight()
-        if self.loss_impl == "fused":
+        if self.loss_impl == "fused" and not loss.sequence_level:  # fused calls token_loss per chunk of tokens
             impl = "triton" if hidden_TD.is_cuda else "torch"
             loss_sum, lp, ent = fused_lm_head_loss(
                 hidden_TD, weight_VD, targets_T, temperature, loss.token_loss, fields, impl=impl
             )
         else:
-            lp, ent = lm_head_logprobs(hidden_TD, weight_VD, targets_T, temperature=temperature, impl=self.loss_impl)
+            impl = ("triton" if hidden_TD.is_cuda else "reference") if self.loss_impl == "fused" else self.loss_impl
+            lp, ent = lm_head_logprobs(hidden_TD, weight_VD, targets_T, temperature=temperature, impl=impl)
             loss_sum, lp, ent = loss.token_loss(lp, ent, fields).sum(), lp.detach(), ent.detach()
         aux = out.aux_loss
         router = None if aux is None else RouterStats(aux.detach(), out.tokens_per_expert_LE)

@@ -197,6 +197,7 @@ def rl_samples(lengths: tuple[int, ...], seed: int = 0) -> list[Sample]:
                 fields={
                     "advantages": [adv] * n,
                     "inference_logprobs": (-2.0 - 5.0 * torch.rand(n, generator=g)).tolist(),
+                    "sample_ids": [float(i)] * n,
                 },
             )
         )
@@ -227,10 +228,21 @@ def tiny_lm(tmp_path_factory):
     return AutoModelForCausalLM.from_pretrained(path)
 
 
-@pytest.mark.parametrize("loss_type", ["dppo", "ppo"])
+@pytest.mark.parametrize("loss_type", ["dppo", "ppo", "ipo", "cispo", "gspo"])
 def test_train_step_divides_by_all_trained_tokens_of_the_micro_batches(tiny_lm, loss_type: str) -> None:
-    # prob_delta 0.02 so that dppo masks some tokens of this near-uniform model (p ~ 1/101)
-    loss = RLLoss(LossConfig(type=loss_type, kl_coef=0.05, prob_delta_high=0.02, prob_delta_low=0.02))
+    # prob_delta / ipo_eps 0.02 so that dppo / ipo mask some tokens of this near-uniform model (p ~ 1/101);
+    # gspo clip 0.5: some samples clipped, some not
+    loss = RLLoss(
+        LossConfig(
+            type=loss_type,
+            kl_coef=0.05,
+            prob_delta_high=0.02,
+            prob_delta_low=0.02,
+            ipo_eps=0.02,
+            gspo_clip_low=0.5,
+            gspo_clip_high=0.5,
+        )
+    )
     samples = rl_samples((20, 7, 12, 5))
     mbs = pack(samples, 20, 1)[0] + [dummy_microbatch(sorted(samples[0].fields))]
     counts = [int(mb.loss_mask.sum()) for mb in mbs]
