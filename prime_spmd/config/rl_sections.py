@@ -17,7 +17,11 @@ class RolloutConfig:
     max_async: int = 1
     """Off-policy bound k: batch j is generated with weights w_max(0, j-k); 0 is synchronous on-policy."""
     std_normalize: bool = False
-    """Divide advantages by the group's reward std (GRPO) instead of only subtracting the mean."""
+    """Divide advantages by the group's reward std (GRPO) instead of only subtracting the mean (the same as --rollout.advantage std)."""
+    advantage: str = "mean"
+    """A group's advantages (docs/algorithms.md): mean (reward - group mean), std (also / group std), rloo (reward - mean of the others), or a function rewards -> advantages (pkg.module:function or path/to/file.py:function)."""
+    group_filter: str = ""
+    """A function (rewards, advantages) -> bool deciding whether a group trains (pkg.module:function or path/to/file.py:function); "": --rollout.drop_zero_advantage_groups decides."""
     length_penalty: float = 0.0
     """Subtract this times (completion tokens / max_tokens) from each reward."""
     drop_zero_advantage_groups: bool = True
@@ -45,6 +49,18 @@ class RolloutConfig:
         _check(self.group_size >= 1, "rollout.group_size", self.group_size, "must be >= 1")
         _check(self.max_async >= 0, "rollout.max_async", self.max_async, "must be >= 0")
         _check(self.length_penalty >= 0, "rollout.length_penalty", self.length_penalty, "must be >= 0")
+        _check(
+            self.advantage in ("mean", "std", "rloo") or ":" in self.advantage,
+            "rollout.advantage",
+            self.advantage,
+            "must be mean, std, rloo or pkg.module:function / path/to/file.py:function",
+        )
+        _check(
+            not self.std_normalize or self.advantage in ("mean", "std"),
+            "rollout.std_normalize",
+            self.std_normalize,
+            f"conflicts with --rollout.advantage {self.advantage} (std_normalize is --rollout.advantage std)",
+        )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -89,3 +89,59 @@ def test_length_penalty_in_advantages() -> None:
     res = compute_advantages([group], RolloutConfig(length_penalty=0.4, std_normalize=True), max_tokens=8)
     # deviations +-0.1, sample std sqrt(0.02 / 1) = 0.1414: +-1/sqrt(2)
     assert _advs(res) == pytest.approx([0.5**0.5, -(0.5**0.5)], rel=1e-5)
+
+
+# --- --rollout.advantage and --rollout.group_filter hooks -----------------------------------------------
+
+
+def test_advantage_choices_by_hand() -> None:
+    groups = [_group([1.0, 0.0, 0.0, 0.0]), _group([0.7], example_id=1)]
+    # rloo: 1 - mean(0, 0, 0) = 1, 0 - mean(1, 0, 0) = -1/3 (= 4/3 of the mean-baseline advantages); one: 0
+    res = compute_advantages(groups, RolloutConfig(advantage="rloo", drop_zero_advantage_groups=False), max_tokens=8)
+    assert _advs(res) == pytest.approx([1.0, -1 / 3, -1 / 3, -1 / 3, 0.0], abs=1e-12)
+    # std is std_normalize under another name (sample std 0.5: 1.5, -0.5 x3)
+    res = compute_advantages(groups[:1], RolloutConfig(advantage="std"), max_tokens=8)
+    assert _advs(res) == pytest.approx([1.5, -0.5, -0.5, -0.5], rel=1e-5)
+    with pytest.raises(ValueError, match="rollout.std_normalize"):
+        RolloutConfig(advantage="rloo", std_normalize=True)
+    with pytest.raises(ValueError, match="rollout.advantage"):
+        RolloutConfig(advantage="median")
+
+
+def _write_hooks(tmp_path) -> str:
+    path = tmp_path / "hooks.py"
+    path.write_text(
+        "def rank(rewards):\n"
+        "    order = sorted(range(len(rewards)), key=lambda i: rewards[i])\n"
+        "    return [float(order.index(i)) - (len(rewards) - 1) / 2 for i in range(len(rewards))]\n"
+        "def bad(rewards):\n"
+        "    return [0.0]\n"
+        "def not_bool(rewards, advantages):\n"
+        "    return 1\n"
+        "def any_solved(rewards, advantages):\n"
+        "    return max(rewards) >= 1.0\n"
+    )
+    return str(path)
+
+
+def test_user_advantage_function_per_group(tmp_path) -> None:
+    hooks = _write_hooks(tmp_path)
+    groups = [_group([0.2, 0.9, 0.5]), _group([3.0, -1.0], example_id=1)]
+    res = compute_advantages(groups, RolloutConfig(advantage=f"{hooks}:rank"), max_tokens=8)
+    assert _advs(res) == [-1.0, 1.0, 0.0, 0.5, -0.5]  # centred ranks, per group
+    with pytest.raises(ValueError, match=r"--rollout.advantage .*:bad returned \[0.0\]"):
+        compute_advantages(groups, RolloutConfig(advantage=f"{hooks}:bad"), max_tokens=8)
+    with pytest.raises(ValueError, match="rollout.advantage"):
+        compute_advantages(groups, RolloutConfig(advantage=f"{hooks}:missing"), max_tokens=8)
+
+
+def test_user_group_filter_replaces_the_zero_advantage_rule(tmp_path) -> None:
+    hooks = _write_hooks(tmp_path)
+    # all-equal solved group (advantages 0): kept by the filter; a mixed unsolved group: dropped
+    groups = [_group([1.0, 1.0]), _group([0.2, 0.6], example_id=1), _group([0.0, 1.0], example_id=2)]
+    res = compute_advantages(groups, RolloutConfig(group_filter=f"{hooks}:any_solved"), max_tokens=8)
+    assert (res.num_groups, res.num_dropped_groups) == (3, 1)
+    assert [r.example_id for r, _ in res.kept] == [0, 0, 2, 2]
+    assert _advs(res) == pytest.approx([0.0, 0.0, -0.5, 0.5])
+    with pytest.raises(ValueError, match="rollout.group_filter .*:not_bool returned 1"):
+        compute_advantages(groups, RolloutConfig(group_filter=f"{hooks}:not_bool"), max_tokens=8)
