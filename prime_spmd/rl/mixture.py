@@ -20,19 +20,15 @@ the same batches:
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import random
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from prime_spmd.config import RLJobConfig
 from prime_spmd.config.sections import EnvConfig, env_label
 from prime_spmd.envs.base import Environment
 from prime_spmd.envs.loader import load_environment
-from prime_spmd.rl.samples import is_failed
+from prime_spmd.rl.hooks import import_function
 from prime_spmd.rl.types import Batch
 
 PASS = 1.0 - 1e-6
@@ -57,25 +53,6 @@ class EnvSlot:
 def load_envs(cfg: RLJobConfig) -> list[EnvSlot]:
     """Load every environment of the run ([[envs]], else [env]); every rank calls it."""
     return [EnvSlot(label=env_label(c), cfg=c, env=load_environment(c)) for c in cfg.environments()]
-
-
-def import_function(path: str, flag: str) -> Callable[..., Any]:
-    """``pkg.module:function`` or ``path/to/file.py:function``; ``ValueError`` naming ``flag`` otherwise."""
-    target, _, name = path.partition(":")
-    if not name:
-        raise ValueError(f"--{flag}={path!r}: expected pkg.module:function or path/to/file.py:function")
-    if target.endswith(".py"):
-        spec = importlib.util.spec_from_file_location(f"ps_fn_{Path(target).stem}", target)
-        if spec is None or spec.loader is None or not Path(target).is_file():
-            raise ValueError(f"--{flag}={path!r}: no such file {target}")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(target)
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise ValueError(f"--{flag}={path!r}: {target} has no function {name}")
-    return fn
 
 
 class Mixture:
@@ -176,6 +153,8 @@ class Mixture:
 
         Returns (per-environment metrics of the planning: prompts, weight, skipped, rechecked, filtered;
         the stop message when an environment's failure rate passed ``--rollout.max_env_failure_rate``)."""
+        from prime_spmd.rl.samples import is_failed  # samples -> advantages -> hooks; not at import (no cycle)
+
         b = batch.index
         counts = self.plan_counts.pop(b, {label: {} for label in self.labels})
         plan = self.plans.pop(b, {})

@@ -249,3 +249,40 @@ def test_verifiers_env_group_runs_through_the_bridge(tmp_path: Path) -> None:
     for g in groups:
         for r in g:
             r.validate()
+
+
+def test_a_hanging_group_is_cut_by_the_group_timeout(tmp_path: Path) -> None:
+    """A classic environment whose ``env_response`` never returns: ``group_timeout_s`` fails that group (its
+    rollouts marked failed, counted in ``failed_groups``), the other groups of the call are kept."""
+    vf = pytest.importorskip("verifiers")
+    import asyncio
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from prime_spmd.envs.verifiers_bridge import VerifiersEnvironment
+    from prime_spmd.inference.engine import SamplingParams
+    from prime_spmd.inference.native import NativeEngine
+    from prime_spmd.models.tiny import build_tiny_model
+
+    class HangsOnOdd(vf.MultiTurnEnv):
+        async def env_response(self, messages, state, **kwargs):
+            if int(state["answer"]) % 2:
+                await asyncio.sleep(3600)  # a tool call that never answers
+            return [vf.UserMessage(content="Again.")]
+
+    ds = Dataset.from_list([{"question": f"Say {i}.", "answer": str(i)} for i in range(2)])
+    env = VerifiersEnvironment(
+        HangsOnOdd(dataset=ds, rubric=vf.Rubric(funcs=[lambda completion: 0.5]), max_turns=2),
+        reward_timeout_s=None,
+        group_timeout_s=2.0,
+    )
+    path = build_tiny_model(tmp_path / "m", "qwen3-nano", seed=0, initializer_range=0.3)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine = NativeEngine(model, AutoTokenizer.from_pretrained(path), max_batch_size=8, max_model_len=96, device="cpu")
+    groups, failures = run_isolated("hangs", env, engine, "train", [0, 1], 2, SamplingParams(max_tokens=4), 0)
+    assert failures == [] and len(groups) == 2
+    m = batch_env_metrics(Batch(index=0, groups=groups, group_envs=["hangs", "hangs"]), ["hangs"])
+    assert m["env/hangs/failed_groups"] == 1.0 and m["env/hangs/failed_rollouts"] == 2.0
+    assert all(r.metrics.get("failed") for r in groups[1]) and not any(r.metrics.get("failed") for r in groups[0])
