@@ -110,22 +110,18 @@ class InferenceEngine(abc.ABC):
 
     def generate(self, requests: Sequence[Request], progress: bool = False) -> list[Completion]:
         """Run ``requests`` to completion with continuous batching; results in request order."""
-        order = {}
-        for i, r in enumerate(requests):
-            key = (i, r.request_id)
-            order[id(r)] = key
         ids = [r.request_id for r in requests]
         if len(set(map(str, ids))) != len(ids):
             raise ValueError("generate: request_id values must be unique within one call")
         for r in requests:
             self.add_request(r)
         done: dict[str, Completion] = {}
-        bar = _progress(len(requests)) if progress else None
+        bar = Progress(total=len(requests), desc="generate") if progress else None
         while self.has_unfinished():
             for c in self.step():
                 done[str(c.request_id)] = c
                 if bar is not None:
-                    bar.advance()
+                    bar.update(1)
         if bar is not None:
             bar.close()
         return [done[str(r.request_id)] for r in requests]
@@ -146,17 +142,6 @@ def render_chat_ids(tokenizer: Any, messages: list[dict], tools: list[dict] | No
     if hasattr(out, "keys"):
         out = out["input_ids"]
     return list(out)
-
-
-class _progress:
-    def __init__(self, total: int) -> None:
-        self._p = Progress(total=total, desc="generate")
-
-    def advance(self) -> None:
-        self._p.update(1)
-
-    def close(self) -> None:
-        self._p.close()
 
 
 class AsyncEngine:
