@@ -72,7 +72,7 @@ class LossConfig:
     prob_delta_low: float = 0.2
     """dppo: mask a token with A < 0 when p_inf - p_train exceeds this."""
     ipo_eps: float = 0.3
-    """ipo: mask a token when |p_train - p_inf| exceeds this (either sign of A)."""
+    """ipo: mask a token when abs(p_train - p_inf) exceeds this (either sign of A)."""
     kl_coef: float = 1e-3
     """Weight of the (log r)^2 term that keeps the trainer near the inference policy."""
     clip_low: float = 0.2
