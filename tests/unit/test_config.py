@@ -106,6 +106,8 @@ def _flags(cfg: object) -> set[str]:
     flags = set()
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
+        if v == [] and f.name == "envs":  # a list of sections has flags (--envs.0.name) once the TOML gives entries
+            continue
         flags |= {f"{f.name}.{g}" for g in _flags(v)} if dataclasses.is_dataclass(v) else {f.name}
     return flags
 
