@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--model-shape", default="tiny", choices=sorted(SHAPES))
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    ap.add_argument("--loss-impl", default="auto", choices=["auto", "reference", "chunked", "triton"])
+    ap.add_argument("--loss-impl", default="auto", choices=["auto", "reference", "triton"])
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)

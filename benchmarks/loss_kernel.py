@@ -3,7 +3,7 @@
 GPU (H200, bf16):  python benchmarks/loss_kernel.py --out benchmarks/results/loss_kernel.json
 CPU smoke check:   python benchmarks/loss_kernel.py --device cpu --small
 
-Implementations: naive torch (full [N, V] logits + log_softmax), chunked torch (kernels/lm_logprob/chunked.py),
+Implementations: naive torch (full [N, V] logits + log_softmax),
 Liger's fused linear cross-entropy when `liger_kernel` imports (it computes CE only, no entropy, and its
 gradients during the forward), ours (impl="triton", 4 GEMM passes for fwd+bwd), and the loss-fused variant
 `fused_lm_head_loss` (kernels/lm_logprob/fused_loss.py, impl "torch" and "triton", 3 passes: gradients are
@@ -36,7 +36,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=10, help="timed iterations per measurement (median reported)")
     parser.add_argument(
         "--impls",
-        default="naive,chunked,liger,triton,fused_torch,fused_triton",
+        default="naive,liger,triton,fused_torch,fused_triton",
         help="comma-separated subset to run",
     )
     parser.add_argument(
@@ -53,7 +53,6 @@ if ARGS.device == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from prime_spmd.kernels.lm_logprob.chunked import chunked_logprobs  # noqa: E402
 from prime_spmd.kernels.lm_logprob.fused_loss import fused_lm_head_loss  # noqa: E402
 from prime_spmd.kernels.lm_logprob.op import lm_head_logprobs  # noqa: E402
 from prime_spmd.kernels.lm_logprob.reference import reference_logprobs  # noqa: E402
@@ -95,7 +94,6 @@ def build_impls(device: str) -> dict:
     kind "fused": fn(h, w, t, temp, fields) -> (loss_sum, lp, ent)."""
     impls = {
         "naive": ("naive torch", "logprobs", naive_logprobs),
-        "chunked": ("chunked torch", "logprobs", chunked_logprobs),
         "triton": (
             "ours (triton, 4 passes)",
             "logprobs",

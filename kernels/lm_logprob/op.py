@@ -14,7 +14,6 @@ from typing import Literal
 
 import torch
 from prime_spmd.kernels.lm_logprob import kernel
-from prime_spmd.kernels.lm_logprob.chunked import chunked_logprobs
 from prime_spmd.kernels.lm_logprob.reference import reference_logprobs, temperature_per_token
 from torch import Tensor
 
@@ -77,7 +76,7 @@ def lm_head_logprobs(
     weight: Tensor,
     targets: Tensor,
     temperature: float | Tensor = 1.0,
-    impl: Literal["reference", "chunked", "triton"] = "reference",
+    impl: Literal["reference", "triton"] = "reference",
     return_entropy: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token log p(target) and entropy of softmax(hidden @ weight.T / temperature).
@@ -96,14 +95,12 @@ def lm_head_logprobs(
     temperature_T = temperature_per_token(temperature, hidden.shape[0], hidden.device)
     if impl == "reference":
         logprob, entropy = reference_logprobs(hidden, weight, targets, temperature_T)
-    elif impl == "chunked":
-        logprob, entropy = chunked_logprobs(hidden, weight, targets, temperature_T)
     elif impl == "triton":
         logprob, entropy, _ = lm_logprob_fwd(
             hidden.contiguous(), weight.contiguous(), targets.long().contiguous(), temperature_T
         )
     else:
-        raise ValueError(f"impl must be 'reference', 'chunked' or 'triton', got {impl!r}")
+        raise ValueError(f"impl must be 'reference' or 'triton', got {impl!r}")
     return logprob, (entropy if return_entropy else None)
 
 

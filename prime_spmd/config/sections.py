@@ -156,7 +156,7 @@ class TrainerConfig:
     """Recompute each transformer block in the backward to save activation memory."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after the forward (ZeRO-3) instead of keeping them for the backward (more than one trainer rank: one rank has no per-block units)."""
-    loss_impl: Literal["auto", "reference", "chunked", "triton", "fused"] = "auto"
+    loss_impl: Literal["auto", "reference", "triton", "fused"] = "auto"
     """LM-head logprob/entropy + loss: auto is fused (Triton, gradients in the forward) on CUDA, reference on CPU."""
     seed: int = 0
     """Seed of model init, data order and sampling."""

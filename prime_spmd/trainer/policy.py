@@ -106,7 +106,7 @@ class PolicyModel(nn.Module):
     def __init__(
         self,
         lm: nn.Module,
-        loss_impl: Literal["reference", "chunked", "triton", "fused"] = "reference",
+        loss_impl: Literal["reference", "triton", "fused"] = "reference",
         router_aux_coef: float = 0.0,
         unpack_documents: bool = True,
         share_prompts: bool = True,
@@ -146,7 +146,7 @@ class PolicyModel(nn.Module):
     def logprobs(
         self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, targets_T: torch.Tensor, temperature: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Differentiable per-token (logprob, entropy) [L] fp32 (impls reference/chunked/triton)."""
+        """Differentiable per-token (logprob, entropy) [L] fp32 (impls reference/triton)."""
         hidden_TD, _, _ = self.hidden(input_ids_BT, position_ids_BT)
         from prime_spmd.kernels.lm_logprob.op import lm_head_logprobs
 
@@ -184,7 +184,7 @@ class PolicyModel(nn.Module):
         return PolicyOutput(loss_sum, lp, ent, router, shared_tokens)
 
 
-def resolve_loss_impl(name: str, device: torch.device) -> Literal["reference", "chunked", "triton", "fused"]:
+def resolve_loss_impl(name: str, device: torch.device) -> Literal["reference", "triton", "fused"]:
     """``auto``: the loss-fused Triton path on CUDA, the plain PyTorch reference on CPU."""
     if name == "auto":
         return "fused" if device.type == "cuda" else "reference"

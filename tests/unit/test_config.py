@@ -154,7 +154,7 @@ def test_auto_flags_lists_the_settings_left_to_the_run() -> None:
     assert {"model.dtype", "trainer.loss_impl", "topology.bridge_timeout_s", "inference.max_model_len"} <= set(flags)
     assert "model.path" not in flags and "optim.lr" not in flags
     assert "trainer.loss_impl" not in auto_flags(
-        parse_cli(SFTJobConfig, ["--model.path", "m", "--trainer.loss_impl", "chunked"], "x")
+        parse_cli(SFTJobConfig, ["--model.path", "m", "--trainer.loss_impl", "triton"], "x")
     )
 
 

@@ -1,5 +1,5 @@
 """An RL step's loss and gradients are the same with every logprob/loss implementation
-(reference, chunked, Triton, loss-fused) on a tiny model: on CPU with Triton under the interpreter,
+(reference, Triton, loss-fused) on a tiny model: on CPU with Triton under the interpreter,
 with a GPU on CUDA (the `device` fixture), kernels compiled.
 
 Every impl calls the same ``RLLoss.token_loss``, so this cannot catch a wrong formula: that is
@@ -26,7 +26,7 @@ def _loss_and_grads(lm, impl: str, mb, loss) -> tuple[torch.Tensor, dict[str, to
     return loss_sum.detach(), {n: p.grad.clone() for n, p in policy.named_parameters()}
 
 
-@pytest.mark.parametrize("impl", ["chunked", "triton", "fused"])
+@pytest.mark.parametrize("impl", ["triton", "fused"])
 def test_rl_step_matches_reference(tmp_path, impl: str, device, monkeypatch, request) -> None:
     from prime_spmd.kernels.lm_logprob import fused_kernel, kernel
     from transformers import AutoModelForCausalLM
