@@ -25,6 +25,10 @@ class ReverseRetryEnv(vf.MultiTurnEnv):
     async def env_response(self, messages: Any, state: Any, **kwargs: Any) -> list:
         if exact_match(messages, state["answer"]):
             state["solved"] = True
+            # verifiers 0.3.1 asks the model again after an env_response unless it sets final_env_response
+            # (its stop conditions run before env_response): without it a solved rollout got one more,
+            # scored, answer
+            state["final_env_response"] = []
             return []
         return [vf.UserMessage(content=FEEDBACK)]
 

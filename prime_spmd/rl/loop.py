@@ -168,7 +168,7 @@ class _TrainerLoop:
         self._drain()
         if self.sink is not None:  # the final weights' eval (and any that came after the last row): rows of step n
             for row in self._take_evals(below=n + 1):
-                self.sink.log(n, row)
+                self.sink.log(n, row, console_keys=[k for k in row if k == "eval_step" or k.endswith("eval_reward")])
         if stopped_at is None:
             export_hf(cfg.ckpt.save_hf, self.parts, self.out, is_writer=topo.is_controller)
         close_run(self.sink, self.out, cfg.log.plots and stopped_at is None, is_writer=topo.is_controller)
@@ -365,7 +365,7 @@ class _TrainerLoop:
         evals = self._take_evals(below=n)
         assert self.sink is not None
         for row in evals[:-1]:
-            self.sink.log(j, row)
+            self.sink.log(j, row, console_keys=[k for k in row if k == "eval_step" or k.endswith("eval_reward")])
         if evals:
             m.update(evals[-1])
         if self.ctx.device.type == "cuda":  # this rank's peak since the job started (model, optimizer, engine)

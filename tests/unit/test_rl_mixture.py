@@ -286,3 +286,23 @@ def test_a_hanging_group_is_cut_by_the_group_timeout(tmp_path: Path) -> None:
     m = batch_env_metrics(Batch(index=0, groups=groups, group_envs=["hangs", "hangs"]), ["hangs"])
     assert m["env/hangs/failed_groups"] == 1.0 and m["env/hangs/failed_rollouts"] == 2.0
     assert all(r.metrics.get("failed") for r in groups[1]) and not any(r.metrics.get("failed") for r in groups[0])
+
+
+def test_retry_env_stops_once_solved(qwen3_tokenizer) -> None:
+    """reverse_text_retry: a first answer that is the reversal ends the rollout (reward 1, one turn); a wrong
+    one gets the feedback and another attempt, scored by the last one minus the retry penalty."""
+    pytest.importorskip("verifiers")
+    from prime_spmd.envs.verifiers_bridge import VerifiersEnvironment
+    from prime_spmd.envs.vf_reverse_retry import load_environment
+    from prime_spmd.inference.engine import SamplingParams
+    from tests.fakes import ScriptedEngine
+
+    env = VerifiersEnvironment(load_environment(num_train_examples=2, min_chars=5, max_chars=5), reward_timeout_s=None)
+    text = env.example("train", 0)["prompt"][0]["content"]
+    engine = ScriptedEngine(qwen3_tokenizer, lambda prompt: f"{text[::-1]}<|im_end|>")
+    (group,) = env.run_groups(engine, "train", [0], 1, SamplingParams(max_tokens=16), seed=0)
+    assert len(engine.prompts) == 1 and group[0].reward == pytest.approx(1.0)
+    answers = iter(["zzzzz<|im_end|>", f"{text[::-1]}<|im_end|>"])
+    engine = ScriptedEngine(qwen3_tokenizer, lambda prompt: next(answers))
+    (group,) = env.run_groups(engine, "train", [0], 1, SamplingParams(max_tokens=16), seed=0)
+    assert len(engine.prompts) == 2 and group[0].reward == pytest.approx(0.9)
