@@ -31,9 +31,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _like_on_host(p: torch.Tensor, pin: bool) -> torch.Tensor:
+    """fp32 zeros shaped like ``p``'s local shard in host memory; for a DTensor, a DTensor with ``p``'s spec around
+    the host tensor (built directly, as FSDP2 builds its CPU-offloaded parameters: ``DTensor.from_local`` would move
+    the local tensor to the mesh's device)."""
     local = torch.zeros(_local(p).shape, dtype=torch.float32, device="cpu", pin_memory=pin)
     if isinstance(p, DTensor):
-        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+        return DTensor(local, p._spec, requires_grad=False)
     return local
 
 

@@ -1,0 +1,49 @@
+"""--trainer.offload optimizer in a CUDA RL run (one process, colocated): every step updates with the moments in
+pinned host memory, and the final checkpoint saves them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[2]
+PROBE = """
+import json, sys
+from prime_spmd.trainer import offload
+seen = []
+step = offload.HostOffloadAdamW.step
+def probe(self, closure=None):
+    out = step(self, closure)
+    moments = [s[m] for s in self.state.values() for m in offload.MOMENTS]
+    seen.append(dict(grads=sum(p.grad is not None for g in self.param_groups for p in g["params"]), states=len(self.state),
+                     host=all(m.to_local().device.type == "cpu" and m.to_local().is_pinned() for m in moments)))
+    return out
+offload.HostOffloadAdamW.step = probe
+from prime_spmd.models.tiny import build_tiny_model
+build_tiny_model(sys.argv[1] + "/model", "qwen3-nano")
+from prime_spmd.__main__ import main
+sys.argv = ["prime_spmd", "rl", "--config", "configs/reverse_text/rl.toml", "--model.path", sys.argv[1] + "/model",
+            "--output_dir", sys.argv[1] + "/run", "--trainer.max_steps", "3", "--trainer.offload", "optimizer",
+            "--log.no_progress", "--log.no_plots", "--rollout.prompts_per_step", "2", "--rollout.group_size", "2",
+            "--rollout.no_drop_zero_advantage_groups", "--ckpt.interval_steps", "0"]
+try:
+    main()
+finally:
+    print("PROBE " + json.dumps(seen))
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_offloaded_moments_stay_on_the_host_in_a_cuda_run(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
+    lines = [x for x in out.stdout.splitlines() if x.startswith("PROBE ")]
+    assert out.returncode == 0 and lines, out.stderr[-3000:]
+    seen = json.loads(lines[-1][len("PROBE ") :])
+    assert len(seen) == 3 and all(s["grads"] > 0 and s["states"] == s["grads"] and s["host"] for s in seen), seen
+    assert (tmp_path / "run" / "checkpoints").is_dir()
