@@ -219,6 +219,10 @@ def test_envs_toml_and_labels(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"either \[env\].*or \[\[envs\]\]"):
         cfg.validate()
     assert RLJobConfig().environments() == [EnvConfig()]  # the single [env]: a mixture of one
+    recipe = load_toml(RLJobConfig, Path(__file__).parents[2] / "configs" / "mixture" / "rl.toml")
+    recipe.validate()
+    assert [(env_label(e), e.weight) for e in recipe.environments()] == [("reverse", 1.0), ("retry", 1.0)]
+    assert recipe.eval.interval_steps > 0
     counts = Counter(len(Mixture(_cfg(p=5), _slots({"x": 1.0})).plan(b)["x"]) for b in range(3))
     assert counts == {5: 3}
 
