@@ -10,8 +10,11 @@ from prime_spmd.config.sections import InferenceConfig, ModelConfig, NativeEngin
 from prime_spmd.inference.engine import InferenceEngine
 from prime_spmd.inference.native import NativeEngine
 from prime_spmd.inference.runner import prefill_choice
+from prime_spmd.inference.shared_weights import share_frozen_weights
 from prime_spmd.log import logger
+from prime_spmd.models import registry
 from prime_spmd.models.loading import load_model, load_tokenizer, resolve_dtype
+from prime_spmd.models.qwen3.model import set_moe_impl
 
 
 def build_engine(
@@ -22,6 +25,7 @@ def build_engine(
     *,
     tp: int = 1,
     seed: int = 0,
+    share_from: torch.nn.Module | None = None,
 ) -> InferenceEngine:
     """Load the model and tokenizer of ``model_cfg`` and wrap them in the configured engine.
 
@@ -30,6 +34,10 @@ def build_engine(
     ``tp`` (``--topology.engine_tp``) is the vLLM engine's tensor-parallel size; the native engine
     refuses tp > 1. vLLM: collective over the inference default process group (every inference rank
     calls this at the same point with the same ``seed``; see ``build_vllm_engine``).
+
+    ``share_from`` (colocated, one trainer rank, native engine): the trainer's LM. The model is read to the host,
+    every weight the trainer holds frozen in the engine's dtype becomes the trainer's tensor (``shared_weights.py``),
+    and only the rest moves to the device: the device never holds a second copy of a shared weight.
     """
     max_len = inference_cfg.max_model_len or seq_len
     if inference_cfg.engine == "vllm":
@@ -42,7 +50,19 @@ def build_engine(
     if tp != 1:
         raise ValueError(f"--topology.engine_tp={tp} needs --inference.engine=vllm (the native engine runs tp 1)")
     dtype = resolve_dtype(model_cfg.dtype, device)
-    model = load_model(model_cfg, device, dtype)
+    lora_base = None
+    if share_from is None:
+        model = load_model(model_cfg, device, dtype)
+    else:
+        model = load_model(model_cfg, torch.device("cpu"), dtype)
+        report = share_frozen_weights(model, share_from)
+        lora_base = report.lora_base
+        if registry.use_custom(model_cfg):  # read on the host, it chose the host's MoE kernel
+            set_moe_impl(model, "triton" if device.type == "cuda" else "reference")
+        logger.info(
+            f"engine weights: {report.shared_bytes / 2**30:.2f} GiB read in place from the trainer ({report.shared} "
+            f"tensors), {report.owned_bytes / 2**30:.2f} GiB its own ({report.owned}: trained, LoRA-merged or fused)"
+        )
     native = inference_cfg.native
     engine = NativeEngine(
         model,
@@ -60,6 +80,7 @@ def build_engine(
         pdl=native.pdl,
         prefill_layer_fn=prefill_choice(native.prefill),
         decode_steps_per_launch=native.decode_steps_per_launch,
+        lora_base=lora_base,
     )
     warm = native.warmup
     if warm == "on" or (warm == "auto" and engine.use_graphs):

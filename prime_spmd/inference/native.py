@@ -86,6 +86,7 @@ class NativeEngine(InferenceEngine):
         pdl: bool = True,
         prefill_layer_fn: bool | None = None,
         decode_steps_per_launch: int = 0,
+        lora_base: dict[str, torch.Tensor] | None = None,
     ) -> None:
         device = torch.device(device) if device is not None else next(model.parameters()).device
         if decode_steps_per_launch < 0:
@@ -178,6 +179,8 @@ class NativeEngine(InferenceEngine):
         """Prompt tokens admitted."""
         self._lora: LoraMerger | None = None
         """LoRA weight updates: the base weights and pending adapters (``load_lora_weights``)."""
+        self._lora_base = lora_base or {}
+        """Colocated: the trainer's frozen W0 of each adapted weight, merged into in place of a clone of ours."""
 
     # ---- interface -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -285,7 +288,7 @@ class NativeEngine(InferenceEngine):
     def load_lora_weights(self, adapters: Iterable[tuple[str, torch.Tensor]], scale: float) -> None:
         """Merge each (A, B) pair into its base weight, W0 + scale * B @ A, and load it (``load_weights``). W0 is the
         weight the model held when its adapters first arrived (the one it loaded from disk), kept for every later
-        update."""
+        update; colocated with a LoRA trainer, the trainer's frozen W0 itself (``lora_base``: no copy)."""
         if self._lora is None:
             self._lora = LoraMerger({}, [], scale)
         elif not math.isclose(scale, self._lora.scale):
@@ -298,7 +301,8 @@ class NativeEngine(InferenceEngine):
                 if w not in merger.w0:
                     if w not in params:
                         raise ValueError(f"LoRA weight sync: the engine's model has no base weight {w!r}")
-                    merger.w0[w] = params[w].detach().clone()
+                    shared = self._lora_base.get(w)
+                    merger.w0[w] = shared if shared is not None else params[w].detach().clone()
                 yield name, t
 
         self.load_weights(merger.merge(with_base_read(adapters)))

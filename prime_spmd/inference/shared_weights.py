@@ -46,10 +46,10 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def share_frozen_weights(engine_model: nn.Module, trainer_lm: nn.Module) -> SharingReport:
-    """Re-point each engine parameter whose trainer twin (same name, wrappers removed) is frozen, on the same
-    device, of the same dtype and shape, at the trainer's tensor. Parameters the engine fused into a larger tensor
-    (their ``.data`` is a view of it) keep their copy. Single process; one trainer rank only (a shard of a larger
-    mesh is not the whole tensor)."""
+    """Re-point each engine parameter whose trainer twin (same name, wrappers removed) is frozen, of the same dtype
+    and shape, at the trainer's tensor (on the trainer's device: an engine model read to the host then moves only
+    what it owns). Parameters the engine fused into a larger tensor (their ``.data`` is a view of it) keep their
+    copy. Single process; one trainer rank only (a shard of a larger mesh is not the whole tensor)."""
     trainer = {unwrapped_name(n): p for n, p in trainer_lm.named_parameters()}
     adapted = {unwrapped_name(n) + ".weight" for n, m in trainer_lm.named_modules() if hasattr(m, "lora_A")}
     report = SharingReport(lora_base={n: _local(trainer[n]) for n in adapted if n in trainer})
@@ -62,7 +62,6 @@ def share_frozen_weights(engine_model: nn.Module, trainer_lm: nn.Module) -> Shar
             and not t.requires_grad
             and src.shape == p.shape
             and src.dtype == p.dtype
-            and src.device == p.device
             and p.untyped_storage().nbytes() == p.numel() * p.element_size()  # not a slice of a fused tensor
         )
         nbytes = p.numel() * p.element_size()

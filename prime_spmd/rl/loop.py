@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import pickle
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -100,7 +101,10 @@ class _TrainerLoop:
         engine: InferenceEngine | None,
         stop: StopSignal,
         plan: memory.MemoryPlan | None = None,
+        engine_builder: Callable[[torch.nn.Module], InferenceEngine] | None = None,
     ) -> None:
+        """``engine_builder``: build this rank's engine from the trainer's LM once the trainer is built (colocated
+        LoRA: the engine reads the frozen base in place, ``inference/shared_weights.py``); else ``engine``."""
         self.cfg, self.ctx, self.envs, self.engine, self.stop = cfg, ctx, envs, engine, stop
         self.plan = plan  # colocated on CUDA: named in an out-of-memory error (memory.phase)
         self.guard = SkipGuard(cfg.trainer.max_skipped_steps)
@@ -108,6 +112,8 @@ class _TrainerLoop:
         self.topo = ctx.topo
         self.out = Path(cfg.output_dir)
         self.parts = build_trainer(cfg.model, cfg.trainer, cfg.optim, ctx)
+        if engine_builder is not None:
+            engine = self.engine = engine_builder(self.parts.policy.lm)
         if self.topo.rank == 0:
             warn_unshared_prompts(cfg, self.parts.policy)
             settings = resolved_settings(
@@ -446,19 +452,27 @@ def _run_rl(cfg: RLJobConfig, stop: StopSignal) -> dict[str, float]:
     prepare_model_dir(cfg.model, ctx, cfg.trainer.seed)
     plan = check_colocated_memory(cfg, ctx)
     envs = load_envs(cfg)
-    engine = None
+    engine, builder = None, None
     if topo.is_inference:
         from prime_spmd.inference.factory import build_engine
 
         if cfg.inference.engine == "native" and topo.engine_tp > 1:
             raise ValueError("--topology.engine_tp > 1 needs --inference.engine=vllm (the native engine runs tp 1)")
-        engine = build_engine(
-            cfg.inference, cfg.model, ctx.device, cfg.trainer.seq_len, tp=topo.engine_tp, seed=cfg.trainer.seed
-        )
+
+        def builder(share_from: torch.nn.Module | None = None) -> InferenceEngine:
+            return build_engine(
+                cfg.inference, cfg.model, ctx.device, cfg.trainer.seq_len, tp=topo.engine_tp, seed=cfg.trainer.seed,
+                share_from=share_from,
+            )  # fmt: skip
+
+        # colocated LoRA with one trainer rank: the engine is built after the trainer and reads its frozen bf16 base
+        share = topo.mode == "colocated" and topo.num_trainer_ranks == 1 and cfg.inference.engine == "native"
+        if not (share and cfg.model.lora.rank):
+            engine, builder = builder(), None
     start = _start_step(ctx, cfg)
     result: dict[str, float] = {}
     if topo.is_trainer:
-        result = _TrainerLoop(cfg, ctx, envs, engine, stop, plan).run(start)
+        result = _TrainerLoop(cfg, ctx, envs, engine, stop, plan, builder).run(start)
     else:
         assert engine is not None
         InferenceLoop(cfg, ctx, envs, engine, stop).run(start)
