@@ -67,6 +67,9 @@ class Colocated:
         box = [plan]
         dist.broadcast_object_list(box, src=CONTROLLER_RANK)
         share = generate_share(self.cfg, self.envs, self.engine, b, version, topo.rank, topo.world_size, box[0])
+        release = getattr(self.engine, "release_memory", None)
+        if release is not None and self.cfg.inference.native.release_kv_cache:
+            release()  # the trainer steps next: its activations take the KV cache's memory (the engine's next step restores it)
         parts = [None] * topo.world_size if topo.is_controller else None
         dist.gather_object(share, parts, dst=CONTROLLER_RANK)
         if topo.is_controller:

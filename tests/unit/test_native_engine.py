@@ -473,3 +473,20 @@ def test_step_helpers_match_the_eager_ops(model_dir, device):
     xb = (torch.randn(64, 1024, generator=g) * 3).to(device, torch.bfloat16)
     wb = (torch.randn(1024, generator=g) * 0.3 + 1).to(device, torch.bfloat16)
     assert torch.equal(compile_exact(rms_norm)(xb, wb, 1e-6), rms_norm(xb, wb, 1e-6))
+
+
+@pytest.mark.parametrize("kv_cache", ["slot", "paged"])
+def test_released_kv_cache_comes_back_for_the_next_generation(model_dir, device, kv_cache):
+    """release_memory (colocated: while the trainer steps) frees the KV storage; the next generation restores it,
+    zeroed, and samples exactly what an engine that never released it samples (CUDA: graphs replay or recapture)."""
+    sp = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    eng, _, tok = _engine(model_dir, device, max_batch_size=4, kv_cache=kv_cache)
+    ref, _, _ = _engine(model_dir, device, max_batch_size=4, kv_cache=kv_cache)
+    for seed in (3, 4):
+        want = ref.generate(_reqs(tok, sp, seed0=seed))
+        got = eng.generate(_reqs(tok, sp, seed0=seed))
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert [o.logprobs for o in got] == [o.logprobs for o in want]
+        cache = eng.runner.cache
+        assert eng.release_memory() == 2 * cache.k.numel() * cache.k.element_size() > 0
+        assert cache.k.untyped_storage().nbytes() == 0 and eng.release_memory() == 0  # released once
