@@ -17,8 +17,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # annotation only
+    from prime_spmd.config import RLJobConfig
 
 GIB = 1 << 30
 FIT_FLAGS = (
@@ -41,23 +45,33 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     vocab_size: int
+    num_heads: int = 0
+    moe: bool = False
+    """Stacked MoE experts in every layer (no dense MLP to adapt)."""
 
 
 @dataclass(kw_only=True, slots=True)
 class MemoryPlan:
     parts: dict[str, int] = field(default_factory=dict)
-    """Bytes on the device at the run's peak, by part."""
+    """Bytes on the device for the whole run, by part."""
+    generate: dict[str, int] = field(default_factory=dict)
+    """Bytes on the device only while the engine generates (the KV cache, when released while the trainer steps)."""
+    train: dict[str, int] = field(default_factory=dict)
+    """Bytes on the device only while the trainer steps (gradients, activations)."""
     host: dict[str, int] = field(default_factory=dict)
     """Bytes in host memory, by part (offloaded state)."""
 
     @property
     def total(self) -> int:
-        return sum(self.parts.values())
+        """The peak: what stays, plus the larger of the two phases."""
+        return sum(self.parts.values()) + max(sum(self.generate.values()), sum(self.train.values()))
 
     def describe(self) -> str:
         rows = [f"  {k:<28} {v / GIB:8.2f} GiB" for k, v in self.parts.items()]
+        rows += [f"  {k + ' (generate)':<28} {v / GIB:8.2f} GiB" for k, v in self.generate.items()]
+        rows += [f"  {k + ' (train)':<28} {v / GIB:8.2f} GiB" for k, v in self.train.items()]
         rows += [f"  {k + ' (host)':<28} {v / GIB:8.2f} GiB" for k, v in self.host.items()]
-        return "\n".join(rows + [f"  {'device total':<28} {self.total / GIB:8.2f} GiB"])
+        return "\n".join(rows + [f"  {'device peak':<28} {self.total / GIB:8.2f} GiB"])
 
 
 def model_shape(path: str, trust_remote_code: bool = False) -> ModelShape:
@@ -80,6 +94,8 @@ def model_shape(path: str, trust_remote_code: bool = False) -> ModelShape:
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         vocab_size=text.vocab_size,
+        num_heads=heads,
+        moe=bool(getattr(text, "num_experts", 0)),
     )
 
 
@@ -88,19 +104,23 @@ def estimate(
     *,
     num_trainable: int,
     lora: bool,
+    num_adapted: int = 0,
     offload: str,
     share_weights: bool,
     kv_cache_tokens: int,
     micro_batch_tokens: int,
     activation_checkpointing: bool,
+    release_kv_cache: bool = True,
     param_bytes: int = 2,
 ) -> MemoryPlan:
     """Peak device bytes of a colocated run, by part.
 
     ``num_trainable``: parameters the optimizer updates (all, or the LoRA adapters). ``lora``: the frozen base is
-    held once in the compute dtype (``param_bytes``) and shared with the engine when ``share_weights``.
+    held once in the compute dtype (``param_bytes``) and shared with the engine when ``share_weights``, which then
+    holds only the ``num_adapted`` weights of the adapted linears, merged.
     ``offload``: "none" or "optimizer" (moments on the host). ``kv_cache_tokens``: tokens the engine's KV cache
-    holds.
+    holds; ``release_kv_cache``: it is freed while the trainer steps (else it stays through both phases).
+    Gradients exist only in the train phase (``zero_grad(set_to_none=True)`` after each step).
     """
     plan = MemoryPlan()
     n, t = shape.num_params, num_trainable
@@ -110,21 +130,24 @@ def estimate(
     else:
         trained_master = n * 4
     plan.parts["trained weights (fp32)"] = trained_master
-    plan.parts["gradients (fp32)"] = (t if lora else n) * 4
+    plan.train["gradients (fp32)"] = (t if lora else n) * 4
     moments = (t if lora else n) * 8
     if offload == "optimizer":
         plan.host["AdamW moments"] = moments
     else:
         plan.parts["AdamW moments"] = moments
-    if not (lora and share_weights):
+    if lora and share_weights:  # the engine reads the frozen base in place; it holds the adapted weights, merged
+        plan.parts["engine weights (LoRA-merged)"] = num_adapted * param_bytes
+    else:
         plan.parts["engine weights"] = n * param_bytes
-    plan.parts["KV cache"] = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * kv_cache_tokens * param_bytes
+    kv = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * kv_cache_tokens * param_bytes
+    (plan.generate if release_kv_cache else plan.parts)["KV cache"] = kv
     per_token = shape.num_layers * shape.hidden_size * param_bytes  # each layer's input, kept for backward
     if activation_checkpointing:
         per_token += (4 * shape.hidden_size + 3 * shape.intermediate_size) * param_bytes  # one block's internals
     else:
         per_token += shape.num_layers * (4 * shape.hidden_size + 3 * shape.intermediate_size) * param_bytes
-    plan.parts["activations"] = per_token * micro_batch_tokens
+    plan.train["activations"] = per_token * micro_batch_tokens
     return plan
 
 
@@ -162,26 +185,55 @@ def plan_colocated_run(
     *,
     trust_remote_code: bool,
     lora_rank: int,
+    lora_targets: tuple[str, ...] | list[str] = (),
     offload: str,
+    share_weights: bool,
     kv_cache_tokens: int,
     micro_batch_tokens: int,
     activation_checkpointing: bool,
+    release_kv_cache: bool,
 ) -> MemoryPlan:
-    """The plan of a colocated RL run from its settings (``estimate`` with the model's counts). LoRA's trainable
-    count is estimated from the adapted projections (rank x (in + out) for q/k/v/o and the dense MLP's three)."""
+    """The plan of a colocated RL run from its settings (``estimate`` with the model's counts). With LoRA, the
+    adapted linears are those of ``lora_targets`` among q/k/v/o and the dense MLP's gate/up/down (stacked MoE experts
+    are never adapted); each holds rank x (in + out) trainable parameters."""
     shape = model_shape(model_path, trust_remote_code)
-    trainable = shape.num_params
+    trainable, adapted = shape.num_params, 0
     if lora_rank:
-        per_layer = 4 * shape.hidden_size + 2 * shape.head_dim * shape.num_kv_heads
-        per_layer += 3 * (shape.hidden_size + shape.intermediate_size)
-        trainable = lora_rank * per_layer * shape.num_layers
+        h, q, kv, i = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim, 0
+        i = 0 if shape.moe else shape.intermediate_size
+        dims = dict(q_proj=(h, q), k_proj=(h, kv), v_proj=(h, kv), o_proj=(q, h), gate_proj=(h, i), up_proj=(h, i),
+                    down_proj=(i, h))  # fmt: skip
+        chosen = [dims[t] for t in lora_targets if t in dims and min(dims[t]) > 0]
+        trainable = lora_rank * sum(a + b for a, b in chosen) * shape.num_layers
+        adapted = sum(a * b for a, b in chosen) * shape.num_layers
     return estimate(
         shape,
         num_trainable=trainable,
         lora=bool(lora_rank),
+        num_adapted=adapted,
         offload=offload,
-        share_weights=False,
+        share_weights=share_weights,
         kv_cache_tokens=kv_cache_tokens,
         micro_batch_tokens=micro_batch_tokens,
         activation_checkpointing=activation_checkpointing,
+        release_kv_cache=release_kv_cache,
+    )
+
+
+def plan_rl_job(cfg: RLJobConfig, num_trainer_ranks: int) -> MemoryPlan:
+    """``plan_colocated_run`` with the settings of a colocated ``rl`` job (``cfg``) of ``num_trainer_ranks``."""
+    inf, nat = cfg.inference, cfg.inference.native
+    max_len = inf.max_model_len or cfg.trainer.seq_len
+    kv_tokens = nat.kv_cache_tokens if nat.kv_cache == "paged" and nat.kv_cache_tokens else inf.max_batch_size * max_len
+    return plan_colocated_run(
+        cfg.model.path,
+        trust_remote_code=cfg.model.trust_remote_code,
+        lora_rank=cfg.model.lora.rank,
+        lora_targets=cfg.model.lora.target_modules,
+        offload=cfg.trainer.offload,
+        share_weights=num_trainer_ranks == 1 and inf.engine == "native",
+        kv_cache_tokens=kv_tokens,
+        micro_batch_tokens=cfg.trainer.micro_batch_tokens,
+        activation_checkpointing=cfg.trainer.activation_checkpointing,
+        release_kv_cache=nat.release_kv_cache,
     )

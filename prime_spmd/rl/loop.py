@@ -415,18 +415,7 @@ def check_colocated_memory(cfg: RLJobConfig, ctx: DistContext) -> memory.MemoryP
     cannot fit the device stops the run here, before any weight is loaded, with the flags that make it fit."""
     if ctx.topo.mode != "colocated" or ctx.device.type != "cuda":
         return None
-    inf = cfg.inference
-    max_len = inf.max_model_len or cfg.trainer.seq_len
-    kv_tokens = inf.kv_cache_tokens if inf.kv_cache == "paged" and inf.kv_cache_tokens else inf.max_batch_size * max_len
-    plan = memory.plan_colocated_run(
-        cfg.model.path,
-        trust_remote_code=cfg.model.trust_remote_code,
-        lora_rank=cfg.model.lora.rank,
-        offload=cfg.trainer.offload,
-        kv_cache_tokens=kv_tokens,
-        micro_batch_tokens=cfg.trainer.micro_batch_tokens,
-        activation_checkpointing=cfg.trainer.activation_checkpointing,
-    )
+    plan = memory.plan_rl_job(cfg, ctx.topo.num_trainer_ranks)
     if ctx.topo.rank == 0:
         logger.info(f"device memory plan (colocated; docs/memory.md):\n{plan.describe()}")
     memory.check_fits(plan, torch.cuda.mem_get_info(ctx.device)[1])

@@ -32,12 +32,22 @@ def test_plan_parts_and_offload() -> None:
     n = 4_022_468_096
     assert full.parts["trained weights (fp32)"] == 4 * n and full.parts["AdamW moments"] == 8 * n
     assert full.parts["engine weights"] == 2 * n  # full fine-tuning: fp32 masters, so the engine keeps a bf16 copy
-    assert full.parts["KV cache"] == 2 * 36 * 8 * 128 * 65536 * 2
+    assert full.generate["KV cache"] == 2 * 36 * 8 * 128 * 65536 * 2  # released while the trainer steps
+    assert full.train["gradients (fp32)"] == 4 * n
+    resident = sum(full.parts.values())
+    assert full.total == resident + max(full.generate["KV cache"], sum(full.train.values()))
+    kept = memory.estimate(
+        _shape(), num_trainable=n, lora=False, offload="none", share_weights=True, release_kv_cache=False, **kw
+    )
+    assert kept.total == full.total + full.generate["KV cache"]
     off = memory.estimate(_shape(), num_trainable=n, lora=False, offload="optimizer", share_weights=True, **kw)
     assert "AdamW moments" not in off.parts and off.host["AdamW moments"] == 8 * n
     assert full.total - off.total == 8 * n
-    lora = memory.estimate(_shape(), num_trainable=33_000_000, lora=True, offload="none", share_weights=True, **kw)
+    lora = memory.estimate(
+        _shape(), num_trainable=33_000_000, num_adapted=10**9, lora=True, offload="none", share_weights=True, **kw
+    )
     assert lora.parts["frozen base weights"] == 2 * (n - 33_000_000) and "engine weights" not in lora.parts
+    assert lora.parts["engine weights (LoRA-merged)"] == 2 * 10**9
     # 4B full fine-tuning does not fit 80 GB without offload, and does with it
     with pytest.raises(ValueError, match=r"--trainer.offload optimizer") as err:
         memory.check_fits(full, 80 * 10**9)
@@ -53,3 +63,18 @@ def test_phase_names_an_out_of_memory_error() -> None:
     assert isinstance(err.value.__cause__, torch.OutOfMemoryError)
     with memory.phase("train"):  # anything else passes through untouched
         pass
+
+
+def test_plan_of_an_rl_job_counts_the_adapted_linears(tmp_path) -> None:
+    from prime_spmd.config import RLJobConfig
+    from prime_spmd.config.sections import LoraConfig, ModelConfig
+
+    path = build_tiny_model(tmp_path / "m", preset="qwen3-nano")  # hidden 64, 4 heads x 16, 2 kv heads, mlp 128
+    lora = LoraConfig(rank=4, target_modules=["q_proj", "down_proj"])
+    cfg = RLJobConfig(model=ModelConfig(path=str(path), lora=lora))
+    plan = memory.plan_rl_job(cfg, num_trainer_ranks=1)
+    adapted = 2 * (64 * 64 + 128 * 64)  # 2 layers x (q_proj + down_proj)
+    assert plan.parts["engine weights (LoRA-merged)"] == 2 * adapted
+    assert plan.parts["trained weights (fp32)"] == 4 * 4 * 2 * ((64 + 64) + (128 + 64))
+    two_ranks = memory.plan_rl_job(cfg, num_trainer_ranks=2)  # no sharing across ranks: the engine keeps its copy
+    assert two_ranks.parts["engine weights"] == 2 * memory.model_shape(str(path)).num_params
