@@ -31,7 +31,8 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
     bad = ValueError(f"{source}: key '{key}' = {value!r} has the wrong type; expected {_type_name(tp)}")
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise ValueError(f"{source}: key '{key}' must be a table ([{key}]), got {value!r}")
+            hint = " (several environments: [[envs]] tables)" if key == "env" and isinstance(value, list) else ""
+            raise ValueError(f"{source}: key '{key}' must be a table ([{key}]){hint}, got {value!r}")
         return build_dataclass(tp, value, source, prefix=key + ".")
     if origin is Literal:
         if value not in get_args(tp):

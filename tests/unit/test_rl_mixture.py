@@ -219,6 +219,9 @@ def test_envs_toml_and_labels(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"either \[env\].*or \[\[envs\]\]"):
         cfg.validate()
     assert RLJobConfig().environments() == [EnvConfig()]  # the single [env]: a mixture of one
+    f.write_text('[model]\npath = "m"\n[[env]]\nname = "reverse_text"\n')
+    with pytest.raises(ValueError, match=r"key 'env' must be a table \(\[env\]\) \(several environments: \[\[envs\]\]"):
+        load_toml(RLJobConfig, f)
     recipe = load_toml(RLJobConfig, Path(__file__).parents[2] / "configs" / "mixture" / "rl.toml")
     recipe.validate()
     assert [(env_label(e), e.weight) for e in recipe.environments()] == [("reverse", 1.0), ("retry", 1.0)]
