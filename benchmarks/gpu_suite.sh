@@ -75,12 +75,14 @@ case $PART in
     scale() { local name=$1; shift; run "$name" 270 $S --out "/tmp/$name" "$@"; cp "/tmp/$name/results.json" "$OUT/$name.json" 2> /dev/null
       cp /tmp/"$name"/ours_k0_r0/metrics.jsonl "$OUT/${name}_metrics.jsonl" 2> /dev/null
       cp /tmp/"$name"/*.log "$OUT/" 2> /dev/null; rm -rf "/tmp/$name"; }
+    run tests_memory 150 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/gpu/test_offload_gpu.py \
+      tests/unit/test_offload_optimizer.py tests/unit/test_memory_plan.py tests/unit/test_shared_weights.py \
+      tests/unit/test_native_engine.py -k "offload or plan or shared or released or memory"
     if [ "$PART" = scale ]; then
-      run tests_memory 120 python3 -m pytest -q -p no:cacheprovider tests/unit/test_offload_optimizer.py tests/unit/test_memory_plan.py
       scale scale_0.6b --shape qwen3-0.6b --micro-batch-tokens 8192
       scale scale_1.7b --shape qwen3-1.7b --micro-batch-tokens 8192
-      scale scale_4b_offload --shape qwen3-4b --micro-batch-tokens 4096 --ours-flag=--trainer.offload --ours-flag=optimizer
     else
+      scale scale_4b_offload --shape qwen3-4b --micro-batch-tokens 4096 --ours-flag=--trainer.offload --ours-flag=optimizer
       scale scale_8b_lora --shape qwen3-8b --micro-batch-tokens 4096 --ours-flag=--model.lora.rank --ours-flag=16
       scale scale_4b_no_offload --shape qwen3-4b --micro-batch-tokens 4096  # the memory plan refuses it on 80 GB
     fi ;;
