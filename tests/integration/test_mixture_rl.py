@@ -5,7 +5,7 @@ code raises on half its examples (tests/integration/mixture_envs.py, weight 1). 
 holds 3:1 of the prompts, per-environment metrics, the flaky environment's failed groups are dropped and
 counted while the run goes on, evals of w_0, w_2 and the final weights; a run resumed from step 2
 logs the uninterrupted run's metrics (the planner's state is in the checkpoint); disjoint mode (1 + 1
-ranks: plans through the store, evals on the inference rank) does the same; a failure rate above
+ranks: plans through the store, evals on the inference rank) does the same and resumes the same way; a failure rate above
 --rollout.max_env_failure_rate stops the run with a message naming the environment.
 """
 
@@ -86,10 +86,19 @@ def test_mixture_colocated_runs_isolates_failures_evaluates_and_resumes(tiny_mod
         _same({k: v for k, v in a.items() if not k.startswith("env/") or "eval" not in k}, b)
 
 
-def test_mixture_disjoint(tiny_model: Path, tmp_path: Path) -> None:
+def test_mixture_disjoint_runs_and_resumes(tiny_model: Path, tmp_path: Path) -> None:
     out = tmp_path / "disjoint"
     run_ranks(rl_rank, 2, _cfg(tiny_model, out, num_inference=1))
-    _check_mixture(read_metrics(out))
+    m = read_metrics(out)
+    _check_mixture(m)
+    resumed = tmp_path / "resumed"
+    copy_for_resume(out, resumed, 2)  # rows 0, 1 (the eval of w_0 arrives in row 1 or 2 here, not its own row)
+    run_ranks(rl_rank, 2, _cfg(tiny_model, resumed, num_inference=1, resume=True))
+    got = [r for r in read_metrics(resumed) if "loss" in r]
+    train = [r for r in m if "loss" in r]
+    assert [r["step"] for r in got] == [0, 1, 2, 3]
+    for a, b in zip(train[2:], got[2:]):  # the plans of batches 2.. come from the checkpoint's planner
+        _same({k: v for k, v in a.items() if "eval" not in k}, b)
 
 
 def test_failure_rate_stops_the_run_naming_the_environment(tiny_model: Path, tmp_path: Path) -> None:
