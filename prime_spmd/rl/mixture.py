@@ -87,8 +87,7 @@ class Mixture:
         if self.curriculum is None:
             return dict(self.base_weights)
         got = self.curriculum(b)
-        unknown = set(got) - set(self.labels)
-        if unknown or not isinstance(got, dict):
+        if not isinstance(got, dict) or set(got) - set(self.labels):
             raise ValueError(f"--rollout.curriculum returned {got!r} for step {b}: keys must be among {self.labels}")
         weights = {label: float(got.get(label, 0.0)) for label in self.labels}
         if any(w < 0 for w in weights.values()) or not any(w > 0 for w in weights.values()):
@@ -155,6 +154,10 @@ class Mixture:
         the stop message when an environment's failure rate passed ``--rollout.max_env_failure_rate``)."""
         from prime_spmd.rl.samples import is_failed  # samples -> advantages -> hooks; not at import (no cycle)
 
+        if len(getattr(batch, "group_envs", [])) != len(batch.groups) or "" in batch.group_envs:
+            # a batch from a checkpoint written before mixtures (one environment, no labels)
+            assert len(self.labels) == 1, "a batch without environment labels in a mixture"
+            batch.group_envs, batch.failures = self.labels * len(batch.groups), getattr(batch, "failures", [])
         b = batch.index
         counts = self.plan_counts.pop(b, {label: {} for label in self.labels})
         plan = self.plans.pop(b, {})

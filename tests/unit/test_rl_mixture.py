@@ -313,3 +313,14 @@ def test_retry_env_stops_once_solved(qwen3_tokenizer) -> None:
     engine = ScriptedEngine(qwen3_tokenizer, lambda prompt: next(answers))
     (group,) = env.run_groups(engine, "train", [0], 1, SamplingParams(max_tokens=16), seed=0)
     assert len(engine.prompts) == 2 and group[0].reward == pytest.approx(0.9)
+
+
+def test_a_single_environment_takes_batches_without_labels() -> None:
+    """A batch restored from a checkpoint written before mixtures has no environment labels: with one
+    environment its groups are that environment's."""
+    mix = Mixture(_cfg(p=2), _slots({"only": 1.0}))
+    mix.plan(0)
+    batch = Batch(index=0, groups=[[_rollout(0, k, 0.5) for k in range(2)]])
+    metrics, stop = mix.observe(batch)
+    assert batch.group_envs == ["only"] and mix.groups == {"only": 1} and stop is None
+    assert batch_env_metrics(batch, ["only"])["env/only/reward"] == 0.5
