@@ -2,73 +2,39 @@
 
 from __future__ import annotations
 
-_QWEN3_30B_A3B = dict(
-    model_type="qwen3_moe",
-    vocab_size=151936,
-    hidden_size=2048,
-    intermediate_size=6144,
-    num_hidden_layers=48,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    head_dim=128,
-    tie_word_embeddings=False,
-    rope_theta=1e6,
-    num_experts=128,
-    num_experts_per_tok=8,
-    moe_intermediate_size=768,
-    norm_topk_prob=True,
-)
 
-# HF config.json fields of reference shapes, for benchmarks (random init) and tests.
+def _dense(hidden: int, intermediate: int, layers: int, heads: int, tie: bool) -> dict:
+    """HF config.json fields of a dense Qwen3 shape (8 KV heads of 128 dims, Qwen3's vocabulary and RoPE base)."""
+    return dict(
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=tie,
+        rope_theta=1e6,
+    )
+
+
+_QWEN3_30B_A3B = {
+    **_dense(2048, 6144, 48, 32, tie=False),
+    "model_type": "qwen3_moe",
+    "num_key_value_heads": 4,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+}
+
+# HF config.json fields of the published Qwen3 shapes, for benchmarks (random init) and tests.
 FLAVORS: dict[str, dict] = {
-    "qwen3-0.6b": dict(
-        model_type="qwen3",
-        vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=True,
-        rope_theta=1e6,
-    ),
-    "qwen3-1.7b": dict(
-        model_type="qwen3",
-        vocab_size=151936,
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=True,
-        rope_theta=1e6,
-    ),
-    "qwen3-4b": dict(
-        model_type="qwen3",
-        vocab_size=151936,
-        hidden_size=2560,
-        intermediate_size=9728,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=True,
-        rope_theta=1e6,
-    ),
-    "qwen3-8b": dict(
-        model_type="qwen3",
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=False,
-        rope_theta=1e6,
-    ),
+    "qwen3-0.6b": _dense(1024, 3072, 28, 16, tie=True),
+    "qwen3-1.7b": _dense(2048, 6144, 28, 16, tie=True),
+    "qwen3-4b": _dense(2560, 9728, 36, 32, tie=True),
+    "qwen3-8b": _dense(4096, 12288, 36, 32, tie=False),
     "qwen3-30b-a3b": _QWEN3_30B_A3B,
     # Qwen3-30B-A3B layer shapes with 8 layers: fits one GPU with full-parameter AdamW.
     "qwen3-moe-8l": {**_QWEN3_30B_A3B, "num_hidden_layers": 8},
