@@ -27,15 +27,18 @@ import json
 import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from prime_spmd.config.sections import LoraConfig
 from prime_spmd.distributed.fsdp import unwrapped_name
 from prime_spmd.log import logger
+
+if TYPE_CHECKING:  # annotations only: the engine imports this module where the CLI stack (tyro) is not installed
+    from prime_spmd.config.sections import LoraConfig
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
