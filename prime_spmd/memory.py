@@ -30,7 +30,7 @@ FIT_FLAGS = (
     "--model.lora.rank 16 (train adapters; the frozen base is held once, in bf16)",
     "--inference.native.kv_cache paged --inference.native.kv_cache_tokens N (a smaller KV pool; admission waits for blocks)",
     "--inference.max_batch_size N (fewer sequences decoding at once)",
-    "--trainer.micro_batch_tokens N and --trainer.activation_checkpointing true (fewer activations)",
+    "--trainer.micro_batch_tokens N and --trainer.activation_checkpointing (fewer activations)",
 )
 
 
