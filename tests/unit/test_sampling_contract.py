@@ -11,7 +11,7 @@ import pytest
 import verifiers as vf
 
 from prime_spmd.config import EvalJobConfig, RLJobConfig
-from prime_spmd.config.sections import SamplingConfig
+from prime_spmd.config.sections import ModelConfig, SamplingConfig
 from prime_spmd.envs.verifiers_bridge import VerifiersEnvironment
 from prime_spmd.inference.engine import SamplingParams
 from tests.envs_for_tests import _dataset
@@ -22,11 +22,12 @@ from tests.fakes import ScriptedEngine
     "field, value", [("top_k", 8), ("top_p", 0.9), ("min_p", 0.05)], ids=["top_k", "top_p", "min_p"]
 )
 def test_rl_refuses_filtered_sampling(field: str, value: float) -> None:
-    cfg = RLJobConfig(sampling=SamplingConfig(**{field: value}))
+    model = ModelConfig(path="some/model")  # --model.path is required; its existence is checked at load, not here
+    cfg = RLJobConfig(model=model, sampling=SamplingConfig(**{field: value}))
     with pytest.raises(ValueError, match=rf"--sampling.{field}={value}.*trainer"):
         cfg.validate()
-    RLJobConfig(sampling=SamplingConfig(temperature=0.7)).validate()  # temperature alone is matched exactly
-    EvalJobConfig(sampling=SamplingConfig(**{field: value})).validate()  # eval trains nothing: allowed
+    RLJobConfig(model=model, sampling=SamplingConfig(temperature=0.7)).validate()  # temperature alone: matched exactly
+    EvalJobConfig(model=model, sampling=SamplingConfig(**{field: value})).validate()  # eval trains nothing: allowed
 
 
 class _Recording(ScriptedEngine):
