@@ -196,8 +196,9 @@ class SFTTrainerConfig(TrainerConfig):
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
-    source: Literal["reverse_text", "jsonl", "parquet"] = "reverse_text"
-    """reverse_text: built-in seeded generator; jsonl/parquet: local file of prompt/completion or messages rows."""
+    source: Literal["reverse_text", "number_list", "jsonl", "parquet"] = "reverse_text"
+    """reverse_text, number_list: built-in seeded generators; jsonl/parquet: local file of prompt/completion or
+    messages rows."""
     path: str = ""
     """Dataset file for jsonl/parquet sources."""
     min_chars: int = 5
@@ -206,6 +207,9 @@ class DataConfig:
     """reverse_text: longest string to reverse."""
     alphabet: str = "abcdefghijklmnopqrstuvwxyz"
     """reverse_text: characters the strings are drawn from."""
+    args: dict[str, str] = field(default_factory=dict)
+    """number_list: the task's keys, as --env.args takes them (min_items, max_items, min_digits, max_digits,
+    transform, sep)."""
     bad_rows: Literal["skip", "error"] = "skip"
     """What to do with malformed rows: skip and count them (first few logged), or stop with the row index."""
 

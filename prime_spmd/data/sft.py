@@ -20,6 +20,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from prime_spmd.config.sections import DataConfig
+from prime_spmd.data import number_list
 from prime_spmd.data.reverse_text import example_rng, reverse_text_example
 from prime_spmd.data.sample import Sample
 from prime_spmd.log import logger
@@ -120,7 +121,11 @@ class SFTDataset:
 
     def __init__(self, cfg: DataConfig, tokenizer, seed: int, seq_len: int) -> None:
         self.cfg, self.tok, self.seed, self.seq_len = cfg, tokenizer, seed, seq_len
-        self.rows = None if cfg.source == "reverse_text" else read_rows(cfg.path, cfg.source)
+        self.rows = None if cfg.source in ("reverse_text", "number_list") else read_rows(cfg.path, cfg.source)
+        if cfg.source == "number_list":
+            self.number_list, rest = number_list.parse_task_args(cfg.args, "--data.args")
+            if rest:
+                raise ValueError(f"--data.args: unknown keys {sorted(rest)} for number_list")
         if self.rows is not None and not self.rows:
             raise ValueError(f"--data.path={cfg.path!r} has no rows")
         if self.rows is not None:
@@ -133,6 +138,11 @@ class SFTDataset:
 
     def example(self, split: str, index: int) -> tuple[list[dict], str]:
         """(prompt messages, completion text) of row/example ``index``."""
+        if self.cfg.source == "number_list":
+            text, answer = number_list.number_list_example(
+                number_list.example_rng(self.seed, split, index), self.number_list
+            )
+            return [{"role": "user", "content": text}], answer
         if self.rows is None:
             text, rev = reverse_text_example(
                 example_rng(self.seed, split, index), self.cfg.min_chars, self.cfg.max_chars, self.cfg.alphabet

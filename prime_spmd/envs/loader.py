@@ -16,9 +16,10 @@ from typing import Literal
 
 from prime_spmd.config.sections import EnvConfig
 from prime_spmd.envs.base import Environment
+from prime_spmd.envs.number_list import NumberListEnv
 from prime_spmd.envs.reverse_text import ReverseTextEnv
 
-BUILTINS = ("reverse_text",)
+BUILTINS = ("reverse_text", "number_list")
 
 
 def verifiers_api() -> tuple[Literal["classic", "v1"] | None, str]:
@@ -35,6 +36,8 @@ def load_environment(cfg: EnvConfig) -> Environment:
     """The built-in environment named ``cfg.name``, else the verifiers environment of that id."""
     if cfg.name == "reverse_text":
         return ReverseTextEnv(seed=cfg.seed, num_eval_examples=cfg.num_eval_examples, args=cfg.args)
+    if cfg.name == "number_list":
+        return NumberListEnv(seed=cfg.seed, num_eval_examples=cfg.num_eval_examples, args=cfg.args)
     api, installed = verifiers_api()
     if api is None:
         raise ValueError(

@@ -1,0 +1,126 @@
+"""The built-in number-list task: seeded splits, the item-LCS reward on bad output, SFT data, rollouts."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from prime_spmd.config.sections import DataConfig, EnvConfig
+from prime_spmd.data.number_list import (
+    NumberListTask,
+    item_lcs_ratio,
+    lcs_length,
+    number_list_example,
+    parse_items,
+)
+from prime_spmd.data.sft import SFTDataset
+from prime_spmd.envs.base import completion_text
+from prime_spmd.envs.loader import BUILTINS, load_environment
+from prime_spmd.envs.number_list import NumberListEnv
+from prime_spmd.inference.engine import SamplingParams
+from prime_spmd.inference.native import NativeEngine
+from prime_spmd.models.tiny import build_tiny_model
+
+ARGS = {"min_items": "3", "max_items": "9", "min_digits": "1", "max_digits": "3", "transform": "mixed"}
+
+
+def test_examples_are_seeded_split_and_in_range():
+    assert "number_list" in BUILTINS
+    env = load_environment(EnvConfig(name="number_list", args=ARGS, seed=1, num_eval_examples=40))
+    ex = [env.example("eval", i) for i in range(40)]
+    assert ex == [NumberListEnv(seed=1, num_eval_examples=40, args=ARGS).example("eval", i) for i in range(40)]
+    assert ex != [NumberListEnv(seed=2, num_eval_examples=40, args=ARGS).example("eval", i) for i in range(40)]
+    assert [env.example("train", i) for i in range(40)] != ex  # held-out: another stream
+    seen = set()
+    for e in ex:
+        text = e["prompt"][0]["content"]
+        transform, _, body = text.partition(": ")
+        items = [int(x) for x in body.split(" ")]
+        assert 3 <= len(items) <= 9 and all(0 <= x <= 999 for x in items)
+        want = items[::-1] if transform == "reverse" else sorted(items)
+        assert e["answer"] == " ".join(map(str, want))
+        seen.add(transform)
+    assert seen == {"reverse", "sort"}  # mixed: both, named in the prompt
+    lengths = {len(e["answer"]) for e in ex}
+    assert len(lengths) > 5  # the answer's length follows the prompt's
+    with pytest.raises(ValueError, match="eval example 40 out of range"):
+        env.example("eval", 40)
+
+
+def test_bad_args_name_the_flag():
+    with pytest.raises(ValueError, match="--env.args: unknown keys"):
+        NumberListEnv(args={"max_len": "3"})
+    with pytest.raises(ValueError, match="--env.args: min_items must be an integer"):
+        NumberListEnv(args={"min_items": "x"})
+    with pytest.raises(ValueError, match="--env.args: .*min_items <= max_items"):
+        NumberListEnv(args={"min_items": "9", "max_items": "3"})
+    with pytest.raises(ValueError, match="transform 'shuffle'"):
+        NumberListEnv(args={"transform": "shuffle"})
+    with pytest.raises(ValueError, match="sep"):
+        NumberListEnv(args={"sep": "0"})
+
+
+def test_reward_gives_partial_credit_and_never_raises():
+    assert item_lcs_ratio("3 2 1", "3 2 1") == 1.0
+    assert item_lcs_ratio("3 2 1", "3, 2, 1.") == 1.0  # other separators parse
+    assert item_lcs_ratio("3 2 1", "3 2") == pytest.approx(2 * 2 / 5)  # a missing item
+    assert item_lcs_ratio("3 2 1", "3 2 1 1 1") == pytest.approx(2 * 3 / 8)  # extra items cost too
+    assert item_lcs_ratio("3 2 1", "1 2 3") == pytest.approx(2 * 1 / 6)  # the unreversed copy
+    assert item_lcs_ratio("10 20 30", "20 30") > item_lcs_ratio("10 20 30", "30 10 20 99")
+    for bad in ("", "   ", "no numbers", "<|im_end|>", "-", "\x00\n", "1" * 5000 + "x"):
+        r = item_lcs_ratio("3 2 1", bad)
+        assert 0.0 <= r <= 1.0
+    assert item_lcs_ratio("3 2 1", "") == item_lcs_ratio("3 2 1", "abc") == 0.0
+    assert parse_items("a-12b 7,,08 -0 00") == ["-12", "7", "8", "0", "0"]
+    rng = random.Random(0)
+
+    def lcs_table(a: list[int], b: list[int]) -> int:
+        prev = [0] * (len(b) + 1)
+        for x in a:
+            cur = [0]
+            for j, y in enumerate(b):
+                cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
+            prev = cur
+        return prev[-1]
+
+    for _ in range(500):  # the bit-parallel LCS against the O(n m) table
+        a = [rng.randint(0, 4) for _ in range(rng.randint(0, 25))]
+        b = [rng.randint(0, 4) for _ in range(rng.randint(0, 25))]
+        assert lcs_length(a, b) == lcs_table(a, b)
+
+
+def test_sft_data_is_the_envs_train_split(tmp_path):
+    tok = AutoTokenizer.from_pretrained(build_tiny_model(tmp_path / "m", "qwen3-nano"))
+    ds = SFTDataset(DataConfig(source="number_list", args=ARGS), tok, seed=1, seq_len=128)
+    env = NumberListEnv(seed=1, args=ARGS)
+    for i in range(5):
+        prompt, completion = ds.example("train", i)
+        assert prompt == env.example("train", i)["prompt"] and completion == env.example("train", i)["answer"]
+    batch = ds.batch(step=2, batch_size=4)
+    assert len(batch) == 4 and batch == SFTDataset(DataConfig(source="number_list", args=ARGS), tok, 1, 128).batch(2, 4)
+    s = batch[0]
+    answer = env.example("train", 8)["answer"]
+    assert tok.decode([t for t, m in zip(s.input_ids, s.loss_mask) if m], skip_special_tokens=True) == answer
+    with pytest.raises(ValueError, match="--data.args: unknown keys"):
+        SFTDataset(DataConfig(source="number_list", args={"alphabet": "ab"}), tok, seed=1, seq_len=128)
+
+
+def test_run_groups_scores_completions(tmp_path):
+    path = build_tiny_model(tmp_path / "m", "qwen3-nano", seed=0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(path)
+    eng = NativeEngine(model, tok, max_batch_size=4, max_model_len=96, device="cpu")
+    env = NumberListEnv(seed=0, num_eval_examples=3, args={"min_items": "2", "max_items": "4"})
+    sp = SamplingParams(temperature=1.0, max_tokens=10)
+    groups = env.run_groups(eng, "eval", [0, 2], group_size=2, sampling=sp, seed=5)
+    assert [[r.example_id for r in g] for g in groups] == [[0, 0], [2, 2]]
+    for g in groups:
+        for r in g:
+            r.validate()
+            assert r.reward == item_lcs_ratio(r.info["answer"], completion_text(tok, r.completion_ids))
+    again = env.run_groups(eng, "eval", [2], group_size=2, sampling=sp, seed=5)
+    assert [r.completion_ids for r in again[0]] == [r.completion_ids for r in groups[1]]
+    assert number_list_example(random.Random(0), NumberListTask(min_items=1, max_items=1))[0].startswith("reverse: ")
