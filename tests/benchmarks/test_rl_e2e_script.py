@@ -21,7 +21,7 @@ def test_rl_e2e_runs_our_sides_and_writes_results(tmp_path) -> None:
     out = tmp_path / "out"
     cmd = [sys.executable, str(ROOT / "benchmarks/rl_e2e.py"), "--device", "cpu", "--sft-model", str(model),
            "--out", str(out), "--sides", "ours0,ours1,trl", "--steps", "5", "--warmup", "1", "--prompts", "2",
-           "--group-size", "2", "--max-tokens", "4", "--no-eval"]  # fmt: skip
+           "--group-size", "2", "--max-tokens", "4", "--no-eval", "--eval-interval", "2", "--eval-examples", "4"]  # fmt: skip
     subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=300)
     res = json.loads((out / "results.json").read_text())
     sides = [s["side"] for s in res["summary"]]
@@ -31,14 +31,30 @@ def test_rl_e2e_runs_our_sides_and_writes_results(tmp_path) -> None:
         assert s["rc"] == 0 and s["steady_steps"] == [1, 3 - k] and s["steps_timed"] == 3 - k, s
         assert s["samples_per_s"] == pytest.approx(4 / s["step_time_s"])
         assert s["forward_tokens_per_train_s"] > 0
-        assert 0 <= s["mismatch_kl_step0"] < 1e-6  # fp32 on CPU: engine and trainer logprobs agree
+        # fp32 on CPU: engine and trainer logprobs agree; the summary holds what metrics.jsonl holds
+        assert k == 1 or 0 <= s["mismatch_kl_mean"] < 1e-6  # k = 1: steps at lag 1 differ
+        rows = [json.loads(x) for x in (out / f"ours_k{k}_r0" / "metrics.jsonl").read_text().splitlines()]
+        assert s["mismatch_kl_step0"] == rows[0]["mismatch_kl"] and rows[0]["step"] == 0
+        # in-run held-out evals of w_0, w_2, w_4, w_5 (the final weights), on a clock since launch
+        assert [e["step"] for e in res["runs"][k]["evals"]] == [0, 2, 4, 5]
+        clocks = [e["clock_s"] for e in res["runs"][k]["evals"]]
+        assert (
+            clocks == sorted(clocks)
+            and 0 < clocks[0]
+            and s["heldout_margin"]
+            == pytest.approx(res["runs"][k]["evals"][-1]["reward"] - res["runs"][k]["evals"][0]["reward"])
+        )
+        st = s["startup"]  # the start-up spans of --timed-child, before the first step
+        assert 0 < st["imports_done_s"] < st["engine_build_starts_at_s"] < st["time_to_first_step_s"]
         # whole run: every step (the warm-up included), and the subprocess's wall time around them
         run = res["runs"][k]
         assert s["steps_done"] == 5 and s["all_steps_s"] == pytest.approx(sum(r["step_time_s"] for r in run["steps"]))
         assert s["samples_per_wall_s"] == pytest.approx(20 / s["wall_s"]) and s["wall_s"] > s["all_steps_s"]
+        assert s["samples_per_wall_s_excl_eval"] > s["samples_per_wall_s"]
     assert set(res["ratios"]) == {"steady", "whole_run"} and res["ratios"]["steady"]["vs_trl"] == {}
     runs = {r["side"]: r for r in res["runs"]}
     assert [r["policy_lag_mean"] for r in runs["prime-spmd max_async 1"]["steps"]] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert set(res["learning"]) == {"prime-spmd max_async 0", "prime-spmd max_async 1"}
     assert res["meta"]["num_params"] > 0 and (out / "reward.png").is_file() and (out / "throughput.png").is_file()
 
 
@@ -53,7 +69,7 @@ def test_real_shape_model_has_the_qwen3_tokenizer(tmp_path) -> None:
     tok = AutoTokenizer.from_pretrained(str(path))
     cfg = AutoConfig.from_pretrained(str(path))
     assert cfg.vocab_size == 151_936 and cfg.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
-    digits = TASKS["digits"]["alphabet"]
+    digits = TASKS["reverse_text"][1]["args"]["alphabet"]
     assert len(tok(digits * 2)["input_ids"]) == 20  # one token per digit: the task can be learned from scratch
 
 
