@@ -3,7 +3,7 @@
 #   bash scripts/gpu_wheels.sh          # once, on a machine with network: wheels and the Qwen3 tokenizer in .whl/
 #   bash benchmarks/gpu_suite.sh PART OUTDIR
 # PART: tests | engine | prefill | loss | moe | train_step | weight_sync | env_bridge | engine_warmup | rl_e2e | scale
-#       | scale_large
+#       | scale_large | learning
 # Each step has its own time limit, so that one slow step does not lose the others' results.
 set -uo pipefail
 PART=$1; OUT=${2:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -67,6 +67,20 @@ case $PART in
     kill "$copier" 2> /dev/null
     cp "$R/results.json" "$R"/*.png "$OUT/rl_e2e/" 2> /dev/null
     for d in "$R"/ours_k*_r0; do cp "$d/metrics.jsonl" "$OUT/rl_e2e/$(basename "$d")_metrics.jsonl" 2> /dev/null; done ;;
+  learning)  # number_list at the 0.6B shape (real tokenizer): SFT from scratch, then RL ours k=0/1 (and TRL if the
+    # budget leaves room) with held-out evals every 5 steps against wall-clock time; 20-200 items of 1-3 digits,
+    # up to 832 new tokens. SEEDS=0,1 for the spread (a second run of this part); SFT_STEPS sets the start reward.
+    R=/tmp/learning_out; rm -rf "$R"; mkdir -p "$R" "$OUT/learning"
+    (while true; do cp "$R/results.json" "$OUT/learning/" 2> /dev/null; sleep 5; done) & copier=$!
+    run learning 565 python3 benchmarks/rl_e2e.py --device cuda --task number_list --shape qwen3-0.6b --out "$R" \
+      --trl-python python3 --sides ours0,ours1,trl --seeds "${SEEDS:-0}" --tokenizer-files .whl/qwen3-tokenizer \
+      --sft-steps "${SFT_STEPS:-150}" --sft-batch 64 --sft-warmup-steps 20 --sft-limit-s 150 \
+      --steps 24 --warmup 3 --prompts 16 --group-size 8 --max-tokens 832 --lr 1e-5 --micro-batch-tokens 32768 \
+      --ours-flag=--rollout.std_normalize --eval-interval 6 --eval-examples 32 --eval-samples 2 --no-eval \
+      --rl-limit-s 150 --budget-s 550 --compile-cache /tmp/rl_e2e_compile_cache
+    kill "$copier" 2> /dev/null
+    cp "$R/results.json" "$R"/*.png "$R"/*.log "$OUT/learning/" 2> /dev/null
+    for d in "$R"/ours_k*_r*; do cp "$d/metrics.jsonl" "$OUT/learning/$(basename "$d")_metrics.jsonl" 2> /dev/null; done ;;
   scale|scale_large)  # colocated RL at real shapes from random bf16 weights (speed and memory; rewards mean nothing):
     # 8 prompts x 8 samples, 256 new tokens a sample (a random model never stops early), 6 steps, rates from step 2;
     # every group trains (all rewards are 0: --rollout.no_drop_zero_advantage_groups keeps them in the step)
