@@ -306,8 +306,8 @@ class NativeEngineConfig:
     """CUDA: launch the decode step's Triton kernels (decode linears, triton_qkv attention, the step's glue) with programmatic dependent launch, so each one's launch overlaps the previous one's tail (kernels/pdl; one-row GEMVs load their weights before the wait: H200, Qwen3-0.6B, batch 1: 1,331 vs 1,225 tok/s without, commit 3836786). Ignored elsewhere."""
     prefill: Literal["auto", "layer_fn", "modules"] = "auto"
     """Prefill path: layer_fn (one pure layer function over packed QKV and gate/up weights; compiled on CUDA, where the module path is ~50 kernels a layer; any device, ValueError for models other than dense Llama-style ones) or modules (the model's own modules). auto: layer_fn on CUDA for dense Llama-style models, else modules. H100, Qwen3-0.6B, batch 1: +1.4% tok/s; mismatch KL at 64 rows 3.52e-5 with it, 3.54e-5 without (commit 9715fa2)."""
-    release_kv_cache: bool = True
-    """Colocated RL: free the KV cache's device memory while the trainer steps (it comes back, zeroed, at the next generation; CUDA graphs are recaptured only if it comes back at another address)."""
+    release_kv_cache: bool = False
+    """Colocated RL: free the KV cache's device memory while the trainer steps; it is allocated anew, zeroed, at the next generation, and the decode CUDA graphs that held its addresses are recaptured as their buckets come up (docs/memory.md)."""
     decode_steps_per_launch: int = 0
     """Decode steps one launch (CUDA-graph replay) runs for row buckets of <= 16 rows while no request waits for admission and every row has room for them; the host's per-launch work and the gap between replays are paid once for them. 0: auto (4 with CUDA graphs, else 1)."""
 
@@ -360,7 +360,7 @@ class InferenceConfig:
 @dataclass(kw_only=True, slots=True)
 class EnvConfig:
     name: str = "reverse_text"
-    """Built-in name (reverse_text), or a verifiers env: installed id, pkg.module:function or path/to/env.py."""
+    """Built-in name (reverse_text, number_list), or a verifiers env: installed id, pkg.module:function or path/to/env.py."""
     args: dict[str, str] = field(default_factory=dict)
     """Keyword arguments for the environment's loader."""
     num_eval_examples: int = 64
