@@ -83,9 +83,11 @@ case $PART in
     for d in "$R"/ours_k*_r*; do cp "$d/metrics.jsonl" "$OUT/learning/$(basename "$d")_metrics.jsonl" 2> /dev/null; done ;;
   scale|scale_large)  # colocated RL at real shapes from random bf16 weights (speed and memory; rewards mean nothing):
     # 8 prompts x 8 samples, 256 new tokens a sample (a random model never stops early), 6 steps, rates from step 2;
-    # every group trains (all rewards are 0: --rollout.no_drop_zero_advantage_groups keeps them in the step)
+    # random weights score 0: benchmarks/speed_advantages.py gives every group nonzero advantages, so every step runs
+    # the whole backward and optimizer update
     S="python3 benchmarks/rl_e2e.py --device cuda --no-sft --sides ours0 --no-eval --tokenizer-files .whl/qwen3-tokenizer
-       --steps 6 --warmup 2 --prompts 8 --group-size 8 --max-tokens 256 --lr 1e-6 --rl-limit-s 240 --budget-s 260 --ours-flag=--rollout.no_drop_zero_advantage_groups"
+       --steps 6 --warmup 2 --prompts 8 --group-size 8 --max-tokens 256 --lr 1e-6 --rl-limit-s 240 --budget-s 260 --ours-flag=--rollout.advantage
+       --ours-flag=benchmarks/speed_advantages.py:alternating"
     scale() { local name=$1; shift; run "$name" 270 $S --out "/tmp/$name" "$@"; cp "/tmp/$name/results.json" "$OUT/$name.json" 2> /dev/null
       cp /tmp/"$name"/ours_k0_r0/metrics.jsonl "$OUT/${name}_metrics.jsonl" 2> /dev/null
       cp /tmp/"$name"/*.log "$OUT/" 2> /dev/null; rm -rf "/tmp/$name"; }

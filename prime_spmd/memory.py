@@ -110,7 +110,7 @@ def estimate(
     kv_cache_tokens: int,
     micro_batch_tokens: int,
     activation_checkpointing: bool,
-    release_kv_cache: bool = True,
+    release_kv_cache: bool = False,
     param_bytes: int = 2,
 ) -> MemoryPlan:
     """Peak device bytes of a colocated run, by part.

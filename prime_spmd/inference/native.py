@@ -181,8 +181,8 @@ class NativeEngine(InferenceEngine):
         """LoRA weight updates: the base weights and pending adapters (``load_lora_weights``)."""
         self._lora_base = lora_base or {}
         """Colocated: the trainer's frozen W0 of each adapted weight, merged into in place of a clone of ours."""
-        self._released: tuple[int, ...] | None = None
-        """The KV tensors' addresses while their memory is released (``release_memory``), else None."""
+        self._released: tuple[torch.Size, torch.dtype] | None = None
+        """The KV tensors' shape and dtype while their memory is released (``release_memory``), else None."""
 
     # ---- interface -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -221,32 +221,29 @@ class NativeEngine(InferenceEngine):
         return bool(self.sched.waiting or self.sched.running or self._pending)
 
     def release_memory(self) -> int:
-        """Free the KV cache's device memory until the next generation (colocated: while the trainer steps, it can
-        use it); the cache tensors stay, with empty storage. Only between generations (nothing admitted or running).
-        The next ``step`` re-allocates it zeroed; CUDA graphs captured against other addresses are dropped then and
-        recaptured at first use. Returns the bytes released."""
+        """Free the KV cache's device memory until the next generation (colocated, ``--inference.native.
+        release_kv_cache``: while the trainer steps, it can use it). Only between generations (nothing admitted or
+        running). The cache's tensors are dropped with the CUDA graphs that hold their addresses; the next ``step``
+        allocates them anew, zeroed, and graphs are recaptured as buckets come up. Returns the bytes released."""
         cache = self.runner.cache
         if cache is None or self._released is not None:
             return 0
         assert not self.has_unfinished(), "release_memory with requests in flight"
-        kv = (cache.k, cache.v)
-        self._released = tuple(t.data_ptr() for t in kv)
-        freed = sum(t.untyped_storage().nbytes() for t in kv)
-        for t in kv:
-            t.untyped_storage().resize_(0)
+        freed = cache.nbytes_allocated()
+        self._released = (cache.k.shape, cache.k.dtype)
+        cache.k = cache.v = None
+        self._graphs.clear()
+        self._prefill_graphs = PrefillGraphs(
+            self._graph_pool, self.runner.prefill, self.max_batch_size, self.vocab_size
+        )
         return freed
 
     def _restore_memory(self) -> None:
+        shape, dtype = self._released
         cache = self.runner.cache
-        kv = (cache.k, cache.v)
-        for t in kv:
-            t.untyped_storage().resize_(t.numel() * t.element_size())
-            t.zero_()  # as built: positions past a row's length are read (masked) by the bucketed attention
-        if tuple(t.data_ptr() for t in kv) != self._released:
-            self._graphs.clear()
-            self._prefill_graphs = PrefillGraphs(
-                self._graph_pool, self.runner.prefill, self.max_batch_size, self.vocab_size
-            )
+        # zeroed as built: positions past a row's length are read (and masked) by the bucketed attention
+        cache.k = torch.zeros(shape, dtype=dtype, device=self.device)
+        cache.v = torch.zeros(shape, dtype=dtype, device=self.device)
         self._released = None
 
     def step(self) -> list[Completion]:

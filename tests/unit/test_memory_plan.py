@@ -27,7 +27,7 @@ def _shape() -> memory.ModelShape:  # the Qwen3-4B shape's counts
 
 
 def test_plan_parts_and_offload() -> None:
-    kw = dict(kv_cache_tokens=65536, micro_batch_tokens=8192, activation_checkpointing=True)
+    kw = dict(kv_cache_tokens=65536, micro_batch_tokens=8192, activation_checkpointing=True, release_kv_cache=True)
     full = memory.estimate(_shape(), num_trainable=4_022_468_096, lora=False, offload="none", share_weights=True, **kw)
     n = 4_022_468_096
     assert full.parts["trained weights (fp32)"] == 4 * n and full.parts["AdamW moments"] == 8 * n
@@ -37,7 +37,7 @@ def test_plan_parts_and_offload() -> None:
     resident = sum(full.parts.values())
     assert full.total == resident + max(full.generate["KV cache"], sum(full.train.values()))
     kept = memory.estimate(
-        _shape(), num_trainable=n, lora=False, offload="none", share_weights=True, release_kv_cache=False, **kw
+        _shape(), num_trainable=n, lora=False, offload="none", share_weights=True, **kw | {"release_kv_cache": False}
     )
     assert kept.total == full.total + full.generate["KV cache"]
     off = memory.estimate(_shape(), num_trainable=n, lora=False, offload="optimizer", share_weights=True, **kw)

@@ -477,8 +477,8 @@ def test_step_helpers_match_the_eager_ops(model_dir, device):
 
 @pytest.mark.parametrize("kv_cache", ["slot", "paged"])
 def test_released_kv_cache_comes_back_for_the_next_generation(model_dir, device, kv_cache):
-    """release_memory (colocated: while the trainer steps) frees the KV storage; the next generation restores it,
-    zeroed, and samples exactly what an engine that never released it samples (CUDA: graphs replay or recapture)."""
+    """release_memory (colocated: while the trainer steps) drops the KV cache and the graphs holding its addresses;
+    the next generation allocates it anew and samples what an engine that never released it samples."""
     sp = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
     eng, _, tok = _engine(model_dir, device, max_batch_size=4, kv_cache=kv_cache)
     ref, _, _ = _engine(model_dir, device, max_batch_size=4, kv_cache=kv_cache)
@@ -486,7 +486,9 @@ def test_released_kv_cache_comes_back_for_the_next_generation(model_dir, device,
         want = ref.generate(_reqs(tok, sp, seed0=seed))
         got = eng.generate(_reqs(tok, sp, seed0=seed))
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
-        assert [o.logprobs for o in got] == [o.logprobs for o in want]
+        for a, b in zip(got, want):  # CUDA: recaptured graphs; measured 2.4e-6 (H200, 2026-12-06)
+            torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=LOGPROB_ATOL[device.type])
         cache = eng.runner.cache
-        assert eng.release_memory() == 2 * cache.k.numel() * cache.k.element_size() > 0
-        assert cache.k.untyped_storage().nbytes() == 0 and eng.release_memory() == 0  # released once
+        kv_bytes = 2 * cache.k.numel() * cache.k.element_size()
+        assert eng.release_memory() == kv_bytes > 0
+        assert cache.k is None and eng.release_memory() == 0  # released once
