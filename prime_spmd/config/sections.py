@@ -303,9 +303,9 @@ class NativeEngineConfig:
     kv_cache_tokens: int = 0
     """Paged KV cache: pool size in tokens (0: max_batch_size x max_model_len, the slot cache's memory); smaller bounds KV memory, admission then waits for free blocks."""
     pdl: bool = True
-    """CUDA: launch the decode step's Triton kernels (decode linears, triton_qkv attention, the step's glue) with programmatic dependent launch, so each one's launch overlaps the previous one's tail (kernels/pdl; one-row GEMVs load their weights before the wait: H200, Qwen3-0.6B, batch 1: 1,331 vs 1,225 tok/s without, commit 3836786). Ignored elsewhere."""
+    """CUDA: launch the decode step's Triton kernels (decode linears, triton_qkv attention, the step's glue) with programmatic dependent launch, so each one's launch overlaps the previous one's tail (kernels/pdl; one-row GEMVs load their weights before the wait; measured in docs/benchmarks.md). Ignored elsewhere."""
     prefill: Literal["auto", "layer_fn", "modules"] = "auto"
-    """Prefill path: layer_fn (one pure layer function over packed QKV and gate/up weights; compiled on CUDA, where the module path is ~50 kernels a layer; any device, ValueError for models other than dense Llama-style ones) or modules (the model's own modules). auto: layer_fn on CUDA for dense Llama-style models, else modules. H100, Qwen3-0.6B, batch 1: +1.4% tok/s; mismatch KL at 64 rows 3.52e-5 with it, 3.54e-5 without (commit 9715fa2)."""
+    """Prefill path: layer_fn (one pure layer function over packed QKV and gate/up weights; compiled on CUDA, where the module path is ~50 kernels a layer; any device, ValueError for models other than dense Llama-style ones) or modules (the model's own modules). auto: layer_fn on CUDA for dense Llama-style models, else modules (faster at batch 1, the same mismatch KL: docs/benchmarks.md)."""
     release_kv_cache: bool = False
     """Colocated RL: free the KV cache's device memory while the trainer steps; it is allocated anew, zeroed, at the next generation, and the decode CUDA graphs that held its addresses are recaptured as their buckets come up (docs/memory.md)."""
     decode_steps_per_launch: int = 0
