@@ -60,6 +60,7 @@ import torch.distributed as dist
 
 from prime_spmd.inference.engine import Completion, InferenceEngine, Request, SamplingParams
 from prime_spmd.inference.vllm_lora import AdapterUpdates, lora_llm_kwargs
+from prime_spmd.inference.vllm_weights import normalize_weights, reprocess_tied_layers
 from prime_spmd.log import logger
 from prime_spmd.models.loading import check_model_dir, load_tokenizer, resolve_dtype
 
@@ -77,10 +78,6 @@ WORKER_EXTENSION = "prime_spmd.inference.vllm_engine.WeightLoadExtension"
 CPU_KV_CACHE_GIB = "1"
 """``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache) set on CPU unless the environment sets it: vLLM's CPU
 worker otherwise reserves ``gpu_memory_utilization`` of the host's RAM and profiles a warm-up pass."""
-
-# Prefixes that torch wrappers put in front of HF parameter names (torch.compile, activation
-# checkpointing, FSDP1, DDP). vLLM's ``load_weights`` expects the checkpoint's own names.
-_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "module.")
 
 
 def import_vllm() -> Any:
@@ -195,34 +192,6 @@ def to_completion(request: Request, output: Any, tokenizer: Any) -> Completion:
     )
 
 
-def normalize_weight_name(name: str) -> str:
-    """The HF checkpoint name of a parameter: wrapper prefixes (compile, checkpointing, DDP) removed.
-
-    vLLM's ``model.load_weights`` maps HF names onto its fused parameters itself (q/k/v -> qkv_proj,
-    gate/up -> gate_up_proj, tied lm_head skipped), so no other mapping happens here.
-    """
-    changed = True
-    while changed:
-        changed = False
-        for prefix in _WRAPPER_PREFIXES:
-            if name.startswith(prefix):
-                name, changed = name[len(prefix) :], True
-        name = name.replace("._orig_mod.", ".").replace("._checkpoint_wrapped_module.", ".")
-    return name
-
-
-def normalize_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Lazily apply ``normalize_weight_name`` to (name, tensor) pairs and copy each tensor.
-
-    The copy is needed: during a layerwise reload vLLM keeps the tensors of a layer whose weights
-    are not all loaded yet until the rest arrive, and our weight receiver reuses one staging buffer
-    for every bucket (a layer's weights may span two buckets). Peak extra memory: one bucket plus
-    the pending weights of the layers cut by bucket boundaries.
-    """
-    for name, tensor in weights:
-        yield normalize_weight_name(name), tensor.detach().clone()
-
-
 def parallel_layout(tp: int, world_size: int | None) -> tuple[int, bool]:
     """(data_parallel_size, external_launcher) for ``tp`` ranks per engine in a default group of
     ``world_size`` ranks (None: torch.distributed not initialized, a world of one)."""
@@ -333,40 +302,6 @@ class WeightLoadExtension:
         with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
             finalize_layerwise_reload(model, self.model_config)  # type: ignore[attr-defined]
             reprocess_tied_layers(model)
-
-
-def reprocess_tied_layers(model: torch.nn.Module) -> list[str]:
-    """Re-run weight processing of every layer whose weight is shared with another layer; return their names.
-
-    vLLM 0.32's layerwise reload processes a tied weight only through the layer that owns it
-    (vllm/model_executor/model_loader/reload/__init__.py, "Limitations" 2): with tied embeddings the
-    new values reach ``embed_tokens.weight`` (and so the shared ``lm_head.weight``), but the state the
-    lm_head's quant method derived from it at start-up stays old. On the CPU build that state is a
-    packed GEMM handle (``dispatch_cpu_unquantized_gemm``), so the lm_head kept computing logits with
-    the initial weights: mismatch KL 0.15 after an update of a tiny Qwen3, measured 2026-12-03. On
-    CUDA the unquantized embedding method derives nothing and this is a no-op.
-    """
-    # Only the unquantized embedding method: its processing reads the (already reloaded) weight and
-    # derives the GEMM handle again. A quantized method's processing is not idempotent on its output.
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-
-    owners: dict[int, list[tuple[str, torch.nn.Module]]] = {}
-    for name, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        if (
-            isinstance(weight, torch.Tensor)
-            and weight.numel() > 0
-            and isinstance(getattr(module, "quant_method", None), UnquantizedEmbeddingMethod)
-        ):
-            owners.setdefault(weight.data_ptr(), []).append((name, module))
-    done = []
-    for group in owners.values():
-        if len(group) < 2:
-            continue
-        for name, module in group:
-            module.quant_method.process_weights_after_loading(module)
-            done.append(name)
-    return done
 
 
 @contextlib.contextmanager

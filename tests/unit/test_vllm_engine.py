@@ -25,12 +25,12 @@ from prime_spmd.inference.vllm_engine import (
     build_llm_kwargs,
     import_vllm,
     map_finish_reason,
-    normalize_weight_name,
     parallel_layout,
     sampled_logprobs,
     to_completion,
     vllm_sampling_kwargs,
 )
+from prime_spmd.inference.vllm_weights import normalize_weight_name
 from prime_spmd.models.tiny import build_char_tokenizer
 
 # ------------------------------------------------ plain data with vLLM 0.32.0's attribute names
@@ -327,7 +327,7 @@ def test_a_bucketed_update_is_one_layerwise_reload_closed_by_the_next_generate()
 
 
 def test_normalize_weights_copies_so_the_caller_may_reuse_its_buffer():
-    from prime_spmd.inference.vllm_engine import normalize_weights
+    from prime_spmd.inference.vllm_weights import normalize_weights
 
     stage = torch.arange(6.0)
     ((name, t),) = normalize_weights([("_orig_mod.model.norm.weight", stage[:3])])

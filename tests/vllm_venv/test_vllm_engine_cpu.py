@@ -112,7 +112,7 @@ def test_bucketed_weight_update_reaches_vllm(setup):
     kl, dmax, _ = _mismatch_kl(eng, trainer, prompts)  # same prompts as before: the prefix cache was reset
     # The update took effect: before it the engine is far from the new weights (measured KL 2.6), after
     # it matches them (measured |KL| 1e-9, max |dlogp| 1.4e-5; 2026-12-03). Without the tied-lm_head
-    # re-processing (vllm_engine.reprocess_tied_layers) this fails with KL 0.10.
+    # re-processing (vllm_weights.reprocess_tied_layers) this fails with KL 0.10.
     print(f"update: KL vs the new weights before {stale_kl:.2e}, after {kl:.2e} (max |dlogp| {dmax:.2e})")
     assert stale_kl > 1e-2, stale_kl
     assert kl < 1e-3, (kl, dmax, stale_kl)
