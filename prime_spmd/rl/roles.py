@@ -34,9 +34,11 @@ from prime_spmd.rl.types import Batch, EvalShare
 from prime_spmd.sync.weights import WeightSender
 
 
-class Colocated:
-    """Every rank trains and runs its own engine: weights are copied in-process, each rank generates its share
-    of a batch and the controller gathers the shares over the default group. No bridges, no stop/go keys."""
+class _RoleState:
+    """What both roles hold: the job config, the rank's dist context and topology, the environments, this
+    rank's engine (colocated; None when disjoint), the weight sender, and the eval results not yet logged."""
+
+    runs_engine: bool  # whether a trainer rank of this mode runs its own engine
 
     def __init__(
         self,
@@ -46,9 +48,17 @@ class Colocated:
         engine: InferenceEngine | None,
         sender: WeightSender,
     ) -> None:
-        assert engine is not None, "colocated: every rank runs an engine"
-        self.cfg, self.ctx, self.envs, self.engine, self.sender = cfg, ctx, envs, engine, sender
+        assert (engine is not None) == self.runs_engine, f"{ctx.topo.mode}: engine on a trainer rank is {engine}"
+        self.cfg, self.ctx, self.envs, self.engine, self.sender, self.topo = cfg, ctx, envs, engine, sender, ctx.topo
         self.evals: list[EvalShare] = []
+
+
+class Colocated(_RoleState):
+    """Every rank trains and runs its own engine: weights are copied in-process, each rank generates its share
+    of a batch and the controller gathers the shares over the default group. No bridges, no stop/go keys."""
+
+    runs_engine = True
+    engine: InferenceEngine
 
     def start(self) -> None:
         """Nothing to send before the first sync: the engine is in this process."""
@@ -63,7 +73,7 @@ class Colocated:
         from it); the controller gathers the shares into ``buffer`` (collectives over the default group).
         Returns the seconds it took."""
         t0 = time.perf_counter()
-        topo = self.ctx.topo
+        topo = self.topo
         box = [plan]
         dist.broadcast_object_list(box, src=CONTROLLER_RANK)
         share = generate_share(self.cfg, self.envs, self.engine, b, version, topo.rank, topo.world_size, box[0])
@@ -81,7 +91,7 @@ class Colocated:
         older weights; collective over the trainer ranks); the controller appends the result to ``evals``.
         Returns the seconds it took."""
         t0 = time.perf_counter()
-        topo = self.ctx.topo
+        topo = self.topo
         if self.engine.weights_version != version:
             self.sync_weights(version)
         share = eval_share(self.cfg, self.envs, self.engine, version, topo.rank, topo.world_size)
@@ -102,21 +112,11 @@ class Colocated:
         """No inference rank waits for the go/stop key."""
 
 
-class Disjoint:
+class Disjoint(_RoleState):
     """Trainer ranks and inference ranks are different processes: weights go over the weight bridge, batches
     come from the engine leaders over the data bridge, and the controller runs the stop/go protocol."""
 
-    def __init__(
-        self,
-        cfg: RLJobConfig,
-        ctx: DistContext,
-        envs: list[EnvSlot],
-        engine: InferenceEngine | None,
-        sender: WeightSender,
-    ) -> None:
-        assert engine is None, "disjoint: trainer ranks run no engine"
-        self.ctx, self.sender, self.topo = ctx, sender, ctx.topo
-        self.evals: list[EvalShare] = []
+    runs_engine = False
 
     def start(self) -> None:
         """The controller sends the weight spec once; every inference rank builds its ``WeightReceiver`` from it."""
