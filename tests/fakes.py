@@ -28,6 +28,30 @@ class QueueBridge:
             self.sent.append(tensor.detach().clone())
 
 
+class WeightHoldingEngine(InferenceEngine):
+    """Holds the tensors a weight sync loads (``loaded``, copied); generates nothing."""
+
+    tokenizer = None
+
+    def __init__(self) -> None:
+        self.loaded: dict[str, torch.Tensor] = {}
+
+    def add_request(self, request: Request) -> None:
+        raise NotImplementedError
+
+    def step(self) -> list[Completion]:
+        return []
+
+    def has_unfinished(self) -> bool:
+        return False
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.loaded.update({n: t.clone() for n, t in weights})
+
+    def reset_cache(self) -> None:
+        pass
+
+
 class FakeStepEngine(InferenceEngine):
     """Continuous-batching fake: each ``step`` admits queued requests and samples one token for each running one.
 

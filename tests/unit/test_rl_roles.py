@@ -10,32 +10,10 @@ import torch.distributed as dist
 from torch import nn
 
 from prime_spmd.config import RLJobConfig
-from prime_spmd.inference.engine import InferenceEngine
 from prime_spmd.rl import stop_go
 from prime_spmd.rl.roles import Colocated, Disjoint, make_role
 from prime_spmd.sync.weights import WeightSender
-
-
-class _Engine(InferenceEngine):
-    tokenizer = None
-
-    def __init__(self) -> None:
-        self.loaded: dict[str, torch.Tensor] = {}
-
-    def add_request(self, request) -> None:
-        raise NotImplementedError
-
-    def step(self) -> list:
-        return []
-
-    def has_unfinished(self) -> bool:
-        return False
-
-    def load_weights(self, weights) -> None:
-        self.loaded.update({n: t.clone() for n, t in weights})
-
-    def reset_cache(self) -> None:
-        pass
+from tests.fakes import WeightHoldingEngine
 
 
 def _ctx(mode: str, is_controller: bool) -> SimpleNamespace:
@@ -52,17 +30,17 @@ def _sender() -> tuple[nn.Module, WeightSender]:
 def test_make_role_picks_the_type_of_the_topology_mode() -> None:
     cfg = RLJobConfig()
     _, sender = _sender()
-    assert isinstance(make_role(cfg, _ctx("colocated", True), None, _Engine(), sender), Colocated)
+    assert isinstance(make_role(cfg, _ctx("colocated", True), None, WeightHoldingEngine(), sender), Colocated)
     assert isinstance(make_role(cfg, _ctx("disjoint", True), None, None, sender), Disjoint)
     with pytest.raises(AssertionError):  # a disjoint trainer rank runs no engine, a colocated one always does
-        make_role(cfg, _ctx("disjoint", True), None, _Engine(), sender)
+        make_role(cfg, _ctx("disjoint", True), None, WeightHoldingEngine(), sender)
     with pytest.raises(AssertionError):
         make_role(cfg, _ctx("colocated", True), None, None, sender)
 
 
 def test_colocated_copies_weights_in_process_and_has_no_stop_go() -> None:
     lm, sender = _sender()
-    engine, ctx = _Engine(), _ctx("colocated", True)
+    engine, ctx = WeightHoldingEngine(), _ctx("colocated", True)
     role = Colocated(RLJobConfig(), ctx, None, engine, sender)
     role.start()
     wait_s, copy_s = role.sync_weights(4)

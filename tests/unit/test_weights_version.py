@@ -18,34 +18,10 @@ from prime_spmd.config import RLJobConfig
 from prime_spmd.config.sections import RLTopologyConfig, SamplingConfig
 from prime_spmd.distributed.groups import Bridge
 from prime_spmd.envs.rollout import Rollout
-from prime_spmd.inference.engine import InferenceEngine
 from prime_spmd.rl import loop as rl_loop
 from prime_spmd.rl.generate import generate_share
 from prime_spmd.sync.weights import WeightReceiver, WeightSender
-
-
-class _Engine(InferenceEngine):
-    """Holds loaded tensors; generates nothing (the env below does not call it)."""
-
-    tokenizer = None
-
-    def __init__(self) -> None:
-        self.loaded: dict[str, torch.Tensor] = {}
-
-    def add_request(self, request) -> None:
-        raise NotImplementedError
-
-    def step(self) -> list:
-        return []
-
-    def has_unfinished(self) -> bool:
-        return False
-
-    def load_weights(self, weights) -> None:
-        self.loaded.update({n: t.clone() for n, t in weights})
-
-    def reset_cache(self) -> None:
-        pass
+from tests.fakes import WeightHoldingEngine
 
 
 def _lm() -> nn.Module:
@@ -54,13 +30,13 @@ def _lm() -> nn.Module:
 
 
 def test_copy_and_broadcast_set_the_engine_version() -> None:
-    lm, engine = _lm(), _Engine()
+    lm, engine = _lm(), WeightHoldingEngine()
     sender = WeightSender(lm, torch.float32, 64, rank=0)  # 64-byte buckets: several per sync
     assert len(sender.buckets) > 1
     sender.copy_to(engine, version=3)
     assert engine.weights_version == 3 and torch.equal(engine.loaded["1.weight"], lm[1].weight)
 
-    store, errors, receiver_engine = dist.HashStore(), [], _Engine()
+    store, errors, receiver_engine = dist.HashStore(), [], WeightHoldingEngine()
 
     def member(rank: int) -> None:
         try:
@@ -107,7 +83,7 @@ class _Env:
 def test_generation_checks_the_engine_version_against_the_schedule() -> None:
     cfg = RLJobConfig()
     cfg.rollout.prompts_per_step, cfg.rollout.max_async, cfg.rollout.group_size = 2, 1, 1
-    engine = _Engine()
+    engine = WeightHoldingEngine()
     engine.weights_version = 2
     batch = generate_share(cfg, _Env(), engine, b=3, version=2, engine_index=0, num_engines=1)
     assert {r.policy_version for g in batch.groups for r in g} == {2}
