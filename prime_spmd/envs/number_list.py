@@ -11,15 +11,12 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from prime_spmd.data.number_list import example_rng, item_lcs_ratio, number_list_example, parse_task_args
-from prime_spmd.envs.base import Environment, completion_text
-from prime_spmd.envs.reverse_text import request_seed
-from prime_spmd.envs.rollout import Rollout
-from prime_spmd.inference.engine import InferenceEngine, Request, SamplingParams
+from prime_spmd.envs.builtin import BuiltinEnv
 
 __all__ = ["NumberListEnv"]
 
 
-class NumberListEnv(Environment):
+class NumberListEnv(BuiltinEnv):
     """``args``: min_items, max_items, min_digits, max_digits, transform (reverse | sort | mixed), sep,
     num_train_examples (the fields of ``NumberListTask``)."""
 
@@ -42,49 +39,5 @@ class NumberListEnv(Environment):
         text, answer = number_list_example(example_rng(self.seed, split, index), self.task)
         return {"prompt": [{"role": "user", "content": text}], "answer": answer, "example_id": index}
 
-    def run_groups(
-        self,
-        engine: InferenceEngine,
-        split: Literal["train", "eval"],
-        example_ids: list[int],
-        group_size: int,
-        sampling: SamplingParams,
-        seed: int,
-        progress: bool = False,
-    ) -> list[list[Rollout]]:
-        """All ``len(example_ids) * group_size`` requests go to the engine in one continuous batch."""
-        examples = [self.example(split, i) for i in example_ids]
-        prompts = [engine.render_chat(ex["prompt"]) for ex in examples]
-        requests = []
-        for ex, prompt in zip(examples, prompts):
-            for j in range(group_size):
-                sp = SamplingParams(**{f: getattr(sampling, f) for f in SamplingParams.__slots__})
-                sp.seed = request_seed(seed, split, ex["example_id"], j)
-                requests.append(Request(prompt_ids=prompt, sampling=sp, request_id=f"{split}/{ex['example_id']}/{j}"))
-        completions = iter(engine.generate(requests, progress=progress))
-        groups = []
-        for ex, prompt in zip(examples, prompts):
-            group = []
-            for j in range(group_size):
-                c = next(completions)
-                text = completion_text(engine.tokenizer, c.token_ids)
-                group.append(
-                    Rollout(
-                        example_id=ex["example_id"],
-                        sample_idx=j,
-                        prompt_ids=list(prompt),
-                        completion_ids=list(c.token_ids),
-                        completion_mask=[1] * len(c.token_ids),
-                        inference_logprobs=list(c.logprobs),
-                        reward=item_lcs_ratio(ex["answer"], text),
-                        metrics={"exact_match": float(text.strip() == ex["answer"])},
-                        info={
-                            "prompt_text": ex["prompt"][0]["content"],
-                            "answer": ex["answer"],
-                            "completion_text": text,
-                            "finish_reason": c.finish_reason,
-                        },
-                    )
-                )
-            groups.append(group)
-        return groups
+    def score(self, answer: str, text: str) -> tuple[float, float]:
+        return item_lcs_ratio(answer, text), float(text.strip() == answer)
