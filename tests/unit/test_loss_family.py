@@ -16,29 +16,7 @@ import torch
 from prime_spmd.config.rl_sections import LossConfig
 from prime_spmd.rl.loss import RLLoss, compute_policy_loss
 from prime_spmd.trainer.packing import Sample, pack
-
-KL = 0.1
-MAX_LOG_RATIO = 2.0
-E2 = math.exp(2.0)
-# fp32 inputs, values O(1): the same tolerance as test_loss_formula.py (measured max |diff| ~1e-7)
-TOL = dict(rtol=1e-5, atol=1e-5)
-
-
-def _check(lp, lq, adv, cfg, rows, **kw) -> None:
-    """rows: (log r before the clamp, masked, pg, d pg / d lp) per token."""
-    lp = torch.tensor(lp).requires_grad_(True)
-    per_tok, masked = compute_policy_loss(lp, torch.tensor(lq), torch.tensor(adv), cfg, **kw)
-    per_tok.sum().backward()
-    want_loss, want_grad = [], []
-    for log_r, _, pg, dpg in rows:
-        clamped = abs(log_r) > MAX_LOG_RATIO
-        log_r = max(-MAX_LOG_RATIO, min(MAX_LOG_RATIO, log_r))
-        want_loss.append(pg + KL * log_r**2)
-        want_grad.append(dpg + (0.0 if clamped else 2 * KL * log_r))
-    assert masked.tolist() == [m for _, m, _, _ in rows]
-    torch.testing.assert_close(per_tok, torch.tensor(want_loss), **TOL)
-    torch.testing.assert_close(lp.grad, torch.tensor(want_grad), **TOL)
-
+from tests.loss_check import KL, MAX_LOG_RATIO, TOL, check_policy_loss
 
 # (p, q, A, masked, pg, d pg / d lp) with ipo_eps 0.3: masked where |p - q| > 0.3, whatever the sign of A
 IPO_ROWS = [
@@ -57,7 +35,7 @@ def test_ipo_masks_by_absolute_probability_change_by_hand() -> None:
     lp = [math.log(p) for p, *_ in IPO_ROWS]
     lq = [math.log(q) for _, q, *_ in IPO_ROWS]
     rows = [(math.log(p / q), m, pg, d) for p, q, _, m, pg, d in IPO_ROWS]
-    _check(lp, lq, [a for _, _, a, *_ in IPO_ROWS], cfg, rows)
+    check_policy_loss(lp, lq, [a for _, _, a, *_ in IPO_ROWS], cfg, rows)
 
 
 # (log r, A, clipped, pg, d pg / d lp) with cispo_clip_low 0.2, cispo_clip_high 0.3: w = sg(clip(r, 0.8, 1.3)),
@@ -77,7 +55,7 @@ def test_cispo_clips_the_weight_and_keeps_the_gradient_by_hand() -> None:
     lq = [math.log(0.4) - 1.0] * len(CISPO_ROWS)
     lp = [q + lr for q, (lr, *_) in zip(lq, CISPO_ROWS)]
     rows = [(lr, m, pg, d) for lr, _, m, pg, d in CISPO_ROWS]
-    _check(lp, lq, [a for _, a, *_ in CISPO_ROWS], cfg, rows)
+    check_policy_loss(lp, lq, [a for _, a, *_ in CISPO_ROWS], cfg, rows)
     # the default cispo_clip_low = 1: no lower clip (w = r = 0.1)
     lp0 = torch.tensor([math.log(0.1)], requires_grad=True)
     per_tok, masked = compute_policy_loss(lp0, torch.zeros(1), torch.tensor([1.0]), LossConfig(type="cispo", kl_coef=0))
@@ -97,15 +75,15 @@ def test_icepop_masks_tokens_outside_the_ratio_band_for_any_type() -> None:
     # dppo with wide deltas (nothing dppo-masked): pg = -A r on the kept tokens
     cfg = LossConfig(type="dppo", prob_delta_high=1.0, prob_delta_low=1.0, **base)
     rows = [(log_rs[0], True, 0, 0), (log_rs[1], False, 0.6, 0.6), (log_rs[2], False, -1.9, -1.9)]
-    _check(lp, lq, adv, cfg, rows + [(log_rs[3], True, 0, 0)])
+    check_policy_loss(lp, lq, adv, cfg, rows + [(log_rs[3], True, 0, 0)])
     # cispo (w = clip(r, 0, 1.28)): the masked tokens lose their gradient too
     cfg = LossConfig(type="cispo", **base)
     rows = [(log_rs[0], True, 0, 0), (log_rs[1], False, 0.6, 0.6), (log_rs[2], True, -1.28, -1.28)]
-    _check(lp, lq, adv, cfg, rows + [(log_rs[3], True, 0, 0)])
+    check_policy_loss(lp, lq, adv, cfg, rows + [(log_rs[3], True, 0, 0)])
     # token_mask none: the same cispo rows, r = 0.4 and 2.5 trained
     cfg = LossConfig(type="cispo", kl_coef=KL, max_log_ratio=MAX_LOG_RATIO)
     rows[0] = (log_rs[0], False, -0.4, -0.4)
-    _check(lp, lq, adv, cfg, rows + [(log_rs[3], True, 1.28, 1.28)])
+    check_policy_loss(lp, lq, adv, cfg, rows + [(log_rs[3], True, 1.28, 1.28)])
 
 
 # gspo, gspo_clip_low 0.1, gspo_clip_high 0.2: s clipped to [0.9, 1.2]. Tokens: (sample, trained, log r, A).
@@ -154,7 +132,7 @@ def test_gspo_sequence_ratio_per_sample_by_hand() -> None:
         extra = dict(token_mask="icepop", mask_ratio_low=0.5, mask_ratio_high=2.0) if icepop else {}
         cfg = LossConfig(type="gspo", gspo_clip_low=0.1, gspo_clip_high=0.2, kl_coef=KL, **extra)
         # the prompt token (mask 0) has a KL value here; RLLoss.token_loss zeroes it with the loss mask
-        _check(lp, lq, adv, cfg, rows, loss_mask=mask, sample_ids=ids)
+        check_policy_loss(lp, lq, adv, cfg, rows, loss_mask=mask, sample_ids=ids)
 
 
 def _gspo_sample(n: int, sid: int, adv: float, seed: int) -> Sample:

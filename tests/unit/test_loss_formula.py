@@ -25,12 +25,7 @@ from prime_spmd.rl.loss import RLLoss, compute_policy_loss
 from prime_spmd.trainer.packing import Sample, dummy_microbatch, pack
 from prime_spmd.trainer.policy import PolicyModel
 from prime_spmd.trainer.step import train_step
-
-KL = 0.1
-MAX_LOG_RATIO = 2.0
-E2 = math.exp(2.0)
-# fp32 inputs, values O(1)-O(10): measured max |diff| 1.2e-7 (loss), 6e-8 (grad) on 2026-12-03
-TOL = dict(rtol=1e-5, atol=1e-5)
+from tests.loss_check import E2, KL, MAX_LOG_RATIO, TOL, check_policy_loss
 
 # (p, q, A, masked, pg, d pg / d lp): prob_delta_high 0.3 != prob_delta_low 0.1, so swapping them also shows.
 DPPO_ROWS = [
@@ -61,22 +56,6 @@ PPO_ROWS = [
 PPO_CLAMPED = [(5.0, -1.0, False, E2), (-5.0, 1.0, False, -1 / E2)]  # -min(e^2 * -1, 1.3 * -1) = e^2
 
 
-def _check(lp: torch.Tensor, lq: torch.Tensor, adv: torch.Tensor, cfg: LossConfig, rows: list[tuple]) -> None:
-    """rows: (log r before the clamp, masked, pg, d pg / d lp) per token."""
-    lp = lp.clone().requires_grad_(True)
-    per_tok, masked = compute_policy_loss(lp, lq, adv, cfg)
-    per_tok.sum().backward()
-    want_loss, want_grad = [], []
-    for log_r, _, pg, dpg in rows:
-        clamped = abs(log_r) > MAX_LOG_RATIO
-        log_r = max(-MAX_LOG_RATIO, min(MAX_LOG_RATIO, log_r))
-        want_loss.append(pg + KL * log_r**2)
-        want_grad.append(0.0 if clamped else dpg + 2 * KL * log_r)
-    assert masked.tolist() == [m for _, m, _, _ in rows]
-    torch.testing.assert_close(per_tok, torch.tensor(want_loss), **TOL)
-    torch.testing.assert_close(lp.grad, torch.tensor(want_grad), **TOL)
-
-
 def test_dppo_masks_ratio_kl_and_clamp_by_hand() -> None:
     cfg = LossConfig(type="dppo", prob_delta_high=0.3, prob_delta_low=0.1, kl_coef=KL, max_log_ratio=MAX_LOG_RATIO)
     lq = [math.log(q) for p, q, *_ in DPPO_ROWS] + [math.log(0.9) - 5.0, math.log(0.001) + 5.0]
@@ -84,7 +63,7 @@ def test_dppo_masks_ratio_kl_and_clamp_by_hand() -> None:
     adv = [a for _, _, a, *_ in DPPO_ROWS] + [a for _, a, *_ in DPPO_CLAMPED]
     rows = [(math.log(p / q), m, pg, d) for p, q, _, m, pg, d in DPPO_ROWS]
     rows += [(lr, m, pg, 0.0) for lr, _, m, pg in DPPO_CLAMPED]
-    _check(torch.tensor(lp), torch.tensor(lq), torch.tensor(adv), cfg, rows)
+    check_policy_loss(torch.tensor(lp), torch.tensor(lq), torch.tensor(adv), cfg, rows)
 
 
 def test_ppo_clips_both_sides_for_both_signs_by_hand() -> None:
@@ -95,7 +74,7 @@ def test_ppo_clips_both_sides_for_both_signs_by_hand() -> None:
     adv = [a for _, a, *_ in PPO_ROWS] + [a for _, a, *_ in PPO_CLAMPED]
     rows = [(math.log(r), m, pg, d) for r, _, m, pg, d in PPO_ROWS]
     rows += [(lr, m, pg, 0.0) for lr, _, m, pg in PPO_CLAMPED]
-    _check(torch.tensor(lp), torch.tensor(lq), torch.tensor(adv), cfg, rows)
+    check_policy_loss(torch.tensor(lp), torch.tensor(lq), torch.tensor(adv), cfg, rows)
 
 
 @pytest.mark.parametrize("loss_type", ["dppo", "ppo"])
