@@ -59,7 +59,8 @@ def exponential_from_bits(k_BV: torch.Tensor) -> torch.Tensor:
     Computed so that no u rounds to 1: ``(k + 0.5)`` needs 25 significant bits once k >= 2^23, and
     float32 has 24, so the naive ``-log(float(k) + 0.5) / 2^24)`` maps k = 2^24 - 1 to u = 1, e = 0 and
     a Gumbel of +inf: a uniformly random token forced at rate 2^-24 per vocab entry, 0.9% of all samples
-    with Qwen3's 151,936-token vocabulary (found by benchmarks/sample_parity.py on the GPU, 2026-12-03).
+    with Qwen3's 151,936-token vocabulary (found by comparing our samples with transformers' generate on the GPU:
+    docs/log.md, 2026-12-04).
     The upper half uses ``w = 1 - u = (2^24 - 1 - k + 0.5) / 2^24`` (exact) and ``-log1p(-w)``, which
     is also accurate where e is small, i.e. in the large-Gumbel tail that decides unlikely tokens.
     """

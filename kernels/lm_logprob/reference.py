@@ -33,26 +33,3 @@ def reference_logprobs(
     entropy_T = -(logp_TV.exp() * logp_TV).sum(-1)
     return logprob_T, entropy_T
 
-
-def grad_logits(
-    logits_TV: Tensor,
-    lse_T: Tensor,
-    entropy_T: Tensor,
-    targets_T: Tensor,
-    grad_logprob_T: Tensor | None,
-    grad_entropy_T: Tensor | None,
-) -> Tensor:
-    """d loss / d z for z = logits / T (fp32), from saved logsumexp and entropy.
-
-    With p = softmax(z) and S = sum_v p_v z_v = lse - entropy:
-    d logprob / d z_v = 1[v = target] - p_v and d entropy / d z_v = p_v (S - z_v).
-    """
-    p_TV = torch.exp(logits_TV - lse_T[:, None])
-    grad_TV = torch.zeros_like(logits_TV)
-    if grad_logprob_T is not None:
-        grad_TV -= grad_logprob_T[:, None] * p_TV
-        grad_TV.scatter_add_(1, targets_T[:, None].long(), grad_logprob_T[:, None].float())
-    if grad_entropy_T is not None:
-        expected_T = lse_T - entropy_T
-        grad_TV += grad_entropy_T[:, None] * p_TV * (expected_T[:, None] - logits_TV)
-    return grad_TV

@@ -151,10 +151,6 @@ class DistContext:
     data_bridge: Bridge | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def role_world_size(self) -> int:
-        return dist.get_world_size()
-
     def close(self) -> None:
         """End of a run, on every rank of the role: bridges, then the default group, all ranks together."""
         for b in (self.weight_bridge, self.data_bridge):
