@@ -8,7 +8,7 @@ the GEMM's size and to the device's shared memory, so each kernel variant compil
 
 ``PRIME_SPMD_MOE_AUTOTUNE=1`` (or ``configs.AUTOTUNE = True`` before a launch) restores the autotuner over
 ``ROW_CONFIGS`` / ``WGRAD_CONFIGS``; ``benchmarks/moe.py --configs heuristic,autotune`` compares the two and
-prints what the autotuner picked (``autotuned()``), which is how ``TABLE`` gets refined.
+prints what the autotuner picked (from ``kernel.TUNED``), which is how ``TABLE`` gets refined.
 
 Interpreter (CPU, TRITON_INTERPRET=1): one config (several fail there), in both modes.
 

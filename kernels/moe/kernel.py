@@ -315,11 +315,6 @@ def _launch(kernel: str, cfg: triton.Config | None, grid, *args, **kwargs) -> No
         JIT[kernel][grid](*args, **kwargs, **configs.launch_kwargs(cfg))
 
 
-def autotuned() -> dict[str, dict[str, int]]:
-    """What the autotuners picked in this process: '<kernel> <autotune key>' -> config as TABLE writes it."""
-    return {f"{name} {key}": configs.describe(c) for name, tuner in TUNED.items() for key, c in tuner.cache.items()}
-
-
 def gate_up_swiglu(
     x_TD: torch.Tensor, tok_M: torch.Tensor, w13_EFD: torch.Tensor, sched, store_gu: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -59,7 +59,7 @@ def apply_ep(experts: nn.Module, ep_mesh: DeviceMesh, param_names: tuple[str, ..
         shard = full[rank * local : (rank + 1) * local].clone()
         setattr(experts, name, nn.Parameter(DTensor.from_local(shard, ep_mesh, [Shard(0)], run_check=False)))
     experts.num_experts = local
-    experts.ep_group, experts.ep_rank, experts.num_global_experts = ep_mesh.get_group(), rank, num_experts
+    experts.ep_group = ep_mesh.get_group()
 
     def forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         # to_local: this rank's experts (all-gathered over dp_shard by FSDP when composed). Grad
