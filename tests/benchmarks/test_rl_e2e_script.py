@@ -38,8 +38,10 @@ def test_rl_e2e_runs_our_sides_and_writes_results(tmp_path) -> None:
         # in-run held-out evals of w_0, w_2, w_4, w_5 (the final weights), on a clock since launch
         assert [e["step"] for e in res["runs"][k]["evals"]] == [0, 2, 4, 5]
         clocks = [e["clock_s"] for e in res["runs"][k]["evals"]]
+        # rows' arrivals are polled every 0.1 s and each clock subtracts the eval time so far: an eval logged right after
+        # the previous one can land a few ms earlier on that clock (seen: 6-19 ms)
         assert (
-            clocks == sorted(clocks)
+            all(b > a - 0.25 for a, b in zip(clocks, clocks[1:]))
             and 0 < clocks[0]
             and s["heldout_margin"]
             == pytest.approx(res["runs"][k]["evals"][-1]["reward"] - res["runs"][k]["evals"][0]["reward"])
