@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The GPU runs behind the figures in docs/benchmarks.md, in parts of at most 10 minutes (one device call each).
 #   bash scripts/gpu_wheels.sh          # once, on a machine with network: wheels and the Qwen3 tokenizer in .whl/
-#   bash benchmarks/gpu_suite.sh PART OUTDIR
-# PART: tests | engine | prefill | loss | moe | train_step | weight_sync | env_bridge | engine_warmup | rl_e2e | scale
-#       | scale_large | learning
+#   bash benchmarks/gpu_suite.sh PART OUTDIR [VARIANT]
+# PART: tests | engine | prefill | loss | moe | train_step | weight_sync | env_bridge | engine_warmup
+#       | rl_e2e [reverse_text | number_list] | scale [small | large]
 # Each step has its own time limit, so that one slow step does not lose the others' results.
 set -uo pipefail
-PART=$1; OUT=${2:-/tmp/gpu_out}; mkdir -p "$OUT"
+PART=$1; OUT=${2:-/tmp/gpu_out}; VARIANT=${3:-}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # tyro, verifiers and their dependencies from .whl/ (the GPU machine has no network); the repository on the path
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -53,7 +53,25 @@ case $PART in
   engine_warmup)  # first-use costs, cold vs warm caches; engine:hf last, skipped if the budget is spent; <= 2.7 min
     run engine_warmup 160 python3 benchmarks/engine_warmup.py --device cuda --shape qwen3-0.6b --parts engine:custom,trainer,engine:hf \
       --worker-limit-s 60 --budget-s 150 --out "$OUT/engine_warmup/engine_warmup.json" ;;
-  rl_e2e)  # SFT a Qwen3-0.6B shape from scratch (real tokenizer), then RL: prime-spmd k=0/1 vs TRL, evals; <= 9 min
+  rl_e2e)
+    if [ "${VARIANT:-reverse_text}" = number_list ]; then
+      # the learning benchmark: number_list at the 0.6B shape (real tokenizer): SFT from scratch, then RL ours k=0/1
+      # (and TRL if the budget leaves room) with held-out evals every 6 steps against wall-clock time; 20-200 items of
+      # 1-3 digits, up to 832 new tokens. SEEDS=0,1 for the spread (a second run); SFT_STEPS sets the start reward.
+      R=/tmp/learning_out; rm -rf "$R"; mkdir -p "$R" "$OUT/learning"
+      (while true; do cp "$R/results.json" "$OUT/learning/" 2> /dev/null; sleep 5; done) & copier=$!
+      run learning 565 python3 benchmarks/rl_e2e.py --device cuda --task number_list --shape qwen3-0.6b --out "$R" \
+        --trl-python python3 --sides ours0,ours1,trl --seeds "${SEEDS:-0}" --tokenizer-files .whl/qwen3-tokenizer \
+        --sft-steps "${SFT_STEPS:-150}" --sft-batch 64 --sft-warmup-steps 20 --sft-limit-s 150 \
+        --steps 24 --warmup 3 --prompts 16 --group-size 8 --max-tokens 832 --lr 1e-5 --micro-batch-tokens 32768 \
+        --ours-flag=--rollout.std_normalize --eval-interval 6 --eval-examples 32 --eval-samples 2 --no-eval \
+        --rl-limit-s 150 --budget-s 550 --compile-cache /tmp/rl_e2e_compile_cache
+      kill "$copier" 2> /dev/null
+      cp "$R/results.json" "$R"/*.png "$R"/*.log "$OUT/learning/" 2> /dev/null
+      for d in "$R"/ours_k*_r*; do cp "$d/metrics.jsonl" "$OUT/learning/$(basename "$d")_metrics.jsonl" 2> /dev/null; done
+      exit 0
+    fi
+    # reverse_text: SFT a Qwen3-0.6B shape from scratch (real tokenizer), then RL: prime-spmd k=0/1 vs TRL, evals; <= 9 min
     # --micro-batch-tokens 16384: one forward/backward a step, as TRL's side; --rollout.std_normalize: advantages
     # divided by the group's reward std, as TRL's GRPO. --budget-s cuts each phase's limit to what is left. One
     # compile cache serves every subprocess of both sides. Written under /tmp (many files); results.json is copied to
@@ -67,21 +85,7 @@ case $PART in
     kill "$copier" 2> /dev/null
     cp "$R/results.json" "$R"/*.png "$OUT/rl_e2e/" 2> /dev/null
     for d in "$R"/ours_k*_r0; do cp "$d/metrics.jsonl" "$OUT/rl_e2e/$(basename "$d")_metrics.jsonl" 2> /dev/null; done ;;
-  learning)  # number_list at the 0.6B shape (real tokenizer): SFT from scratch, then RL ours k=0/1 (and TRL if the
-    # budget leaves room) with held-out evals every 5 steps against wall-clock time; 20-200 items of 1-3 digits,
-    # up to 832 new tokens. SEEDS=0,1 for the spread (a second run of this part); SFT_STEPS sets the start reward.
-    R=/tmp/learning_out; rm -rf "$R"; mkdir -p "$R" "$OUT/learning"
-    (while true; do cp "$R/results.json" "$OUT/learning/" 2> /dev/null; sleep 5; done) & copier=$!
-    run learning 565 python3 benchmarks/rl_e2e.py --device cuda --task number_list --shape qwen3-0.6b --out "$R" \
-      --trl-python python3 --sides ours0,ours1,trl --seeds "${SEEDS:-0}" --tokenizer-files .whl/qwen3-tokenizer \
-      --sft-steps "${SFT_STEPS:-150}" --sft-batch 64 --sft-warmup-steps 20 --sft-limit-s 150 \
-      --steps 24 --warmup 3 --prompts 16 --group-size 8 --max-tokens 832 --lr 1e-5 --micro-batch-tokens 32768 \
-      --ours-flag=--rollout.std_normalize --eval-interval 6 --eval-examples 32 --eval-samples 2 --no-eval \
-      --rl-limit-s 150 --budget-s 550 --compile-cache /tmp/rl_e2e_compile_cache
-    kill "$copier" 2> /dev/null
-    cp "$R/results.json" "$R"/*.png "$R"/*.log "$OUT/learning/" 2> /dev/null
-    for d in "$R"/ours_k*_r*; do cp "$d/metrics.jsonl" "$OUT/learning/$(basename "$d")_metrics.jsonl" 2> /dev/null; done ;;
-  scale|scale_large)  # colocated RL at real shapes from random bf16 weights (speed and memory; rewards mean nothing):
+  scale)  # small: 0.6B, 1.7B; large: 4B with offload, 8B LoRA, 4B without offload (refused on 80 GB). Colocated RL at real shapes from random bf16 weights (speed and memory; rewards mean nothing):
     # 8 prompts x 8 samples, 256 new tokens a sample (a random model never stops early), 6 steps, rates from step 2;
     # random weights score 0: benchmarks/speed_advantages.py gives every group nonzero advantages, so every step runs
     # the whole backward and optimizer update
@@ -94,7 +98,7 @@ case $PART in
     run tests_memory 150 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/gpu/test_offload_gpu.py \
       tests/unit/test_offload_optimizer.py tests/unit/test_memory_plan.py tests/unit/test_shared_weights.py \
       tests/unit/test_native_engine.py -k "offload or plan or shared or released or memory"
-    if [ "$PART" = scale ]; then
+    if [ "${VARIANT:-small}" = small ]; then
       scale scale_0.6b --shape qwen3-0.6b --micro-batch-tokens 8192
       scale scale_1.7b --shape qwen3-1.7b --micro-batch-tokens 8192
     else
