@@ -2,7 +2,7 @@
 # The GPU runs behind the figures in docs/benchmarks.md, in parts of at most 10 minutes (one device call each).
 #   bash scripts/gpu_wheels.sh          # once, on a machine with network: wheels and the Qwen3 tokenizer in .whl/
 #   bash benchmarks/gpu_suite.sh PART OUTDIR [VARIANT]
-# PART: tests | engine | prefill | loss | moe | train_step | weight_sync | env_bridge | engine_warmup
+# PART: tests | engine | prefill | loss | moe | train_step | weight_sync | env_bridge
 #       | rl_e2e [reverse_text | number_list] | scale [small | large]
 # Each step has its own time limit, so that one slow step does not lose the others' results.
 set -uo pipefail
@@ -50,9 +50,6 @@ case $PART in
     done ;;
   env_bridge)  # model build, graph capture, then 4 settings x 2 sides (direct, bridge) x 6 runs; ~2 min
     run env_bridge 300 python3 benchmarks/env_bridge.py --device cuda --preset qwen3-0.6b --max-tokens 32,128 --lengths fixed,varied --repeats 5 --out "$OUT/env_bridge.json" ;;
-  engine_warmup)  # first-use costs, cold vs warm caches; engine:hf last, skipped if the budget is spent; <= 2.7 min
-    run engine_warmup 160 python3 benchmarks/engine_warmup.py --device cuda --shape qwen3-0.6b --parts engine:custom,trainer,engine:hf \
-      --worker-limit-s 60 --budget-s 150 --out "$OUT/engine_warmup/engine_warmup.json" ;;
   rl_e2e)
     if [ "${VARIANT:-reverse_text}" = number_list ]; then
       # the learning benchmark: number_list at the 0.6B shape (real tokenizer): SFT from scratch, then RL ours k=0/1
