@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # A tiny job: 3 steps of 16 rollouts (4 prompts x 4) of at most 12 tokens.
 SMALL_RL_FLAGS = [
     "--model.init_tiny", "qwen3-nano",
-    "--trainer.batch_size", "16", "--trainer.micro_batch_tokens", "256", "--trainer.seq_len", "48",
+    "--trainer.micro_batch_tokens", "256", "--trainer.seq_len", "48",
     "--rollout.prompts_per_step", "4", "--rollout.group_size", "4",
     "--sampling.max_tokens", "12", "--inference.max_batch_size", "16",
     "--log.no_plots", "--log.no_progress",
