@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+
 from prime_spmd.config.job import RLJobConfig, SFTJobConfig
 from prime_spmd.config.rl_sections import LossConfig, RolloutConfig
 from prime_spmd.config.sections import (
@@ -69,8 +70,9 @@ def _cleanup_group() -> None:
 
 
 def test_nonfinite_steps_are_skipped_counted_then_stop_the_run(tmp_path: Path) -> None:
-    from prime_spmd.trainer.sft import run_sft
     from safetensors.torch import load_file, save_file
+
+    from prime_spmd.trainer.sft import run_sft
 
     model = _tiny(tmp_path)
     weights = model / "model.safetensors"
