@@ -32,4 +32,3 @@ def reference_logprobs(
     logprob_T = logp_TV.gather(1, targets_T[:, None].long()).squeeze(1)
     entropy_T = -(logp_TV.exp() * logp_TV).sum(-1)
     return logprob_T, entropy_T
-

@@ -17,7 +17,9 @@ def _cfg(tmp: Path, name: str, model: Path, **kw) -> SFTJobConfig:
     return SFTJobConfig(
         output_dir=str(tmp / name),
         model=ModelConfig(path=str(model), impl="hf"),
-        trainer=SFTTrainerConfig(max_steps=3, batch_size=6, micro_batch_tokens=128, seq_len=64, **kw.pop("trainer", {})),
+        trainer=SFTTrainerConfig(
+            max_steps=3, batch_size=6, micro_batch_tokens=128, seq_len=64, **kw.pop("trainer", {})
+        ),
         optim=OptimConfig(lr=1e-3),
         data=kw.pop("data", DataConfig()),
         ckpt=CkptConfig(save_hf=False),
