@@ -1,5 +1,6 @@
 """--trainer.offload optimizer in a real RL run (colocated, 2 gloo ranks: FSDP2-sharded DTensor parameters with
-host-side moments): the same trajectory as the device optimizer, and exact resume from its DCP checkpoint."""
+host-side moments), with the KV cache released while the trainer steps: the same trajectory as the device optimizer
+with a resident cache, and exact resume from its DCP checkpoint."""
 
 from __future__ import annotations
 
@@ -16,7 +17,11 @@ def _cfg(out: Path, model: Path, offload: str, resume: bool = False) -> RLJobCon
     cfg = tiny_rl_cfg(
         out, ModelConfig(path=str(model)), steps=4, lr=1e-3, max_async=1, num_inference=0, resume=resume, keep_last=3
     )
-    return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, offload=offload))
+    # the offloaded runs also release the engine's KV cache while the trainer steps (the colocated role's path):
+    # neither may change what the run computes
+    native = dataclasses.replace(cfg.inference.native, release_kv_cache=offload == "optimizer")
+    inference = dataclasses.replace(cfg.inference, native=native)
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, offload=offload), inference=inference)
 
 
 def test_offloaded_optimizer_matches_and_resumes_exactly(tmp_path: Path) -> None:
