@@ -115,7 +115,7 @@ def estimate(
 ) -> MemoryPlan:
     """Peak device bytes of a colocated run, by part.
 
-    ``num_trainable``: parameters the optimizer updates (all, or the LoRA adapters). ``lora``: the frozen base is
+    ``num_trainable``: parameters the optimizer updates (all of them for full fine-tuning, or the LoRA adapters). ``lora``: the frozen base is
     held once in the compute dtype (``param_bytes``) and shared with the engine when ``share_weights``, which then
     holds only the ``num_adapted`` weights of the adapted linears, merged.
     ``offload``: "none" or "optimizer" (moments on the host). ``kv_cache_tokens``: tokens the engine's KV cache
@@ -126,16 +126,9 @@ def estimate(
     n, t = shape.num_params, num_trainable
     if lora:
         plan.parts["frozen base weights"] = (n - t) * param_bytes
-        trained_master = t * 4
-    else:
-        trained_master = n * 4
-    plan.parts["trained weights (fp32)"] = trained_master
-    plan.train["gradients (fp32)"] = (t if lora else n) * 4
-    moments = (t if lora else n) * 8
-    if offload == "optimizer":
-        plan.host["AdamW moments"] = moments
-    else:
-        plan.parts["AdamW moments"] = moments
+    plan.parts["trained weights (fp32)"] = t * 4
+    plan.train["gradients (fp32)"] = t * 4
+    (plan.host if offload == "optimizer" else plan.parts)["AdamW moments"] = t * 8
     if lora and share_weights:  # the engine reads the frozen base in place; it holds the adapted weights, merged
         plan.parts["engine weights (LoRA-merged)"] = num_adapted * param_bytes
     else:
