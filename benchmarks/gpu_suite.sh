@@ -82,26 +82,31 @@ case $PART in
     kill "$copier" 2> /dev/null
     cp "$R/results.json" "$R"/*.png "$OUT/rl_e2e/" 2> /dev/null
     for d in "$R"/ours_k*_r0; do cp "$d/metrics.jsonl" "$OUT/rl_e2e/$(basename "$d")_metrics.jsonl" 2> /dev/null; done ;;
-  scale)  # small: 0.6B, 1.7B; large: 4B with offload, 8B LoRA, 4B without offload (refused on 80 GB). Colocated RL at real shapes from random bf16 weights (speed and memory; rewards mean nothing):
+  scale)  # small: 0.6B, 1.7B; large: 4B with offload, 8B LoRA, then 4B without offload (refused on 80 GB) or, on a 141 GB H200, 8B full with offload. Colocated RL at real shapes from random bf16 weights (speed and memory; rewards mean nothing):
     # 8 prompts x 8 samples, 256 new tokens a sample (a random model never stops early), 6 steps, rates from step 2;
     # random weights score 0: benchmarks/speed_advantages.py gives every group nonzero advantages, so every step runs
     # the whole backward and optimizer update
     S="python3 benchmarks/rl_e2e.py --device cuda --no-sft --sides ours0 --no-eval --tokenizer-files .whl/qwen3-tokenizer
-       --steps 6 --warmup 2 --prompts 8 --group-size 8 --max-tokens 256 --lr 1e-6 --rl-limit-s 240 --budget-s 260 --ours-flag=--rollout.advantage
+       --steps 6 --warmup 2 --prompts 8 --group-size 8 --max-tokens 256 --lr 1e-6 --rl-limit-s ${SCALE_LIMIT_S:-240} --budget-s $((${SCALE_LIMIT_S:-240} + 20)) --ours-flag=--rollout.advantage
        --ours-flag=benchmarks/speed_advantages.py:alternating"
-    scale() { local name=$1; shift; run "$name" 270 $S --out "/tmp/$name" "$@"; cp "/tmp/$name/results.json" "$OUT/$name.json" 2> /dev/null
+    scale() { local name=$1; shift; run "$name" $((${SCALE_LIMIT_S:-240} + 30)) $S --out "/tmp/$name" "$@"; cp "/tmp/$name/results.json" "$OUT/$name.json" 2> /dev/null
       cp /tmp/"$name"/ours_k0_r0/metrics.jsonl "$OUT/${name}_metrics.jsonl" 2> /dev/null
       cp /tmp/"$name"/*.log "$OUT/" 2> /dev/null; rm -rf "/tmp/$name"; }
-    run tests_memory 150 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/gpu/test_offload_gpu.py \
-      tests/unit/test_offload_optimizer.py tests/unit/test_memory_plan.py tests/unit/test_shared_weights.py \
-      tests/unit/test_native_engine.py -k "offload or plan or shared or released or memory"
     if [ "${VARIANT:-small}" = small ]; then
+      run tests_memory 150 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/gpu/test_offload_gpu.py \
+        tests/unit/test_offload_optimizer.py tests/unit/test_memory_plan.py tests/unit/test_shared_weights.py \
+        tests/unit/test_native_engine.py -k "offload or plan or shared or released or memory"
       scale scale_0.6b --shape qwen3-0.6b --micro-batch-tokens 8192
       scale scale_1.7b --shape qwen3-1.7b --micro-batch-tokens 8192
     else
+      run tests_offload 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_offload_gpu.py
       scale scale_4b_offload --shape qwen3-4b --micro-batch-tokens 4096 --ours-flag=--trainer.offload --ours-flag=optimizer
       scale scale_8b_lora --shape qwen3-8b --micro-batch-tokens 4096 --ours-flag=--model.lora.rank --ours-flag=16
-      scale scale_4b_no_offload --shape qwen3-4b --micro-batch-tokens 4096  # the memory plan refuses it on 80 GB
+      if [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -gt 100000 ]; then
+        scale scale_8b_offload --shape qwen3-8b --micro-batch-tokens 4096 --ours-flag=--trainer.offload --ours-flag=optimizer
+      else
+        scale scale_4b_no_offload --shape qwen3-4b --micro-batch-tokens 4096  # the memory plan refuses it on 80 GB
+      fi
     fi ;;
   *) echo "unknown part $PART (see the header)" >&2; exit 2 ;;
 esac

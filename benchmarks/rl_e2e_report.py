@@ -64,6 +64,11 @@ def summarize(run: dict, args: argparse.Namespace, n_params: int, model_dir: Pat
              train_time_s=mean("train_time_s"), weight_sync_s=mean("weight_sync_s"), wait_s=mean("wait_s"),
              gen_tokens_per_s=mean("generated_tokens") / step_s, peak_memory_gib=mean("peak_memory_gib"),
              reward_first=run["steps"][0]["reward_mean"], reward_last=run["steps"][-1]["reward_mean"])  # fmt: skip
+    # the engine's and the trainer's own rates (tokens over their phase's time), and the median step: a step that
+    # meets a new input kind recompiles the trainer's blocks once (seconds) and moves the mean, not the median
+    s["step_time_median_s"] = statistics.median(r["step_time_s"] for r in rows)
+    if s["gen_time_s"]:
+        s["gen_tokens_per_gen_s"] = mean("generated_tokens") / s["gen_time_s"]
     for key in ("train_fwd_bwd_s", "train_optim_s", "pack_time_s"):  # ours: where the train time goes
         if mean(key) is not None:
             s[key] = mean(key)

@@ -15,7 +15,7 @@ import torch
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = """
-import json, sys
+import json, sys, traceback
 from prime_spmd.trainer import offload
 seen = []
 step = offload.HostOffloadAdamW.step
@@ -23,7 +23,8 @@ def probe(self, closure=None):
     out = step(self, closure)
     moments = [s[m] for s in self.state.values() for m in offload.MOMENTS]
     seen.append(dict(grads=sum(p.grad is not None for g in self.param_groups for p in g["params"]), states=len(self.state),
-                     host=all(m.to_local().device.type == "cpu" and m.to_local().is_pinned() for m in moments)))
+                     host=all(m.to_local().device.type == "cpu" and m.to_local().is_pinned() for m in moments),
+                caller=[f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in traceback.extract_stack()[-5:-1]]))
     return out
 offload.HostOffloadAdamW.step = probe
 from prime_spmd.models.tiny import build_tiny_model
@@ -46,5 +47,6 @@ def test_offloaded_moments_stay_on_the_host_in_a_cuda_run(tmp_path: Path) -> Non
     lines = [x for x in out.stdout.splitlines() if x.startswith("PROBE ")]
     assert out.returncode == 0 and lines, out.stderr[-3000:]
     seen = json.loads(lines[-1][len("PROBE ") :])
-    assert len(seen) == 3 and all(s["states"] == s["grads"] > 0 and s["host"] for s in seen), seen
+    steps = [x for x in (out.stdout + out.stderr).splitlines() if "step" in x]  # the run's own account, for a failure
+    assert len(seen) == 3 and all(s["states"] == s["grads"] > 0 and s["host"] for s in seen), (seen, steps[-40:])
     assert (tmp_path / "run" / "checkpoints").is_dir()
