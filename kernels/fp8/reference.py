@@ -1,0 +1,79 @@
+"""FP8 weights, the spec: float8 e4m3 weights with one fp32 scale per output channel (row of ``w``).
+
+    scale_N = max(amax(|w_N:|), AMAX_FLOOR) / FP8_MAX                     (fp32)
+    q_NK    = round_to_nearest_even(w_NK.float() / scale_N).to(float8_e4m3fn)   (clamped to +-448 against rounding)
+    w_NK   ~= q_NK.float() * scale_N                                      (dequantize)
+
+A linear then accumulates ``x @ q.T`` in fp32 and scales each output column once (the scale is constant along K):
+
+    y = ((x_f32 @ q_f32.T) * scale_N + bias).to(dtype)
+
+``fp8_decode_linear_reference`` is ``kernels/decode_linear``'s spec (RMSNorm prologue, SiLU-gate, residual: the
+same roundings) with that product in place of ``h @ w.T``.
+
+Why per output channel (not 128 x 128 blocks): a decode GEMV / tile program owns whole output rows, so one scale per
+row is one fp32 load per program and one multiply in the epilogue, no per-K-block rescale in the inner loop; the
+engine's fused QKV and gate/up tensors quantize each part's rows alone, so a weight sync of q_proj writes only its
+rows' scales; and ``torch._scaled_mm``'s row-wise mode takes exactly this layout for prefill. The price is range:
+one outlier in a row sets the step for all its K inputs (measured: mismatch KL in docs/benchmarks.md).
+
+Legend (docs/conventions.md, GEMM roles): M rows, K in, N out features of w.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+AMAX_FLOOR = 1e-12
+"""A row of zeros gets this amax (scale ~2e-15, q all zeros) instead of a division by zero."""
+
+
+def quantize_fp8_reference(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_NK float8_e4m3fn, scale_N fp32) of ``w_NK`` (any float dtype); see the module docstring."""
+    wf = w_NK.float()
+    scale_N = wf.abs().amax(dim=1).clamp(min=AMAX_FLOOR) / FP8_MAX
+    q_NK = (wf / scale_N[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q_NK, scale_N
+
+
+def dequantize_fp8_reference(q_NK: torch.Tensor, scale_N: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``q_NK * scale_N`` in ``dtype`` (one rounding from fp32)."""
+    return (q_NK.float() * scale_N.float()[:, None]).to(dtype)
+
+
+def fp8_linear_reference(
+    x_MK: torch.Tensor, q_NK: torch.Tensor, scale_N: torch.Tensor, bias_N: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ (q * scale).T + bias`` in x's dtype over any leading dims of x: fp32 upcast matmul, scale per column."""
+    y = F.linear(x_MK.float(), q_NK.float()) * scale_N.float()
+    if bias_N is not None:
+        y = y + bias_N.float()
+    return y.to(x_MK.dtype)
+
+
+def fp8_decode_linear_reference(
+    x_MK: torch.Tensor,
+    q_NK: torch.Tensor,
+    scale_N: torch.Tensor,
+    bias_N: torch.Tensor | None = None,
+    norm_w_K: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    residual_MNo: torch.Tensor | None = None,
+    act: str = "none",
+) -> torch.Tensor:
+    """kernels/decode_linear's ``decode_linear_reference`` with ``w = q * scale``: out [M, No] in x's dtype."""
+    if norm_w_K is not None:
+        xf = x_MK.float()
+        x_MK = norm_w_K * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x_MK.dtype)
+    y = fp8_linear_reference(x_MK, q_NK, scale_N, bias_N)
+    if act == "silu_mul":
+        inter = y.shape[1] // 2
+        y = F.silu(y[:, :inter]) * y[:, inter:]
+    elif act != "none":
+        raise ValueError(f"fp8_decode_linear: act {act!r}; choose none or silu_mul")
+    if residual_MNo is not None:
+        y = residual_MNo + y
+    return y

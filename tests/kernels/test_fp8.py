@@ -1,0 +1,155 @@
+"""FP8 weights (kernels/fp8): the Triton quantize and FP8 decode linears vs the PyTorch reference, opcheck, the
+prefill GEMM impls against the reference.
+
+CPU runs Triton under TRITON_INTERPRET=1 (tests/conftest.py): 16 x 16 x 32 tiles and 64-wide quantize chunks, so the
+small shapes cover several tiles and ragged edges. With CUDA the same tests run on the GPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from prime_spmd.kernels.fp8.op import fp8_decode_linear, fp8_linear, quantize_fp8_
+from prime_spmd.kernels.fp8.reference import (
+    FP8_DTYPE,
+    dequantize_fp8_reference,
+    fp8_decode_linear_reference,
+    quantize_fp8_reference,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SUBNORMAL_STEP = 2.0**-9  # e4m3's smallest step: the interpreter's rounding may differ there (kernel.py)
+
+
+def _quantized(n, k, seed=0, dtype=torch.bfloat16):
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(DEVICE, dtype)
+    q = torch.empty(n, k, dtype=FP8_DTYPE, device=DEVICE)
+    s = torch.empty(n, dtype=torch.float32, device=DEVICE)
+    return w, q, s
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (5, 64), (33, 200), (48, 130)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantize_matches_reference_and_round_trips(n, k, dtype):
+    w, q, s = _quantized(n, k, dtype=dtype)
+    w[0, 0] = 0.0
+    quantize_fp8_(w, q, s, impl="triton")
+    q_ref, s_ref = quantize_fp8_reference(w)
+    assert torch.equal(s, s_ref)
+    diff = (q.float() - q_ref.float()).abs()
+    assert (diff <= SUBNORMAL_STEP).all(), diff.max()
+    # round trip: within half an e4m3 step (3 mantissa bits: relative 2^-4) of each row's value, plus the subnormal step
+    back = dequantize_fp8_reference(q, s, torch.float32)
+    tol = w.float().abs() * 2.0**-4 + s[:, None] * SUBNORMAL_STEP + 1e-30
+    assert ((back - w.float()).abs() <= tol).all()
+
+
+def test_quantize_writes_row_slices_of_a_fused_tensor_and_zero_rows():
+    w, q, s = _quantized(24, 96)
+    w[3:5] = 0.0
+    quantize_fp8_(w[8:16], q[8:16], s[8:16], impl="triton")
+    quantize_fp8_(w[:8], q[:8], s[:8], impl="reference")
+    quantize_fp8_(w[16:], q[16:], s[16:], impl="triton")
+    q_ref, s_ref = quantize_fp8_reference(w)
+    assert torch.equal(s, s_ref) and (q.float() - q_ref.float()).abs().max() <= SUBNORMAL_STEP
+    assert (q[3:5].float() == 0).all()
+
+
+def test_quantize_rejects_bad_outputs():
+    w, q, s = _quantized(4, 32)
+    with pytest.raises(ValueError, match="float8"):
+        quantize_fp8_(w, q.float(), s)
+    with pytest.raises(ValueError, match="want w, q"):
+        quantize_fp8_(w, q[:2], s)
+
+
+def _decode_case(m, k, n, act, dtype, seed=0, bias=False, norm=False, residual=False):
+    gen = torch.Generator().manual_seed(seed)
+    no = n // 2 if act == "silu_mul" else n
+    x = (torch.randn(m, k, generator=gen) * 3).to(DEVICE, dtype)
+
+    def opt(flag, *shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(DEVICE, dtype) if flag else None
+
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(DEVICE, dtype)
+    q, s = quantize_fp8_reference(w)
+    return dict(
+        x_MK=x, q_NK=q, scale_N=s, bias_N=opt(bias, n, scale=0.1), norm_w_K=opt(norm, k),
+        residual_MNo=opt(residual, m, no), act=act,
+    )  # fmt: skip
+
+
+# fp32: one summation order against another over K <= 200 of exact e4m3 products (interpreter: IEEE fp32 dots)
+FP32_RTOL = 1e-5
+
+
+@pytest.mark.parametrize(
+    "m,k,n,act,flags",
+    [
+        (m, k, n, act, flags)
+        for (m, k, n), act, flags in itertools.product(
+            [(1, 64, 48), (1, 200, 34), (3, 96, 64), (17, 130, 40)],
+            ["none", "silu_mul"],
+            [(False, False, False), (True, True, True), (False, True, False), (True, False, True)],
+        )
+    ],
+)
+def test_fp8_decode_linear_fp32_matches_reference(m, k, n, act, flags):
+    bias, norm, res = flags
+    case = _decode_case(m, k, n, act, torch.float32, bias=bias, norm=norm, residual=res)
+    got = fp8_decode_linear(**case, impl="triton")
+    ref = fp8_decode_linear_reference(**case)
+    torch.testing.assert_close(got, ref, rtol=FP32_RTOL, atol=FP32_RTOL)
+
+
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("act", ["none", "silu_mul"])
+def test_fp8_decode_linear_bf16_within_one_rounding(m, act):
+    case = _decode_case(m, 128, 64, act, torch.bfloat16, seed=1, bias=True, norm=True, residual=True)
+    got = fp8_decode_linear(**case, impl="triton").float()
+    ref = fp8_decode_linear_reference(**case).float()
+    # bf16 outputs: one summation order against another may flip the last bit of a rounding (2^-8 relative) that the
+    # SiLU-gate and residual then carry; measured max here: one bf16 ulp of the largest outputs
+    torch.testing.assert_close(got, ref, rtol=2**-7, atol=2**-7 * ref.abs().max().item())
+
+
+def test_fp8_decode_linear_opcheck_and_bad_inputs():
+    case = _decode_case(2, 64, 32, "silu_mul", torch.float32, bias=True, norm=True, residual=True)
+    args = (
+        case["x_MK"],
+        case["q_NK"],
+        case["scale_N"],
+        case["bias_N"],
+        case["norm_w_K"],
+        1e-6,
+        case["residual_MNo"],
+        True,
+    )
+    # test_schema perturbs every tensor input by arithmetic, which float8 tensors do not support on CPU
+    utils = ("test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.prime_spmd.fp8_decode_linear.default, args, test_utils=utils)
+    with pytest.raises(ValueError, match="q must be"):
+        fp8_decode_linear(case["x_MK"], case["q_NK"].float(), case["scale_N"])
+    with pytest.raises(ValueError, match="act"):
+        fp8_decode_linear(case["x_MK"], case["q_NK"], case["scale_N"], act="gelu")
+
+
+@pytest.mark.parametrize("impl", ["dequant", "scaled_mm"])
+def test_fp8_linear_impls_near_the_reference(impl):
+    """Prefill's GEMMs (3-D x, bias) against the upcast reference. dequant rounds the weight to bf16 only where x is
+    bf16 (exact here in fp32 / one bf16 rounding); scaled_mm also rounds x to e4m3 per row (relative 2^-4 a value),
+    so its tolerance is e4m3's."""
+    gen = torch.Generator().manual_seed(2)
+    dtype = torch.bfloat16
+    x = torch.randn(2, 5, 64, generator=gen).to(DEVICE, dtype)
+    w = (torch.randn(48, 64, generator=gen) * 0.125).to(DEVICE, dtype)
+    b = torch.randn(48, generator=gen).to(DEVICE, dtype)
+    q, s = quantize_fp8_reference(w)
+    ref = fp8_linear(x, q, s, b, impl="reference").float()
+    got = fp8_linear(x, q, s, b, impl=impl).float()
+    assert got.shape == (2, 5, 48) and got.dtype == torch.float32
+    tol = 2**-7 if impl == "dequant" else 2**-3
+    assert (got - ref).abs().max() <= tol * ref.abs().max(), (got - ref).abs().max()
