@@ -332,6 +332,8 @@ class NativeEngineConfig:
 class InferenceConfig:
     engine: Literal["native", "vllm"] = "native"
     """Inference engine: our PyTorch engine (any device) or vLLM (CUDA, optional extra)."""
+    quantization: Literal["none", "fp8"] = "none"
+    """Generation weights: none (the model's dtype) or fp8 (decoder-layer linears in float8 e4m3 with a scale per output channel, quantized at load and at every weight sync; embeddings, norms and LM head stay bf16; native: dense Llama-style models on CPU or CUDA of compute capability >= 8.9; vllm: its quantization="fp8"). docs/inference.md."""
     max_batch_size: int = 64
     """Sequences decoded at once (KV-cache slots)."""
     max_model_len: int = 0

@@ -80,6 +80,7 @@ def build_engine(
         pdl=native.pdl,
         prefill_layer_fn=prefill_choice(native.prefill),
         decode_steps_per_launch=native.decode_steps_per_launch,
+        quantization=inference_cfg.quantization,
         lora_base=lora_base,
     )
     warm = native.warmup

@@ -60,7 +60,9 @@ class NativeEngine(InferenceEngine):
     and admission waits while the pool is short). ``pdl``: launch the decode step's Triton kernels (decode linears,
     the triton_qkv attention) with programmatic dependent launch (kernels/pdl; CUDA, process-wide; ``self.pdl`` says
     whether it is on). ``prefill_layer_fn``: prefill through one pure layer function (packed QKV / gate-up weights, compiled
-    on CUDA) instead of the model's modules (dense Llama-style models; None: on CUDA). Call every method from one thread.
+    on CUDA) instead of the model's modules (dense Llama-style models; None: on CUDA). ``quantization``: "fp8" decodes and
+    prefills from FP8 copies of the layer weights, quantized again by each ``load_weights`` (quant.py). Call every method
+    from one thread.
     """
 
     def __init__(
@@ -86,6 +88,7 @@ class NativeEngine(InferenceEngine):
         pdl: bool = True,
         prefill_layer_fn: bool | None = None,
         decode_steps_per_launch: int = 0,
+        quantization: str = "none",
         lora_base: dict[str, torch.Tensor] | None = None,
     ) -> None:
         device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -114,6 +117,7 @@ class NativeEngine(InferenceEngine):
             kv_block_size=kv_block_size,
             kv_cache_tokens=kv_cache_tokens,
             prefill_layer_fn=prefill_layer_fn,
+            quantization=quantization,
         )
         self.vocab_size = self.runner.vocab_size
         self.batch_buckets = bucket_sizes(max_batch_size, 1, "pow2")
@@ -299,9 +303,11 @@ class NativeEngine(InferenceEngine):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF names, mapped to the model's parameters by its adapter (``param_for_hf_name``: e.g. per-expert
-        MoE weights into the slices of a model that stacks its experts, ``prime_spmd.models.qwen3``)."""
+        MoE weights into the slices of a model that stacks its experts, ``prime_spmd.models.qwen3``). With
+        ``--inference.quantization fp8`` the FP8 copies of the weights written are quantized again (quant.py)."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
         adapter = adapter_for(self.model)
+        written = []
         for name, tensor in weights:
             p = adapter.param_for_hf_name(params, name)
             if p is None:
@@ -312,6 +318,10 @@ class NativeEngine(InferenceEngine):
                     f"load_weights: {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(p.shape)}"
                 )
             p.copy_(tensor)
+            written.append(p)
+        fp8 = getattr(self.runner, "fp8", None)
+        if fp8 is not None:
+            fp8.requantize(written)
         self.reset_cache()
 
     @torch.no_grad()

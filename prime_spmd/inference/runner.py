@@ -25,6 +25,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from prime_spmd.inference import quant
 from prime_spmd.inference.kv_cache import PagedKVCache, SlotKVCache, read_positions, write_token
 from prime_spmd.models.common.norm import rms_norm
 from prime_spmd.models.common.rope import rotate
@@ -170,9 +171,9 @@ def make_decode_layer(
         fused = linear == "triton" and b <= DECODE_LINEAR_MAX_ROWS
         fused_res = linear == "triton" and b <= DECODE_LINEAR_MAX_ROWS_RESIDUAL
         if fused:
-            qkv = torch.ops.prime_spmd.decode_linear(x_BD, qkv_w, qkv_b, ln1_w, eps, None, False)
+            qkv = quant.fused_linear(x_BD, qkv_w, qkv_b, ln1_w, eps, None, False)
         else:
-            qkv = F.linear(rms_norm(x_BD, ln1_w, eps), qkv_w, qkv_b)
+            qkv = quant.linear(rms_norm(x_BD, ln1_w, eps), qkv_w, qkv_b)
         if attention == "triton_qkv":  # q/k norm, RoPE, the cache write and attention in one kernel
             o = torch.ops.prime_spmd.fused_decode_attention(
                 qkv, num_heads, q_norm_w, k_norm_w, cos_BDh, sin_BDh, pos_B, k_BcNkvTcDh, v_BcNkvTcDh, table_BcMb,
@@ -182,18 +183,18 @@ def make_decode_layer(
             o = attend(qkv, q_norm_w, k_norm_w, k_BcNkvTcDh, v_BcNkvTcDh, table_BcMb, cos_BDh, sin_BDh, pos_B,
                        mask_BTkv, lens_B, kv_len)  # fmt: skip
         if fused_res:
-            x_BD = torch.ops.prime_spmd.decode_linear(o, o_w, o_b, None, eps, x_BD, False)
+            x_BD = quant.fused_linear(o, o_w, o_b, None, eps, x_BD, False)
         else:
-            x_BD = x_BD + F.linear(o, o_w, o_b)
+            x_BD = x_BD + quant.linear(o, o_w, o_b)
         if fused:
-            h = torch.ops.prime_spmd.decode_linear(x_BD, gate_up_w, None, ln2_w, eps, None, True)
+            h = quant.fused_linear(x_BD, gate_up_w, None, ln2_w, eps, None, True)
         else:
-            gu = F.linear(rms_norm(x_BD, ln2_w, eps), gate_up_w)
+            gu = quant.linear(rms_norm(x_BD, ln2_w, eps), gate_up_w)
             inter = gu.shape[1] // 2
             h = F.silu(gu[:, :inter]) * gu[:, inter:]
         if fused_res:
-            return torch.ops.prime_spmd.decode_linear(h, down_w, None, None, eps, x_BD, False)
-        return x_BD + F.linear(h, down_w)
+            return quant.fused_linear(h, down_w, None, None, eps, x_BD, False)
+        return x_BD + quant.linear(h, down_w)
 
     return layer
 
@@ -210,7 +211,7 @@ def make_prefill_layer(num_heads: int, num_kv_heads: int, head_dim: int, eps: fl
     def layer(x_BTD, ln1_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, o_b, ln2_w, gate_up_w, down_w, cos_11TDh,
               sin_11TDh):  # fmt: skip
         b, t, _ = x_BTD.shape
-        qkv = F.linear(rms_norm(x_BTD, ln1_w, eps), qkv_w, qkv_b)
+        qkv = quant.linear(rms_norm(x_BTD, ln1_w, eps), qkv_w, qkv_b)
         q = qkv[..., :nq].view(b, t, num_heads, head_dim)
         k = qkv[..., nq : nq + nk].view(b, t, num_kv_heads, head_dim)
         v = qkv[..., nq + nk :].view(b, t, num_kv_heads, head_dim)
@@ -219,10 +220,10 @@ def make_prefill_layer(num_heads: int, num_kv_heads: int, head_dim: int, eps: fl
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, N or Nkv, T, Dh]
         q, k = rotate(q, cos_11TDh, sin_11TDh), rotate(k, cos_11TDh, sin_11TDh)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        x_BTD = x_BTD + F.linear(o.transpose(1, 2).reshape(b, t, nq), o_w, o_b)
-        gu = F.linear(rms_norm(x_BTD, ln2_w, eps), gate_up_w)
+        x_BTD = x_BTD + quant.linear(o.transpose(1, 2).reshape(b, t, nq), o_w, o_b)
+        gu = quant.linear(rms_norm(x_BTD, ln2_w, eps), gate_up_w)
         inter = gu.shape[-1] // 2
-        return x_BTD + F.linear(F.silu(gu[..., :inter]) * gu[..., inter:], down_w), k, v
+        return x_BTD + quant.linear(F.silu(gu[..., :inter]) * gu[..., inter:], down_w), k, v
 
     return layer
 
@@ -269,6 +270,9 @@ class LlamaStyleRunner:
     from a pool of ``kv_cache_tokens`` tokens; shared prompt blocks), read by both decode paths and both attentions.
     ``prefill_layer_fn``: prefill runs ``make_prefill_layer`` (packed QKV / gate-up weights, compiled on CUDA) instead of
     the model's modules (dense Llama-style models only, else ValueError); None: on CUDA where the model allows it.
+    ``quantization`` "fp8" (``--inference.quantization``, quant.py): the layer functions read FP8 copies of the layer
+    weights (``self.fp8``, refreshed by ``NativeEngine.load_weights``); dense Llama-style models only, prefill through
+    the layer function, decode linears "auto" -> "triton" on CUDA at any hidden size.
     """
 
     def __init__(
@@ -284,6 +288,7 @@ class LlamaStyleRunner:
         kv_block_size: int = 16,
         kv_cache_tokens: int = 0,
         prefill_layer_fn: bool | None = None,
+        quantization: quant.Quantization = "none",
     ) -> None:
         attention = resolve_decode_attention(attention, device)
         if attention in ("triton", "triton_qkv"):
@@ -292,6 +297,8 @@ class LlamaStyleRunner:
         self.adapter = adapter_for(model)
         dims = self.adapter.dims()
         self.linear = resolve_decode_linear(linear, device, dims.hidden_size)
+        if quantization == "fp8" and linear == "auto" and device.type == "cuda":
+            self.linear = "triton"  # auto's hidden-size bound was measured in bf16; FP8 kernels read half the bytes
         if self.linear == "triton":
             import prime_spmd.kernels.decode_linear.op  # noqa: F401  registers torch.ops.prime_spmd.decode_linear
         self.model, self.inner = model, model.model
@@ -321,6 +328,7 @@ class LlamaStyleRunner:
             self._setup_fused_decode(model, compile_decode and device.type == "cuda")
         elif self.attention == "triton_qkv":  # the models' own modules compute q/k: the kernel cannot take them over
             self.attention = "triton"
+        self.fp8 = self._setup_quantization(quantization)
         # the Triton decode path (decode linears triton: CUDA's default at hidden size <= 1024) also takes the step's
         # inputs and the engine's state advance from kernels/decode_glue: one launch each instead of five and four
         self.glue = (
@@ -335,7 +343,11 @@ class LlamaStyleRunner:
             self.step_inputs = step_inputs
         self.prefill_layer = None
         if prefill_layer_fn is None:
-            prefill_layer_fn = device.type == "cuda" and self.layer_args is not None
+            prefill_layer_fn = (device.type == "cuda" or self.fp8 is not None) and self.layer_args is not None
+        if self.fp8 is not None and not prefill_layer_fn:
+            raise ValueError(
+                "--inference.quantization fp8 prefills through the layer function: --inference.native.prefill layer_fn"
+            )
         if prefill_layer_fn:
             if self.layer_args is None:
                 raise ValueError(f"prefill layer_fn needs a dense Llama-style decoder, not {type(model).__name__}")
@@ -368,6 +380,24 @@ class LlamaStyleRunner:
                 self.layer_args.append(
                     (ln1, qkv_w, qkv_b, qn, kn, o.weight, o.bias, ln2, gate_up_w, mlp.down_proj.weight)
                 )
+
+    def _setup_quantization(self, quantization: str) -> quant.Fp8Weights | None:
+        """``quantization`` "fp8": the layer weights' FP8 copies, put in ``layer_args`` in place of the bf16 weights
+        (ValueError, naming the flag, for a model without the fused decode layer, a GPU below compute capability 8.9
+        or shapes the FP8 GEMMs cannot take); "none": None."""
+        if quantization == "none":
+            return None
+        if quantization != "fp8":
+            raise ValueError(f"--inference.quantization {quantization!r}: choose none or fp8")
+        if self.layer_args is None:
+            raise ValueError(
+                f"--inference.quantization fp8 needs a dense Llama-style decoder (the fused decode layer), not "
+                f"{type(self.model).__name__}: use --inference.quantization none"
+            )
+        quant.check_fp8_supported(self.device, quant.weight_dims(self.layer_args[0]))
+        fp8 = quant.Fp8Weights(self.layer_args, self.device)
+        self.layer_args = fp8.layer_args(self.layer_args)
+        return fp8
 
     def rebuild_rope(self) -> None:
         """cos/sin tables [Tc, Dh] from the model's own rotary module (any rope_type it supports)."""
@@ -552,10 +582,16 @@ def build_runner(
     kv_block_size: int = 16,
     kv_cache_tokens: int = 0,
     prefill_layer_fn: bool | None = None,
+    quantization: quant.Quantization = "none",
 ):
     """The fastest runner that supports ``model`` (``attention``, ``linear``, ``kv_cache``,
-    ``prefill_layer_fn``: see ``LlamaStyleRunner``; the generic runner keeps token ids, no KV cache, and ignores the
-    first three; ``prefill_layer_fn`` None is off there)."""
+    ``prefill_layer_fn``, ``quantization``: see ``LlamaStyleRunner``; the generic runner keeps token ids, no KV cache,
+    and ignores the first three; ``prefill_layer_fn`` None is off there; ``quantization`` must be "none" there)."""
+    if quantization != "none" and not adapter_for(model).supports_fused_decode():
+        raise ValueError(
+            f"--inference.quantization {quantization} needs a dense Llama-style decoder (the native engine's fused "
+            f"decode layer), not {type(model).__name__}: use --inference.quantization none"
+        )
     if adapter_for(model).supports_slot_cache():
         return LlamaStyleRunner(
             model,
@@ -569,6 +605,7 @@ def build_runner(
             kv_block_size,
             kv_cache_tokens,
             prefill_layer_fn,
+            quantization=quantization,
         )
     if prefill_layer_fn:
         raise ValueError(f"prefill layer_fn needs a Llama-style decoder with a KV cache, not {type(model).__name__}")

@@ -223,8 +223,11 @@ def build_llm_kwargs(
     enforce_eager: bool = False,
     enable_sleep_mode: bool = False,
     trust_remote_code: bool = False,
+    quantization: str = "none",
 ) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.LLM`` (vLLM 0.32 names). ``max_model_len`` 0: the model's limit."""
+    """Keyword arguments of ``vllm.LLM`` (vLLM 0.32 names). ``max_model_len`` 0: the model's limit. ``quantization``
+    (``--inference.quantization``) other than "none" is vLLM's own ``quantization=`` (fp8: vLLM quantizes the bf16
+    checkpoint at load; that its weight reload re-quantizes synced weights is vLLM's behaviour, not tested here)."""
     kw: dict[str, Any] = dict(
         model=model_path,
         tokenizer=tokenizer_path or model_path,
@@ -243,6 +246,8 @@ def build_llm_kwargs(
     )
     if max_model_len > 0:
         kw["max_model_len"] = max_model_len
+    if quantization != "none":
+        kw["quantization"] = quantization
     if external_launcher:
         kw["distributed_executor_backend"] = "external_launcher"
         if dp > 1:
@@ -525,6 +530,7 @@ def build_vllm_engine(
         enforce_eager=not inference_cfg.cuda_graphs or device.type == "cpu",
         enable_sleep_mode=enable_sleep_mode,
         trust_remote_code=model_cfg.trust_remote_code,
+        quantization=inference_cfg.quantization,
     )
     if model_cfg.lora.rank > 0:
         kwargs.update(lora_llm_kwargs(model_cfg.lora))
