@@ -1,0 +1,39 @@
+"""``--inference.quantization fp8`` with ``--inference.engine vllm``: vLLM's own ``quantization="fp8"`` reaches
+``vllm.LLM`` (a fake vllm module records the keyword arguments; no vLLM needed)."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from prime_spmd.config.sections import InferenceConfig, ModelConfig
+from prime_spmd.inference import vllm_engine
+from prime_spmd.inference.vllm_engine import build_llm_kwargs
+from prime_spmd.models.tiny import build_char_tokenizer, build_tiny_model
+
+
+def test_llm_kwargs_pass_quantization_only_when_set():
+    assert build_llm_kwargs(model_path="/m", quantization="fp8")["quantization"] == "fp8"
+    assert "quantization" not in build_llm_kwargs(model_path="/m")
+
+
+def test_build_vllm_engine_hands_fp8_to_llm(monkeypatch, tmp_path):
+    calls = []
+
+    class RecordingLLM:
+        def __init__(self, **kwargs):
+            calls.append(kwargs)
+
+    fake = types.SimpleNamespace(__version__="0.32.0", LLM=RecordingLLM, SamplingParams=dict, TokensPrompt=dict)
+    monkeypatch.setattr(vllm_engine, "import_vllm", lambda: fake)
+    for var in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE"):  # build_vllm_engine sets them: restored
+        monkeypatch.setenv(var, "1")
+    path = build_tiny_model(tmp_path / "m")
+    for quantization in ("fp8", "none"):
+        engine = vllm_engine.build_vllm_engine(
+            ModelConfig(path=str(path)), InferenceConfig(engine="vllm", quantization=quantization),
+            device=torch.device("cpu"), tokenizer=build_char_tokenizer(),
+        )  # fmt: skip
+        assert isinstance(engine.llm, RecordingLLM)
+    assert calls[0]["quantization"] == "fp8" and "quantization" not in calls[1]
