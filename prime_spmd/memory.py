@@ -3,7 +3,8 @@
 ``estimate`` adds up what each part of a run holds at its peak, from the model's config alone (a meta-device
 instance counts the parameters): the trainer's weights, gradients and AdamW moments (host-resident under
 ``--trainer.offload optimizer``), the engine's copy of the weights (its fused QKV / gate-up tensors re-point the
-modules' weights, no second copy), the KV cache, and the trainer's activations. ``check_fits`` compares the plan with the device's memory and refuses a run
+modules' weights, no second copy) and, with ``--inference.quantization fp8``, its FP8 copies of the layer linears
+(never shared with the trainer: ``fp8_weight_bytes``), the KV cache, and the trainer's activations. ``check_fits`` compares the plan with the device's memory and refuses a run
 that cannot fit, printing the parts and the flags that would make it fit. ``phase`` names the phase (generate,
 train, sync) of an out-of-memory error raised inside it, with the same flags, instead of a bare CUDA trace.
 
@@ -112,6 +113,7 @@ def estimate(
     activation_checkpointing: bool,
     release_kv_cache: bool = False,
     param_bytes: int = 2,
+    quantization: str = "none",
 ) -> MemoryPlan:
     """Peak device bytes of a colocated run, by part.
 
@@ -120,7 +122,8 @@ def estimate(
     holds only the ``num_adapted`` weights of the adapted linears, merged.
     ``offload``: "none" or "optimizer" (moments on the host). ``kv_cache_tokens``: tokens the engine's KV cache
     holds; ``release_kv_cache``: it is freed while the trainer steps (else it stays through both phases).
-    Gradients exist only in the train phase (``zero_grad(set_to_none=True)`` after each step).
+    Gradients exist only in the train phase (``zero_grad(set_to_none=True)`` after each step). ``quantization`` "fp8":
+    the native engine also holds FP8 copies of the layer linears (``fp8_weight_bytes``), beside its bf16 weights.
     """
     plan = MemoryPlan()
     n, t = shape.num_params, num_trainable
@@ -133,6 +136,8 @@ def estimate(
         plan.parts["engine weights (LoRA-merged)"] = num_adapted * param_bytes
     else:
         plan.parts["engine weights"] = n * param_bytes
+    if quantization == "fp8":
+        plan.parts["engine FP8 weights"] = fp8_weight_bytes(shape)
     kv = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * kv_cache_tokens * param_bytes
     (plan.generate if release_kv_cache else plan.parts)["KV cache"] = kv
     per_token = shape.num_layers * shape.hidden_size * param_bytes  # each layer's input, kept for backward
@@ -142,6 +147,19 @@ def estimate(
         per_token += shape.num_layers * (4 * shape.hidden_size + 3 * shape.intermediate_size) * param_bytes
     plan.train["activations"] = per_token * micro_batch_tokens
     return plan
+
+
+def fp8_weight_bytes(shape: ModelShape) -> int:
+    """Bytes of the native engine's FP8 layer weights (inference/quant.py): one byte per weight of every layer's
+    q/k/v, o, gate/up and down projections plus an fp32 scale per output row. Dense models only (FP8 refuses MoE)."""
+    h, i = shape.hidden_size, shape.intermediate_size
+    q, kv = (
+        (shape.num_heads or shape.hidden_size // shape.head_dim) * shape.head_dim,
+        shape.num_kv_heads * shape.head_dim,
+    )
+    weights = h * (q + 2 * kv) + q * h + 3 * h * i
+    rows = (q + 2 * kv) + h + 2 * i + h
+    return shape.num_layers * (weights + 4 * rows)
 
 
 def check_fits(plan: MemoryPlan, device_bytes: int, *, headroom: float = 0.92) -> None:
@@ -185,6 +203,7 @@ def plan_colocated_run(
     micro_batch_tokens: int,
     activation_checkpointing: bool,
     release_kv_cache: bool,
+    quantization: str = "none",
 ) -> MemoryPlan:
     """The plan of a colocated RL run from its settings (``estimate`` with the model's counts). With LoRA, the
     adapted linears are those of ``lora_targets`` among q/k/v/o and the dense MLP's gate/up/down (stacked MoE experts
@@ -210,6 +229,7 @@ def plan_colocated_run(
         micro_batch_tokens=micro_batch_tokens,
         activation_checkpointing=activation_checkpointing,
         release_kv_cache=release_kv_cache,
+        quantization=quantization,
     )
 
 
@@ -229,4 +249,5 @@ def plan_rl_job(cfg: RLJobConfig, num_trainer_ranks: int) -> MemoryPlan:
         micro_batch_tokens=cfg.trainer.micro_batch_tokens,
         activation_checkpointing=cfg.trainer.activation_checkpointing,
         release_kv_cache=nat.release_kv_cache,
+        quantization=inf.quantization if inf.engine == "native" else "none",
     )

@@ -162,3 +162,22 @@ def test_factory_builds_the_fp8_engine(tmp_path):
     eng = build_engine(InferenceConfig(quantization="fp8", max_batch_size=2), ModelConfig(path=str(path)),
                        torch.device("cpu"), 32)  # fmt: skip
     assert eng.runner.fp8 is not None and eng.runner.fp8.nbytes > 0
+
+
+def test_memory_plan_counts_the_fp8_copies(tmp_path):
+    """``memory.fp8_weight_bytes`` from the model's config equals what the engine allocates, and the colocated plan
+    adds it (the trainer cannot share FP8 copies)."""
+    from prime_spmd import memory
+    from prime_spmd.models.tiny import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "m", "qwen3-micro")
+    shape = memory.model_shape(str(path))
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    eng = NativeEngine(model, None, max_batch_size=1, max_model_len=16, device="cpu", quantization="fp8")
+    assert memory.fp8_weight_bytes(shape) == eng.runner.fp8.nbytes
+    kw = dict(num_trainable=shape.num_params, lora=False, offload="none", share_weights=True, kv_cache_tokens=64,
+              micro_batch_tokens=64, activation_checkpointing=False)  # fmt: skip
+    plain, fp8 = memory.estimate(shape, **kw), memory.estimate(shape, quantization="fp8", **kw)
+    assert fp8.total - plain.total == eng.runner.fp8.nbytes and "engine FP8 weights" in fp8.describe()
