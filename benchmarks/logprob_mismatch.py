@@ -7,6 +7,10 @@ mean |d| and the mismatch KL mean(exp(d) - d - 1), d = trainer - inference, over
 
     python benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16
     python benchmarks/logprob_mismatch.py --device cpu --model-shape tiny
+    python benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --quantization fp8
+
+``--quantization fp8``: the engine samples from FP8 layer weights (``--inference.quantization``); the trainer side stays
+the bf16 model, so the KL includes the quantization error.
 """
 
 from __future__ import annotations
@@ -64,6 +68,12 @@ def main() -> None:
         choices=["auto", "layer_fn", "modules"],
         help="the engine's prefill: one layer function (auto, the default: on CUDA) or the model's modules",
     )
+    ap.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "fp8"],
+        help="the engine's weights (--inference.quantization)",
+    )
     ap.add_argument("--out", default="")
     args = ap.parse_args()
 
@@ -94,6 +104,7 @@ def main() -> None:
             decode_attention=args.decode_attention,
             kv_cache=args.kv_cache,
             prefill_layer_fn=prefill_choice(args.prefill),
+            quantization=args.quantization,
         )
         trainer_lm = load_model(mcfg, device, dtype).eval()
     vocab = engine.vocab_size
@@ -128,7 +139,8 @@ def main() -> None:
         "init_std": shape["overrides"].get("initializer_range", 0.02),
         "loss_impl": policy.loss_impl,
         "engine": {
-            k: getattr(args, k) for k in ("decode_attention", "decode_linear", "sampler", "kv_cache", "prefill")
+            k: getattr(args, k)
+            for k in ("decode_attention", "decode_linear", "sampler", "kv_cache", "prefill", "quantization")
         },
         "prefill_layer_fn_ran": getattr(engine.runner, "prefill_layer", None) is not None,
         "tokens": d.numel(),
