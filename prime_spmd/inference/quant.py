@@ -11,7 +11,8 @@ Embeddings, norms and the LM head stay bf16.
 Which GEMM reads the copy: decode steps within the fused kernels' row bounds the FP8 Triton kernels
 (``prime_spmd::fp8_decode_linear``, weight-only: fp32 accumulation of bf16 activations times e4m3 weights); prefill and
 larger decode steps ``fp8_linear`` (``linear_impl``: ``torch._scaled_mm`` with row-wise scales on CUDA, activations
-quantized per row; dequantize + GEMM where ``_scaled_mm`` fails its probe; an fp32 upcast matmul on CPU).
+quantized per row; dequantize + GEMM where ``_scaled_mm`` fails its probe; an fp32 upcast matmul on CPU and for fp32
+models).
 
 Layer functions of ``runner.py`` call ``linear`` / ``fused_linear`` with either a bf16 weight or a ``(q, scale)``
 pair; the pair is resolved at trace time, so one compiled graph serves the layers of one kind.
@@ -77,9 +78,11 @@ def linear_impl(device: torch.device) -> str:
 
 
 def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, w, b)``, or for an FP8 ``w = (q, scale)`` the FP8 GEMM (``linear_impl``)."""
+    """``F.linear(x, w, b)``, or for an FP8 ``w = (q, scale)`` the FP8 GEMM: ``linear_impl``'s for bf16 / fp16 x, the
+    fp32 reference for fp32 x (fp32 models, tests: rounding x to e4m3 would dwarf their precision)."""
     if isinstance(w, tuple):
-        return fp8_linear(x, w[0], w[1], b, impl=_LINEAR_IMPL.get(w[0].device.type, "reference"))
+        impl = "reference" if x.dtype == torch.float32 else _LINEAR_IMPL.get(w[0].device.type, "reference")
+        return fp8_linear(x, w[0], w[1], b, impl=impl)
     return F.linear(x, w, b)
 
 
