@@ -157,6 +157,7 @@ def run_native(
     fp8 = getattr(runner, "fp8", None)
     if fp8 is not None:
         resolved["quantize_ms"] = time_requantize(fp8, device)
+        resolved["fp8_gemm"] = fp8.gemm  # prefill's and large steps' GEMM: scaled_mm, dequant or reference
         resolved["weight_bytes"] = weight_bytes(model, fp8)
     return secs, toks, resolved
 
@@ -394,7 +395,7 @@ def main() -> None:
                     tag = ",prefill layer_fn" if ran["prefill_layer_fn"] else ""
                     tag += f",{ran['decode_steps_per_launch']} steps a launch"
                     if quant != "none":
-                        tag += f",{quant} (re-quantize {ran['quantize_ms']:.2f} ms)"
+                        tag += f",{quant} (re-quantize {ran['quantize_ms']:.2f} ms, GEMM {ran['fp8_gemm']})"
                     print(f"{name}[{attn},{lin},{smp},{kv}{tag}] batch {bs:4d}: {row['tokens_per_s']:10.1f} tok/s ({secs:.2f} s){extra}",
                           file=sys.stderr, flush=True)  # fmt: skip
                 continue

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from prime_spmd.kernels.fp8.op import fp8_linear, quantize_fp8_
 from prime_spmd.kernels.fp8.reference import FP8_DTYPE
+from prime_spmd.log import logger
 
 Quantization = Literal["none", "fp8"]
 FP8_MIN_CAPABILITY = (8, 9)
@@ -104,7 +105,8 @@ class Fp8Weights:
         if self.impl == "triton":
             import prime_spmd.kernels.fp8.kernel  # noqa: F401  (fails here, at build, where Triton is missing)
 
-        linear_impl(device)
+        self.gemm = linear_impl(device)
+        """The prefill / large-step GEMM over the copies (``linear_impl``)."""
         self.sources: list[torch.Tensor] = []  # the bf16 weights (the model's own storage)
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         for args in layer_args:
@@ -114,6 +116,10 @@ class Fp8Weights:
                 self.sources.append(w)
                 self.copies.append((q, torch.empty(w.shape[0], dtype=torch.float32, device=w.device)))
         self.requantize()
+        logger.info(
+            f"FP8 weights: {len(self.copies)} tensors, {self.nbytes / 2**30:.2f} GiB (quantize: {self.impl}, "
+            f"prefill GEMM: {self.gemm})"
+        )
 
     @property
     def nbytes(self) -> int:
