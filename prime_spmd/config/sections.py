@@ -56,14 +56,16 @@ class ModelConfig:
     """Parameter dtype for compute: auto is bfloat16 on CUDA and float32 on CPU."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     """Attention kernel of HF models."""
-    init_tiny: Literal["none", "qwen3-nano", "qwen3-micro", "qwen3-1m"] = "none"
-    """Build a random-init tiny Qwen3 + character tokenizer at --model.path if it has no model yet."""
+    init_tiny: Literal["none", "qwen3-nano", "qwen3-micro", "qwen3-1m", "qwen3-vl-nano"] = "none"
+    """Build a random-init tiny Qwen3 + character tokenizer (qwen3-vl-nano: a Qwen3-VL + the Qwen3 tokenizer) at --model.path if it has no model yet."""
     trust_remote_code: bool = False
     """Allow model code from the model directory (transformers trust_remote_code)."""
     router_aux_loss_coef: float | None = None
     """MoE: weight of the router load-balance loss added to the training loss (None: the HF config's router_aux_loss_coef; 0: off)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters (off unless --model.lora.rank > 0)."""
+    freeze_vision: bool = False
+    """Vision-language models: keep the vision tower's weights fixed (only the language model trains)."""
 
     def __post_init__(self) -> None:
         coef = self.router_aux_loss_coef
@@ -196,9 +198,9 @@ class SFTTrainerConfig(TrainerConfig):
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
-    source: Literal["reverse_text", "number_list", "jsonl", "parquet"] = "reverse_text"
-    """reverse_text, number_list: built-in seeded generators; jsonl/parquet: local file of prompt/completion or
-    messages rows."""
+    source: Literal["reverse_text", "number_list", "visual", "jsonl", "parquet"] = "reverse_text"
+    """reverse_text, number_list, visual (images, vision-language models): built-in seeded generators; jsonl/parquet:
+    local file of prompt/completion or messages rows."""
     path: str = ""
     """Dataset file for jsonl/parquet sources."""
     min_chars: int = 5
@@ -208,8 +210,8 @@ class DataConfig:
     alphabet: str = "abcdefghijklmnopqrstuvwxyz"
     """reverse_text: characters the strings are drawn from."""
     args: dict[str, str] = field(default_factory=dict)
-    """number_list: the task's keys, as --env.args takes them (min_items, max_items, min_digits, max_digits,
-    transform, sep)."""
+    """number_list, visual: the task's keys, as --env.args takes them (number_list: min_items, max_items,
+    min_digits, max_digits, transform, sep; visual: envs/visual.py)."""
     bad_rows: Literal["skip", "error"] = "skip"
     """What to do with malformed rows: skip and count them (first few logged), or stop with the row index."""
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from prime_spmd.models.vision import VisionInputs
+
 
 @dataclass(kw_only=True, slots=True)
 class Sample:
@@ -14,3 +16,5 @@ class Sample:
     """Per token of input_ids: 1 where the token is a training target (completion tokens)."""
     fields: dict[str, list[float]] = field(default_factory=dict)
     """Per-token floats aligned with input_ids (e.g. advantages, inference_logprobs)."""
+    vision: VisionInputs | None = None
+    """The prompt's images (vision-language models): input_ids hold their image tokens, never trained."""

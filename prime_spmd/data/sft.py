@@ -20,10 +20,11 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from prime_spmd.config.sections import DataConfig
-from prime_spmd.data import number_list
+from prime_spmd.data import number_list, visual
 from prime_spmd.data.reverse_text import example_rng, reverse_text_example
 from prime_spmd.data.sample import Sample
 from prime_spmd.log import logger
+from prime_spmd.models.vision import has_images, no_image_support
 
 _SHOWN_BAD_ROWS = 3
 
@@ -41,12 +42,15 @@ def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
 
 
 def _check_prompt_messages(msgs: list[dict], field: str) -> list[dict]:
-    """The prompt messages, or ValueError: each needs a string role and content, and some text."""
+    """The prompt messages, or ValueError: each needs a string role and content (or a list of content parts:
+    text and images), and some text or an image."""
     for i, m in enumerate(msgs):
-        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+        content = m.get("content")
+        ok = isinstance(content, str) or (isinstance(content, list) and all(isinstance(p, dict) for p in content))
+        if not isinstance(m.get("role"), str) or not ok:
             got = {k: type(v).__name__ for k, v in m.items()}
             raise ValueError(f"'{field}' message {i} needs a string 'role' and 'content'; got {got}")
-    if not any(m["content"].strip() for m in msgs):
+    if not any(m["content"].strip() if isinstance(m["content"], str) else m["content"] for m in msgs):
         raise ValueError("empty prompt")
     return msgs
 
@@ -119,13 +123,22 @@ class SFTDataset:
     """Deterministic, position-addressable SFT data: ``batch(step, batch_size)`` is a pure function
     of (seed, step), so resuming at a step needs no iterator state."""
 
-    def __init__(self, cfg: DataConfig, tokenizer, seed: int, seq_len: int) -> None:
+    def __init__(self, cfg: DataConfig, tokenizer, seed: int, seq_len: int, processor=None) -> None:
+        """``processor``: the model's ``VisionProcessor`` (prompts with image parts need one)."""
         self.cfg, self.tok, self.seed, self.seq_len = cfg, tokenizer, seed, seq_len
-        self.rows = None if cfg.source in ("reverse_text", "number_list") else read_rows(cfg.path, cfg.source)
+        self.processor = processor
+        builtin = ("reverse_text", "number_list", "visual")
+        self.rows = None if cfg.source in builtin else read_rows(cfg.path, cfg.source)
         if cfg.source == "number_list":
             self.number_list, rest = number_list.parse_task_args(cfg.args, "--data.args")
             if rest:
                 raise ValueError(f"--data.args: unknown keys {sorted(rest)} for number_list")
+        if cfg.source == "visual":
+            self.visual, rest = visual.parse_task_args(cfg.args, "--data.args")
+            if rest:
+                raise ValueError(f"--data.args: unknown keys {sorted(rest)} for visual")
+            if processor is None:
+                raise ValueError("--data.source=visual needs a vision-language model (e.g. --model.init_tiny qwen3-vl-nano)")
         if self.rows is not None and not self.rows:
             raise ValueError(f"--data.path={cfg.path!r} has no rows")
         if self.rows is not None:
@@ -143,6 +156,8 @@ class SFTDataset:
                 number_list.example_rng(self.seed, split, index), self.number_list
             )
             return [{"role": "user", "content": text}], answer
+        if self.cfg.source == "visual":
+            return visual.visual_example(visual.example_rng(self.seed, split, index), self.visual)
         if self.rows is None:
             text, rev = reverse_text_example(
                 example_rng(self.seed, split, index), self.cfg.min_chars, self.cfg.max_chars, self.cfg.alphabet
@@ -154,10 +169,17 @@ class SFTDataset:
         return _row_to_chat(row)
 
     def tokenize(self, prompt: list[dict], completion: str) -> Sample:
-        prompt_ids = render_prompt(self.tok, prompt)
+        vision = None
+        if self.processor is not None:
+            prompt_ids, vision = self.processor.render(prompt)
+        elif has_images(prompt):
+            raise no_image_support("SFT prompt", getattr(self.tok, "name_or_path", "?"))
+        else:
+            prompt_ids = render_prompt(self.tok, prompt)
         completion_ids = list(self.tok.encode(completion, add_special_tokens=False)) + [self.tok.eos_token_id]
         ids = prompt_ids + completion_ids
-        return Sample(input_ids=ids, loss_mask=[0] * len(prompt_ids) + [1] * len(completion_ids))
+        loss_mask = [0] * len(prompt_ids) + [1] * len(completion_ids)
+        return Sample(input_ids=ids, loss_mask=loss_mask, vision=None if vision is None else vision.without_images())
 
     def _bad(self, index: int, err: Exception) -> None:
         if self.cfg.bad_rows == "error":
@@ -193,6 +215,8 @@ class SFTDataset:
                 self.num_too_long += 1
                 n_prompt = sample.loss_mask.count(0)
                 what = f"prompt alone has {n_prompt} tokens" if n_prompt >= self.seq_len else "prompt + completion"
+                if sample.vision is not None:
+                    what += f" ({sum(sample.vision.tokens_per_image())} of them image tokens)"
                 err = f"{what} ({len(sample.input_ids)} tokens in all) > --trainer.seq_len={self.seq_len}"
                 self._bad(idx, ValueError(err + "; raise --trainer.seq_len or shorten the row"))
                 continue

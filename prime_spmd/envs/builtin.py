@@ -1,4 +1,4 @@
-"""What the built-in environments (reverse_text, number_list) share: one user message per example, every
+"""What the built-in environments (reverse_text, number_list, visual) share: one user message per example, every
 request of a call in one continuous batch, a per-request seed, and a scorer of the decoded completion."""
 
 from __future__ import annotations
@@ -10,6 +10,14 @@ from typing import Literal
 from prime_spmd.envs.base import Environment, completion_text
 from prime_spmd.envs.rollout import Rollout
 from prime_spmd.inference.engine import InferenceEngine, Request, SamplingParams
+from prime_spmd.models.vision import has_images
+
+
+def prompt_text(content: str | list) -> str:
+    """A message's text: the content string, or its text parts joined (image parts left out)."""
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
 
 
 def request_seed(seed: int, split: str, example_id: int, sample_idx: int) -> int:
@@ -37,16 +45,23 @@ class BuiltinEnv(Environment):
     ) -> list[list[Rollout]]:
         """All ``len(example_ids) * group_size`` requests go to the engine in one continuous batch."""
         examples = [self.example(split, i) for i in example_ids]
-        prompts = [engine.render_chat(ex["prompt"]) for ex in examples]
+        # prompts with image parts (envs/visual.py) render with the model's image processor
+        rendered = [
+            engine.render_prompt(ex["prompt"]) if has_images(ex["prompt"]) else (engine.render_chat(ex["prompt"]), None)
+            for ex in examples
+        ]
+        prompts = [ids for ids, _ in rendered]
+        visions = [None if v is None else v.without_images() for _, v in rendered]  # what rollouts carry
         requests = []
-        for ex, prompt in zip(examples, prompts):
+        for ex, (prompt, vision) in zip(examples, rendered):
             for j in range(group_size):
                 sp = SamplingParams(**{f: getattr(sampling, f) for f in SamplingParams.__slots__})
                 sp.seed = request_seed(seed, split, ex["example_id"], j)
-                requests.append(Request(prompt_ids=prompt, sampling=sp, request_id=f"{split}/{ex['example_id']}/{j}"))
+                rid = f"{split}/{ex['example_id']}/{j}"
+                requests.append(Request(prompt_ids=prompt, sampling=sp, request_id=rid, vision=vision))
         completions = iter(engine.generate(requests, progress=progress))
         groups = []
-        for ex, prompt in zip(examples, prompts):
+        for ex, prompt, vision in zip(examples, prompts, visions):
             group = []
             for j in range(group_size):
                 c = next(completions)
@@ -62,8 +77,9 @@ class BuiltinEnv(Environment):
                         inference_logprobs=list(c.logprobs),
                         reward=reward,
                         metrics={"exact_match": exact},
+                        vision=vision,
                         info={
-                            "prompt_text": ex["prompt"][0]["content"],
+                            "prompt_text": prompt_text(ex["prompt"][0]["content"]),
                             "answer": ex["answer"],
                             "completion_text": text,
                             "finish_reason": c.finish_reason,

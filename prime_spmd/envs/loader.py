@@ -18,8 +18,9 @@ from prime_spmd.config.sections import EnvConfig
 from prime_spmd.envs.base import Environment
 from prime_spmd.envs.number_list import NumberListEnv
 from prime_spmd.envs.reverse_text import ReverseTextEnv
+from prime_spmd.envs.visual import VisualEnv
 
-BUILTINS = ("reverse_text", "number_list")
+BUILTINS = ("reverse_text", "number_list", "visual")
 
 
 def verifiers_api() -> tuple[Literal["classic", "v1"] | None, str]:
@@ -38,6 +39,8 @@ def load_environment(cfg: EnvConfig) -> Environment:
         return ReverseTextEnv(seed=cfg.seed, num_eval_examples=cfg.num_eval_examples, args=cfg.args)
     if cfg.name == "number_list":
         return NumberListEnv(seed=cfg.seed, num_eval_examples=cfg.num_eval_examples, args=cfg.args)
+    if cfg.name == "visual":
+        return VisualEnv(seed=cfg.seed, num_eval_examples=cfg.num_eval_examples, args=cfg.args)
     api, installed = verifiers_api()
     if api is None:
         raise ValueError(

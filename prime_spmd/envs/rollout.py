@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from prime_spmd.models.vision import VisionInputs
+
 
 @dataclass(kw_only=True, slots=True)
 class Rollout:
@@ -30,6 +32,8 @@ class Rollout:
     metrics: dict[str, float] = field(default_factory=dict)
     """Per-sample environment metrics (e.g. reward_fn_errors), averaged into the step's metrics."""
     info: dict[str, Any] = field(default_factory=dict)
+    vision: VisionInputs | None = None
+    """The prompt's images (``VisionInputs.without_images``; a group's rollouts share one object)."""
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field when the lengths disagree or values are malformed."""

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import torch
 
+from prime_spmd.models.vision import VisionInputs, has_images, no_image_support
 from prime_spmd.progress import Progress
 
 
@@ -48,6 +49,8 @@ class Request:
     prompt_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     request_id: int | str = 0
+    vision: VisionInputs | None = None
+    """The prompt's images (vision-language models): prompt_ids hold their image tokens (``render_prompt``)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -74,6 +77,8 @@ class InferenceEngine(abc.ABC):
     weights_version: int = 0
     """Optimizer steps of the weights the engine holds. Set by the weight sync (prime_spmd/sync/weights.py) after
     a complete update, to the version the trainer sent; generation reports it with every batch."""
+    processor: Any = None
+    """The model's ``VisionProcessor`` (vision-language models; set by ``factory.build_engine``), else None."""
 
     @abc.abstractmethod
     def add_request(self, request: Request) -> None:
@@ -129,6 +134,17 @@ class InferenceEngine(abc.ABC):
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Token ids of ``messages`` rendered with the tokenizer's chat template plus the generation prompt."""
         return render_chat_ids(self.tokenizer, messages, tools)
+
+    def render_prompt(
+        self, messages: list[dict], tools: list[dict] | None = None
+    ) -> tuple[list[int], VisionInputs | None]:
+        """``render_chat`` for messages that may hold image parts: (prompt ids with the images' tokens, the vision
+        inputs or None). ``ValueError`` for an image given to a text-only model or one that cannot be read."""
+        if self.processor is not None:
+            return self.processor.render(messages, tools)
+        if has_images(messages):
+            raise no_image_support("render_prompt", getattr(self.tokenizer, "name_or_path", "?"))
+        return self.render_chat(messages, tools), None
 
 
 def render_chat_ids(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None) -> list[int]:

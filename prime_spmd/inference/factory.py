@@ -15,6 +15,7 @@ from prime_spmd.log import logger
 from prime_spmd.models import registry
 from prime_spmd.models.loading import load_model, load_tokenizer, resolve_dtype
 from prime_spmd.models.qwen3.model import set_moe_impl
+from prime_spmd.models.vision import load_vision_processor
 
 
 def build_engine(
@@ -64,9 +65,10 @@ def build_engine(
             f"tensors), {report.owned_bytes / 2**30:.2f} GiB its own ({report.owned}: trained, LoRA-merged or fused)"
         )
     native = inference_cfg.native
+    tokenizer = load_tokenizer(model_cfg)
     engine = NativeEngine(
         model,
-        load_tokenizer(model_cfg),
+        tokenizer,
         max_batch_size=inference_cfg.max_batch_size,
         max_model_len=max_len,
         device=device,
@@ -83,6 +85,7 @@ def build_engine(
         quantization=inference_cfg.quantization,
         lora_base=lora_base,
     )
+    engine.processor = load_vision_processor(model_cfg.path, tokenizer)
     warm = native.warmup
     if warm == "on" or (warm == "auto" and engine.use_graphs):
         t0 = time.perf_counter()

@@ -34,6 +34,7 @@ from prime_spmd.inference.scheduler import Scheduler, Seq
 from prime_spmd.kernels.decode_glue.reference import advance_reference as advance_decode_state
 from prime_spmd.models.lora import LoraMerger, base_name
 from prime_spmd.models.registry import adapter_for
+from prime_spmd.models.vision import no_image_support
 
 PREFILL_MIN_LEN = 16  # the shortest prefill length bucket (powers of two up to max_model_len)
 MULTI_STEP_MAX_ROWS = 16
@@ -194,10 +195,13 @@ class NativeEngine(InferenceEngine):
         if n == 0:
             raise ValueError(f"request {request.request_id!r}: empty prompt_ids")
         if n >= self.max_model_len:
+            images = "" if request.vision is None else f", {sum(request.vision.tokens_per_image())} of them image tokens"
             raise ValueError(
-                f"request {request.request_id!r}: prompt of {n} tokens does not fit --inference.max_model_len="
+                f"request {request.request_id!r}: prompt of {n} tokens{images} does not fit --inference.max_model_len="
                 f"{self.max_model_len} (need at least one free position to generate)"
             )
+        if request.vision is not None and not hasattr(self.runner, "set_vision"):
+            raise no_image_support(f"request {request.request_id!r}", type(self.model).__name__)
         bad = [t for t in request.prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(
@@ -372,6 +376,9 @@ class NativeEngine(InferenceEngine):
             cache.sync()
         self.num_prefill_tokens += sum(len(q.req.prompt_ids) for q in leaders)
         self.num_prompt_tokens += sum(len(q.req.prompt_ids) for q in seqs)
+        if hasattr(self.runner, "set_vision"):  # vision-language models: each prompt's images (vision_runner.py)
+            for q in leaders:
+                self.runner.set_vision(q.slot, q.req.vision)
         logits = self._run_prefill(ids, [q.slot for q in leaders], [len(q.req.prompt_ids) - 1 for q in leaders])
         if len(leaders) < len(seqs):
             self._copy_shared_prompts(seqs, [leaders[r] for r in row])

@@ -8,12 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
 from prime_spmd.config.sections import ModelConfig
 from prime_spmd.log import logger
 from prime_spmd.models import registry
 from prime_spmd.models.tiny import build_tiny_model
+from prime_spmd.models.vlm import VLM_PRESETS, VLM_TYPES, build_tiny_vlm
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -55,6 +56,9 @@ def maybe_build_tiny(cfg: ModelConfig, seed: int) -> None:
         return
 
     logger.info(f"model.init_tiny={cfg.init_tiny}: writing a random-init model to {p}")
+    if cfg.init_tiny in VLM_PRESETS:
+        build_tiny_vlm(p, preset=cfg.init_tiny, seed=seed)
+        return
     build_tiny_model(p, preset=cfg.init_tiny, seed=seed)
 
 
@@ -76,7 +80,9 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype | None
     dtype = dtype or resolve_dtype(cfg.dtype, device)
     if registry.use_custom(cfg):
         return registry.load_custom(cfg.path, device=device, dtype=dtype)
-    model = AutoModelForCausalLM.from_pretrained(
+    # vision-language models (models/vlm.py) load as image-text-to-text: transformers has no causal-LM class for them
+    auto = AutoModelForImageTextToText if registry.model_type(cfg.path) in VLM_TYPES else AutoModelForCausalLM
+    model = auto.from_pretrained(
         cfg.path,
         dtype=dtype,
         attn_implementation=cfg.attn_implementation,

@@ -19,12 +19,15 @@ from prime_spmd.models.hf_adapter import HFAdapter
 from prime_spmd.models.qwen3.adapter import Qwen3Adapter
 from prime_spmd.models.qwen3.hf import load_qwen3
 from prime_spmd.models.qwen3.model import Qwen3ForCausalLM
+from prime_spmd.models.vlm import VLMAdapter
 
 if TYPE_CHECKING:  # annotation only: the engine imports this module, and config/ needs tyro
     from prime_spmd.config.sections import ModelConfig
 
 REGISTRY: dict[str, Callable[..., torch.nn.Module]] = dict(qwen3=load_qwen3, qwen3_moe=load_qwen3)
 ADAPTERS: dict[type[torch.nn.Module], type[ModelAdapter]] = {Qwen3ForCausalLM: Qwen3Adapter}
+VLM_CLASS_NAMES = {"Qwen3VLForConditionalGeneration": VLMAdapter}
+"""transformers vision-language classes by name (their modules are imported only when a model is loaded)."""
 
 
 def adapter_for(lm: torch.nn.Module) -> ModelAdapter:
@@ -33,6 +36,8 @@ def adapter_for(lm: torch.nn.Module) -> ModelAdapter:
     for cls in type(lm).__mro__:
         if cls in ADAPTERS:
             return ADAPTERS[cls](lm)
+        if cls.__name__ in VLM_CLASS_NAMES:
+            return VLM_CLASS_NAMES[cls.__name__](lm)
     return HFAdapter(lm)
 
 

@@ -57,6 +57,7 @@ def rollouts_to_samples(
                     "inference_logprobs": [0.0] * n_p + [float(x) for x in r.inference_logprobs],
                     "sample_ids": [float(i)] * len(ids),  # groups a sample's tokens in a packed row (gspo)
                 },
+                vision=r.vision,
             )
         )
     versions = [r.policy_version for r in flat]

@@ -18,6 +18,7 @@ from prime_spmd.models.common.attention import flash_attn_varlen_func
 from prime_spmd.models.loading import load_model, load_tokenizer, maybe_build_tiny, resolve_dtype
 from prime_spmd.models.lora import apply_lora
 from prime_spmd.models.registry import adapter_for
+from prime_spmd.models.vision import load_vision_processor
 from prime_spmd.trainer.optim import build_optimizer, build_scheduler
 from prime_spmd.trainer.policy import PolicyModel, resolve_loss_impl, resolve_router_aux_coef
 
@@ -31,6 +32,8 @@ class TrainerParts:
     mesh: DeviceMesh
     tokenizer: object
     compute_dtype: torch.dtype
+    processor: object = None
+    """The ``VisionProcessor`` of a vision-language model (images -> vision inputs), None for text-only models."""
 
 
 def prepare_model_dir(model_cfg: ModelConfig, ctx: DistContext, seed: int) -> None:
@@ -83,6 +86,11 @@ def build_trainer(
     lm = load_model(model_cfg, device, dtype=compute_dtype if model_cfg.lora.rank else torch.float32)
     adapter = adapter_for(lm)
     adapter.prepare_for_training()
+    if model_cfg.freeze_vision:  # before LoRA and FSDP2: frozen weights are held as loaded and get no optimizer state
+        if not hasattr(adapter, "vision_parameters"):
+            raise ValueError(f"--model.freeze_vision: {adapter.model_type!r} has no vision tower")
+        for p in adapter.vision_parameters():
+            p.requires_grad_(False)
     if model_cfg.lora.rank:  # before FSDP2: the adapters are sharded with their block (docs/lora.md)
         adapted = apply_lora(lm, model_cfg.lora, seed=trainer_cfg.seed, base_model=model_cfg.path)
         num_trainable = sum(p.numel() for p in lm.parameters() if p.requires_grad)
@@ -120,8 +128,9 @@ def build_trainer(
         optimizer=optimizer,
         scheduler=scheduler,
         mesh=mesh,
-        tokenizer=load_tokenizer(model_cfg),
+        tokenizer=(tokenizer := load_tokenizer(model_cfg)),
         compute_dtype=compute_dtype,
+        processor=load_vision_processor(model_cfg.path, tokenizer),
     )
 
 

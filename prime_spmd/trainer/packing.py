@@ -14,11 +14,12 @@ of a document row (``RowLayout``: the longest document), D hidden.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from prime_spmd.data.sample import Sample
+from prime_spmd.models.vision import VisionInputs
 
 
 @dataclass(kw_only=True, slots=True)
@@ -34,6 +35,8 @@ class MicroBatch:
     fields: dict[str, torch.Tensor]
     """[P] float32 each, aligned with targets"""
     num_docs: int
+    vision: list[tuple[int, VisionInputs]] = field(default_factory=list)
+    """(document index in the row, its images) of the documents with images (vision-language models)."""
 
     @property
     def num_tokens(self) -> int:
@@ -47,18 +50,24 @@ class MicroBatch:
             loss_mask=self.loss_mask.to(device),
             fields={k: v.to(device) for k, v in self.fields.items()},
             num_docs=self.num_docs,
+            vision=[(d, v.to(device)) for d, v in self.vision],
         )
 
 
 def _collate(docs: list[Sample], field_names: list[str]) -> MicroBatch:
     ids, pos, tgt, mask = [], [], [], []
     fields: dict[str, list[float]] = {k: [] for k in field_names}
-    for d in docs:
+    vision = []
+    for i, d in enumerate(docs):
         n = len(d.input_ids)
         ids += d.input_ids
         pos += list(range(n))
         tgt += d.input_ids[1:] + [0]
-        mask += [bool(m) for m in d.loss_mask[1:]] + [False]
+        trained = [bool(m) for m in d.loss_mask[1:]] + [False]
+        if d.vision is not None:  # image tokens are inputs, never targets
+            vision.append((i, d.vision.without_images()))
+            trained = [m and t != d.vision.image_token_id for m, t in zip(trained, d.input_ids[1:] + [0])]
+        mask += trained
         for k in field_names:
             vals = d.fields[k]
             fields[k] += list(vals[1:]) + [0.0]
@@ -69,6 +78,7 @@ def _collate(docs: list[Sample], field_names: list[str]) -> MicroBatch:
         loss_mask=torch.tensor(mask, dtype=torch.bool),
         fields={k: torch.tensor(v, dtype=torch.float32) for k, v in fields.items()},
         num_docs=len(docs),
+        vision=vision,
     )
 
 

