@@ -135,6 +135,8 @@ class RLJobConfig:
                     "trainer computes logprobs of the unfiltered tempered distribution (the importance ratio "
                     f"would be biased); set --sampling.{flag} {off} (eval may filter)"
                 )
+        if self.model.exact:
+            self._check_exact()
         if self.model.lora.rank > 512 and self.inference.engine == "vllm":
             # vLLM 0.32's largest max_lora_rank (vllm/config/lora.py; inference/vllm_lora.py)
             raise ValueError(
@@ -146,6 +148,19 @@ class RLJobConfig:
                 f"--inference.max_model_len={self.inference.max_model_len} is shorter than "
                 f"--trainer.seq_len={self.trainer.seq_len}; raise it or set 0 to follow seq_len"
             )
+
+    def _check_exact(self) -> None:
+        """--model.exact's limits (docs/algorithms.md, "Exact mode"): the native engine's slot cache, full weights."""
+        native = self.inference.native
+        for bad, fix in (
+            (self.inference.engine != "native", "--inference.engine native"),
+            (self.model.lora.rank > 0, "--model.lora.rank 0 (LoRA is not covered)"),
+            (native.kv_cache != "slot", "--inference.native.kv_cache slot"),
+            (getattr(self.inference, "quantization", "none") != "none", "--inference.quantization none"),
+            (self.model.impl == "hf", "--model.impl custom"),
+        ):
+            if bad:
+                raise ValueError(f"--model.exact needs {fix}")
 
 
 @dataclass(kw_only=True, slots=True)

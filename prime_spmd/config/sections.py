@@ -64,6 +64,8 @@ class ModelConfig:
     """MoE: weight of the router load-balance loss added to the training loss (None: the HF config's router_aux_loss_coef; 0: off)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters (off unless --model.lora.rank > 0)."""
+    exact: bool = False
+    """Exact mode: the trainer's forward and the native engine's prefill/decode run batch-invariant Triton kernels, so each sampled token's logprob equals the trainer's bit for bit (dense Qwen3, --model.impl custom, one device, no LoRA; docs/algorithms.md)."""
     freeze_vision: bool = False
     """Vision-language models: keep the vision tower's weights fixed (only the language model trains)."""
 

@@ -84,6 +84,7 @@ def build_engine(
         decode_steps_per_launch=native.decode_steps_per_launch,
         quantization=inference_cfg.quantization,
         lora_base=lora_base,
+        exact=model_cfg.exact,
     )
     engine.processor = load_vision_processor(model_cfg.path, tokenizer)
     warm = native.warmup

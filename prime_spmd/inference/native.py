@@ -25,6 +25,7 @@ from collections.abc import Iterable
 
 import torch
 
+from prime_spmd.inference import exact as exact_mode
 from prime_spmd.inference.engine import Completion, InferenceEngine, Request
 from prime_spmd.inference.graphs import PREFILL_GRAPH_MAX_TOKENS, GraphPool, PrefillGraphs
 from prime_spmd.inference.kv_cache import PagedKVCache, bucket_sizes, pick_bucket
@@ -62,8 +63,9 @@ class NativeEngine(InferenceEngine):
     the triton_qkv attention) with programmatic dependent launch (kernels/pdl; CUDA, process-wide; ``self.pdl`` says
     whether it is on). ``prefill_layer_fn``: prefill through one pure layer function (packed QKV / gate-up weights, compiled
     on CUDA) instead of the model's modules (dense Llama-style models; None: on CUDA). ``quantization``: "fp8" decodes and
-    prefills from FP8 copies of the layer weights, quantized again by each ``load_weights`` (quant.py). Call every method
-    from one thread.
+    prefills from FP8 copies of the layer weights, quantized again by each ``load_weights`` (quant.py). ``exact``
+    (``--model.exact``): prefill, decode and the sampled tokens' logprobs run the batch-invariant kernels the trainer
+    runs (inference/exact.py), bit-equal to its logprobs; unfiltered sampling only. Call every method from one thread.
     """
 
     def __init__(
@@ -91,6 +93,7 @@ class NativeEngine(InferenceEngine):
         decode_steps_per_launch: int = 0,
         quantization: str = "none",
         lora_base: dict[str, torch.Tensor] | None = None,
+        exact: bool = False,
     ) -> None:
         device = torch.device(device) if device is not None else next(model.parameters()).device
         if decode_steps_per_launch < 0:
@@ -119,7 +122,9 @@ class NativeEngine(InferenceEngine):
             kv_cache_tokens=kv_cache_tokens,
             prefill_layer_fn=prefill_layer_fn,
             quantization=quantization,
+            exact=exact,
         )
+        self.exact = exact
         self.vocab_size = self.runner.vocab_size
         self.batch_buckets = bucket_sizes(max_batch_size, 1, "pow2")
         self.len_buckets = bucket_sizes(max_model_len, min(256, max_model_len), "linear")
@@ -141,6 +146,8 @@ class NativeEngine(InferenceEngine):
             from prime_spmd.kernels.gumbel_sample.kernel import LM_HEAD_MAX_ROWS
 
             self._head_rows = LM_HEAD_MAX_ROWS
+        if exact:  # the sampler picks tokens; their logprobs come from the trainer's log-softmax kernel (exact.py)
+            self._sample, self._head_rows = exact_mode.exact_sampler(self._sample), 0
         # decode steps one launch (graph replay) may run: each launch's host work and the gap between two replays
         # are paid once for k tokens; a launch takes k > 1 only while nothing waits for admission and every row has
         # room for k more tokens (a row that stops early discards the rest of its launch's tokens, as it does today
@@ -191,6 +198,8 @@ class NativeEngine(InferenceEngine):
 
     # ---- interface -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        if self.exact:
+            exact_mode.check_sampling(request)
         n = len(request.prompt_ids)
         if n == 0:
             raise ValueError(f"request {request.request_id!r}: empty prompt_ids")

@@ -25,6 +25,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from prime_spmd.inference import exact as exact_mode
 from prime_spmd.inference import quant
 from prime_spmd.inference.kv_cache import PagedKVCache, SlotKVCache, read_positions, write_token
 from prime_spmd.models.common.norm import rms_norm
@@ -270,6 +271,8 @@ class LlamaStyleRunner:
     from a pool of ``kv_cache_tokens`` tokens; shared prompt blocks), read by both decode paths and both attentions.
     ``prefill_layer_fn``: prefill runs ``make_prefill_layer`` (packed QKV / gate-up weights, compiled on CUDA) instead of
     the model's modules (dense Llama-style models only, else ValueError); None: on CUDA where the model allows it.
+    ``exact`` (``--model.exact``): prefill and decode run the batch-invariant kernels (``inference/exact.py``; slot
+    cache, dense models); ``attention``, ``linear``, ``prefill_layer_fn`` and compiling are then unused.
     ``quantization`` "fp8" (``--inference.quantization``, quant.py): the layer functions read FP8 copies of the layer
     weights (``self.fp8``, refreshed by ``NativeEngine.load_weights``); dense Llama-style models only, prefill through
     the layer function, decode linears "auto" -> "triton" on CUDA at any hidden size.
@@ -289,6 +292,7 @@ class LlamaStyleRunner:
         kv_cache_tokens: int = 0,
         prefill_layer_fn: bool | None = None,
         quantization: quant.Quantization = "none",
+        exact: bool = False,
     ) -> None:
         attention = resolve_decode_attention(attention, device)
         if attention in ("triton", "triton_qkv"):
@@ -323,8 +327,12 @@ class LlamaStyleRunner:
             num_tokens=kv_cache_tokens,
         )
         self.rebuild_rope()
+        self.exact = exact
+        if exact:  # prefill and decode run inference/exact.py: no fused, compiled or Triton-glue decode path
+            exact_mode.setup(self, kv_cache)
+            prefill_layer_fn = False
         self.layer_args: list[tuple] | None = None
-        if self.adapter.supports_fused_decode():
+        if self.adapter.supports_fused_decode() and not exact:
             self._setup_fused_decode(model, compile_decode and device.type == "cuda")
         elif self.attention == "triton_qkv":  # the models' own modules compute q/k: the kernel cannot take them over
             self.attention = "triton"
@@ -443,6 +451,8 @@ class LlamaStyleRunner:
         Padding sits after each prompt, so causal attention keeps real positions exact; the K/V
         written at padded positions are overwritten by decode before they are ever attended.
         """
+        if self.exact:
+            return exact_mode.prefill(self, ids_BT, slots_B, last_B)
         b, t = ids_BT.shape
         x = self.inner.embed_tokens(ids_BT)
         cos = self.cos_TcDh[:t][None, None]
@@ -470,6 +480,8 @@ class LlamaStyleRunner:
     def decode(self, ids_B: torch.Tensor, pos_B: torch.Tensor, kv_len: int, head: bool = True) -> torch.Tensor:
         """One token for each of slots 0..B-1 at ``pos_B``; attends positions [0, kv_len); float logits [B, V],
         or with ``head=False`` the LM head's input [B, D] (the final norm's output, model dtype)."""
+        if self.exact:
+            return exact_mode.decode(self, ids_B, pos_B, head)
         if self.layer_args is not None:
             return self._decode_fused(ids_B, pos_B, kv_len, head)
         b = ids_B.shape[0]
@@ -583,6 +595,7 @@ def build_runner(
     kv_cache_tokens: int = 0,
     prefill_layer_fn: bool | None = None,
     quantization: quant.Quantization = "none",
+    exact: bool = False,
 ):
     """The fastest runner that supports ``model`` (``attention``, ``linear``, ``kv_cache``,
     ``prefill_layer_fn``, ``quantization``: see ``LlamaStyleRunner``; the generic runner keeps token ids, no KV cache,
@@ -610,7 +623,10 @@ def build_runner(
             kv_cache_tokens,
             prefill_layer_fn,
             quantization=quantization,
+            exact=exact,
         )
+    if exact:
+        raise ValueError(f"--model.exact needs a Llama-style decoder with a KV cache, not {type(model).__name__}")
     if prefill_layer_fn:
         raise ValueError(f"prefill layer_fn needs a Llama-style decoder with a KV cache, not {type(model).__name__}")
     return GenericRunner(model, num_slots, max_len, device)

@@ -106,6 +106,7 @@ def build_trainer(
         router_aux_coef,
         unpack_documents=not varlen_attention(model_cfg, device),
         share_prompts=trainer_cfg.share_prompts,
+        exact=model_cfg.exact,
     )
     mesh = build_trainer_mesh(ctx.topo, device)
     # EP (mesh with an ep axis) -> activation checkpointing -> FSDP2 per block -> root
@@ -118,7 +119,7 @@ def build_trainer(
         reshard_after_forward=trainer_cfg.reshard_after_forward,
         experts=adapter.expert_modules(),
         compile_blocks="inductor"
-        if compile_training(trainer_cfg.compile, device, adapter.compiles_by_default())
+        if compile_training(trainer_cfg.compile, device, adapter.compiles_by_default()) and not model_cfg.exact
         else None,
     )
     optimizer = build_optimizer(policy, optim_cfg, offload=trainer_cfg.offload)

@@ -27,6 +27,7 @@ from prime_spmd.log import logger
 from prime_spmd.models.adapter import ModelAdapter, ModelOutput
 from prime_spmd.models.hf_adapter import HF_ROUTER_AUX_TYPES
 from prime_spmd.models.registry import adapter_for
+from prime_spmd.trainer.exact import check_trainer_model, exact_hidden, exact_logprobs
 from prime_spmd.trainer.loss import TokenLoss
 from prime_spmd.trainer.packing import row_layout, share_layout
 
@@ -101,6 +102,9 @@ class PolicyModel(nn.Module):
     row that share their untrained prefix (a GRPO group's prompt) forward it once, with an explicit
     attention mask (``packing.ShareLayout``); the same per-token result up to rounding. Only ``forward``
     shares (it has the loss mask); a row without a share group goes the unpacked or packed way above.
+
+    ``exact`` (``--model.exact``): the forward and the logprobs run the engine's batch-invariant kernels
+    (``trainer/exact.py``), bit-equal to the logprobs the native engine sampled with; the two options above are unused.
     """
 
     def __init__(
@@ -110,9 +114,13 @@ class PolicyModel(nn.Module):
         router_aux_coef: float = 0.0,
         unpack_documents: bool = True,
         share_prompts: bool = True,
+        exact: bool = False,
     ) -> None:
         super().__init__()
         self.lm = lm
+        self.exact = exact
+        if exact:
+            check_trainer_model(lm)
         self.adapter = adapter_for(lm)
         self.loss_impl = loss_impl
         self.unpack_documents = unpack_documents and self.adapter.dims().num_experts == 0
@@ -126,7 +134,9 @@ class PolicyModel(nn.Module):
         """(final hidden states [B*T, D] in input order, the model's output as it ran (``ModelOutput``: router
         aux loss and tokens per expert), packed tokens it did not run (shared prompt copies)). One packed row
         ([1, L]) goes through ``ShareLayout`` when sharing prompts (needs ``loss_mask_T``, [L]: the target at t
-        is trained) and a group shares one, else through ``RowLayout`` when unpacking."""
+        is trained) and a group shares one, else through ``RowLayout`` when unpacking; ``exact``: ``exact_hidden``."""
+        if self.exact:
+            return exact_hidden(self.lm, input_ids_BT, position_ids_BT)
         if self.share_prompts and loss_mask_T is not None and input_ids_BT.shape[0] == 1:
             shared = share_layout(input_ids_BT, position_ids_BT, loss_mask_T)
             if shared is not None:
@@ -148,6 +158,8 @@ class PolicyModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Differentiable per-token (logprob, entropy) [L] fp32 (impls reference/triton)."""
         hidden_TD, _, _ = self.hidden(input_ids_BT, position_ids_BT)
+        if self.exact:
+            return exact_logprobs(hidden_TD, self.adapter.lm_head_weight(), targets_T, temperature)
         from prime_spmd.kernels.lm_logprob.op import lm_head_logprobs
 
         impl = "triton" if self.loss_impl == "fused" else self.loss_impl
@@ -173,7 +185,10 @@ class PolicyModel(nn.Module):
         else:
             hidden_TD, out, shared_tokens = self.hidden(input_ids_BT, position_ids_BT, fields.get("loss_mask"))
         weight_VD = self.adapter.lm_head_weight()
-        if self.loss_impl == "fused" and not loss.sequence_level:  # fused calls token_loss per chunk of tokens
+        if self.exact:  # the engine's LM-head and log-softmax kernels (--model.exact)
+            lp, ent = exact_logprobs(hidden_TD, weight_VD, targets_T, temperature)
+            loss_sum, lp, ent = loss.token_loss(lp, ent, fields).sum(), lp.detach(), ent.detach()
+        elif self.loss_impl == "fused" and not loss.sequence_level:  # fused calls token_loss per chunk of tokens
             impl = "triton" if hidden_TD.is_cuda else "torch"
             loss_sum, lp, ent = fused_lm_head_loss(
                 hidden_TD, weight_VD, targets_T, temperature, loss.token_loss, fields, impl=impl

@@ -20,6 +20,8 @@ from prime_spmd.models.common.attention import AttnContext, attention, build_att
 from prime_spmd.models.common.moe import MoEBlock
 from prime_spmd.models.common.norm import RMSNorm
 from prime_spmd.models.common.rope import RotaryEmbedding, apply_rope
+from prime_spmd.models.exact import ExactContext
+from prime_spmd.models.exact import block_forward as exact_block_forward
 
 
 @dataclass(kw_only=True, slots=True)
@@ -146,7 +148,11 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
-    def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttnContext) -> torch.Tensor:
+    def forward(
+        self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttnContext | ExactContext
+    ) -> torch.Tensor:
+        if isinstance(ctx, ExactContext):  # --model.exact: the batch-invariant kernels (models/exact.py)
+            return exact_block_forward(self, x_BTD, rope, ctx)
         x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), rope, ctx)
         return x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
 

@@ -1,0 +1,1 @@
+"""Batch-invariant matmul, RMSNorm, SiLU-gate, causal attention and log-softmax: the kernels of exact mode."""

@@ -1,0 +1,182 @@
+"""Batch-invariant Triton kernels: every output row is reduced in an order fixed by the tile constants below, never
+by how many rows, tokens or sequences a launch holds (no split-K, no split-KV, no shape-dependent config).
+
+What makes a row's value independent of the launch: one tile shape per kernel (constants, not autotuned), the
+reduction dims (K of a matmul, D of a norm, KV positions of attention, V of the log-softmax) walked in fixed blocks
+from index 0 in one order, and no argument specialization that could pick another instruction (``do_not_specialize``
+on the row counts). Rows that share a tile are independent in ``tl.dot`` and in row reductions.
+
+Under TRITON_INTERPRET=1 (CPU tests) ``tl.dot`` of bf16 is not usable, so ``UPCAST`` loads bf16 and multiplies in
+fp32: bf16 x bf16 products are exact in fp32, accumulation stays fp32, as on the GPU's tensor cores.
+
+Legend: M rows, N output columns, K reduction dim (matmul); R rows, D normalized dim; B rows (sequences),
+Tq query tokens of a row, Tk key positions, N query heads, Nkv kv heads, G = N / Nkv, Dh head dim; V vocab.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# matmul tiles (one config for every M: decode rows and training tokens reduce K the same way)
+MM_BLOCK_M, MM_BLOCK_N, MM_BLOCK_K = 64, 128, 64
+MM_WARPS, MM_STAGES = 4, 3
+# elements per program of the row-wise kernels (norm, SiLU-gate): rows per program = ROW_ELEMS // the padded row
+# length, a function of the row length only
+ROW_ELEMS = 4096
+# attention: BLOCK_T query tokens x BLOCK_G heads of one kv head per program, KV walked in BLOCK_N positions
+ATTN_BLOCK_T, ATTN_BLOCK_N = 16, 64
+# log-softmax: the vocab walked in chunks of LOGPROB_BLOCK_V
+LOGPROB_BLOCK_V = 2048
+
+
+@triton.jit(do_not_specialize=["M"])
+def matmul_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, sxm, sxk, swn, swk, som, son,
+    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """out[M, N] = x[M, K] @ w[N, K].T (+ b[N]), fp32 accumulation over K in BLOCK_K steps from 0, rounded once."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        x = tl.load(
+            x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0
+        )
+        w = tl.load(
+            w_ptr + rn[None, :] * swn + kk[:, None] * swk, mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0
+        )
+        if UPCAST:
+            x, w = x.to(tl.float32), w.to(tl.float32)
+        if IEEE:
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    tl.store(out_ptr + rm[:, None] * som + rn[None, :] * son, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["R"])
+def rms_norm_kernel(x_ptr, w_ptr, out_ptr, R, D, sx, so, eps, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """HF's RMSNorm per row: y = (x * rsqrt(mean(x^2) + eps)) rounded to x's dtype, then w * y rounded."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < R) & (cols[None, :] < D)
+    x = tl.load(x_ptr + rows[:, None] * sx + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    ms = tl.sum(x * x, axis=1) / D
+    y = (x * (1.0 / tl.sqrt(ms + eps))[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * so + cols[None, :], (w[None, :] * y).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["R"])
+def silu_mul_kernel(g_ptr, u_ptr, out_ptr, R, C, sg, su, so, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """silu(g) rounded to the dtype, times u, rounded (HF's ``F.silu(gate) * up`` in the model dtype)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    g = tl.load(g_ptr + rows[:, None] * sg + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + rows[:, None] * su + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * so + cols[None, :], (s * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["B", "Tq"])
+def attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, start_ptr, B, Tq, G, Dh, scale,
+    sqb, sqt, sqh, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sob, sot, soh, sod,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Causal attention of query token t of row b (position start[b] + t) over keys [0, position] of row b, in blocks
+    of BLOCK_N positions from 0 with an online softmax. Program (b, kv head, token block); tile rows are
+    (token, head of the group) pairs. Blocks past a row's position (other rows of the tile reach them) leave it
+    bit-unchanged: max unchanged, rescale exp(0) = 1, weights exp(-inf) = 0."""
+    b, kvh, tb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    r = tl.arange(0, BLOCK_T * BLOCK_G)
+    t = tb * BLOCK_T + r // BLOCK_G
+    g = r % BLOCK_G
+    row_ok = (t < Tq) & (g < G)
+    start = tl.load(start_ptr + b)
+    pos = tl.where(row_ok, start + t, 0)  # dead rows attend key 0: no NaN
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < Dh
+    head = kvh * G + g
+    q = tl.load(
+        q_ptr + b * sqb + t[:, None] * sqt + head[:, None] * sqh + d[None, :] * sqd,
+        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+    )  # fmt: skip
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full((BLOCK_T * BLOCK_G,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_T * BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_T * BLOCK_G, BLOCK_D), tl.float32)
+    hi = tl.max(pos, axis=0) + 1
+    for n0 in range(0, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        kv_ok = (n[None, :] < hi) & d_ok[:, None]
+        k = tl.load(k_ptr + b * skb + kvh * skh + n[None, :] * skt + d[:, None] * skd, mask=kv_ok, other=0.0)
+        v = tl.load(v_ptr + b * svb + kvh * svh + n[:, None] * svt + d[None, :] * svd, mask=kv_ok.T, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        if IEEE:
+            s = tl.dot(q, k, input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, k) * scale
+        s = tl.where(n[None, :] <= pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        p = p.to(v.dtype)
+        if UPCAST:
+            p, v = p.to(tl.float32), v.to(tl.float32)
+        if IEEE:
+            acc = tl.dot(p, v, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p, v, acc)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + b * sob + t[:, None] * sot + head[:, None] * soh + d[None, :] * sod,
+        out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :],
+    )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["R"])
+def logprob_kernel(
+    logits_ptr, temp_ptr, target_ptr, lp_ptr, ent_ptr, R, V, sl, BLOCK_V: tl.constexpr
+):  # fmt: skip
+    """Per row of fp32 logits: x = logits / temperature; log_softmax(x)[target] and the entropy, with the running max
+    and sums carried over vocab chunks of BLOCK_V from index 0."""
+    row = tl.program_id(0)
+    temp = tl.load(temp_ptr + row)
+    cols = tl.arange(0, BLOCK_V)
+    m = tl.max(tl.full((BLOCK_V,), float("-inf"), tl.float32), axis=0)
+    s = tl.sum(tl.zeros((BLOCK_V,), tl.float32), axis=0)
+    sx = tl.sum(tl.zeros((BLOCK_V,), tl.float32), axis=0)
+    for v0 in range(0, V, BLOCK_V):
+        ok = v0 + cols < V
+        x = tl.load(logits_ptr + row * sl + v0 + cols, mask=ok, other=float("-inf")) / temp
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        a = tl.exp(m - m_new)
+        e = tl.exp(x - m_new)
+        s = s * a + tl.sum(e, axis=0)
+        sx = sx * a + tl.sum(tl.where(ok, e * x, 0.0), axis=0)
+        m = m_new
+    lse = m + tl.log(s)
+    tgt = tl.load(target_ptr + row)
+    x_t = tl.load(logits_ptr + row * sl + tgt) / temp
+    tl.store(lp_ptr + row, x_t - lse)
+    tl.store(ent_ptr + row, lse - sx / s)

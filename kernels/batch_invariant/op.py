@@ -1,0 +1,253 @@
+"""Entry points of the batch-invariant kernels (kernel.py), with autograd for the trainer.
+
+Forward runs the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1); backward uses plain PyTorch on the saved
+inputs, recomputing what it needs: only forward values must be batch-invariant (exact mode compares the trainer's
+forward logprobs with the engine's). Every function takes tensors of any leading shape where it says so.
+
+Legend: see reference.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from prime_spmd.kernels.batch_invariant import kernel as K
+from prime_spmd.kernels.batch_invariant.reference import logprob_reference
+
+
+def check_device(t: torch.Tensor) -> None:
+    """ValueError unless the kernels can run on ``t``'s device (CUDA, or CPU under the Triton interpreter)."""
+    if t.device.type != "cuda" and not K.INTERPRET:
+        raise ValueError(
+            f"--model.exact runs Triton kernels: on {t.device.type} set TRITON_INTERPRET=1 (CPU tests) or use CUDA"
+        )
+
+
+def _flags(dtype: torch.dtype) -> tuple[bool, bool]:
+    """(UPCAST, IEEE): the interpreter multiplies bf16 in fp32; fp32 inputs multiply in full fp32 (no TF32)."""
+    return K.INTERPRET and dtype != torch.float32, dtype == torch.float32
+
+
+def _launch_linear(x_MK: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None, out_dtype) -> torch.Tensor:
+    M, Kd = x_MK.shape
+    N = w_NK.shape[0]
+    out = torch.empty(M, N, dtype=out_dtype, device=x_MK.device)
+    if M == 0:
+        return out
+    upcast, ieee = _flags(x_MK.dtype)
+    grid = (triton_cdiv(M, K.MM_BLOCK_M), triton_cdiv(N, K.MM_BLOCK_N))
+    K.matmul_kernel[grid](
+        x_MK, w_NK, b_N if b_N is not None else x_MK, out, M, N, Kd, x_MK.stride(0), x_MK.stride(1),
+        w_NK.stride(0), w_NK.stride(1), out.stride(0), out.stride(1),
+        HAS_BIAS=b_N is not None, UPCAST=upcast, IEEE=ieee,
+        BLOCK_M=K.MM_BLOCK_M, BLOCK_N=K.MM_BLOCK_N, BLOCK_K=K.MM_BLOCK_K, num_warps=K.MM_WARPS, num_stages=K.MM_STAGES,
+    )  # fmt: skip
+    return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, b, out_dtype):
+        ctx.save_for_backward(x, w)
+        ctx.has_bias = b is not None
+        x_MK = x.reshape(-1, x.shape[-1])
+        return _launch_linear(x_MK, w, b, out_dtype or x.dtype).view(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        gx = (g.to(w.dtype) @ w).view(x.shape).to(x.dtype) if ctx.needs_input_grad[0] else None
+        gw = (g.T.to(x.dtype) @ x.reshape(-1, x.shape[-1])).to(w.dtype) if ctx.needs_input_grad[1] else None
+        gb = g.sum(0).to(w.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx, gw, gb, None
+
+
+def linear(x: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None = None, out_dtype=None) -> torch.Tensor:
+    """``x @ w.T + b`` for x [..., K] -> [..., N] in ``out_dtype`` (default x's), fp32 accumulation; batch-invariant."""
+    check_device(x)
+    return _Linear.apply(x, w_NK, b_N, out_dtype)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, eps):
+        ctx.save_for_backward(x, w)
+        ctx.eps = eps
+        x_RD = x.reshape(-1, x.shape[-1])
+        R, D = x_RD.shape
+        out = torch.empty_like(x_RD)
+        if R:
+            block_d = max(16, _pow2(D))
+            block_r = max(1, K.ROW_ELEMS // block_d)
+            K.rms_norm_kernel[(triton_cdiv(R, block_r),)](
+                x_RD, w, out, R, D, x_RD.stride(0), out.stride(0), eps, BLOCK_R=block_r, BLOCK_D=block_d
+            )  # fmt: skip
+        return out.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        with torch.enable_grad():
+            xd, wd = x.detach().requires_grad_(), w.detach().requires_grad_()
+            x32 = xd.float()
+            y = wd * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + ctx.eps)).to(x.dtype)
+            gx, gw = torch.autograd.grad(y, (xd, wd), grad)
+        return gx, gw, None
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def rms_norm(x: torch.Tensor, w_D: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm over the last dim of x [..., D] (contiguous last dim), in x's dtype; batch-invariant."""
+    check_device(x)
+    return _RMSNorm.apply(x.contiguous(), w_D, eps)
+
+
+SILU_BLOCK_C = 256
+
+
+class _SiluMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, g, u):
+        ctx.save_for_backward(g, u)
+        g2, u2 = g.reshape(-1, g.shape[-1]), u.reshape(-1, u.shape[-1])
+        R, C = g2.shape
+        out = torch.empty(R, C, dtype=g.dtype, device=g.device)
+        if R:
+            block_r = K.ROW_ELEMS // SILU_BLOCK_C
+            grid = (triton_cdiv(R, block_r), triton_cdiv(C, SILU_BLOCK_C))
+            K.silu_mul_kernel[grid](g2, u2, out, R, C, g2.stride(0), u2.stride(0), out.stride(0),
+                                    BLOCK_R=block_r, BLOCK_C=SILU_BLOCK_C)  # fmt: skip
+        return out.view(g.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g, u = ctx.saved_tensors
+        with torch.enable_grad():
+            gd, ud = g.detach().requires_grad_(), u.detach().requires_grad_()
+            return torch.autograd.grad(F.silu(gd) * ud, (gd, ud), grad)
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``F.silu(g) * u`` (SwiGLU's gate) for g, u [..., C] with a contiguous last dim; batch-invariant."""
+    check_device(g)
+    return _SiluMul.apply(g, u)
+
+
+def _launch_attention(q, k, v, start_B, scale):
+    B, Tq, N, Dh = q.shape
+    Nkv = k.shape[1]
+    G = N // Nkv
+    out = torch.empty(B, Tq, N, Dh, dtype=q.dtype, device=q.device)
+    upcast, ieee = _flags(q.dtype)
+    grid = (B, Nkv, triton_cdiv(Tq, K.ATTN_BLOCK_T))
+    K.attention_kernel[grid](
+        q, k, v, out, start_B, B, Tq, G, Dh, scale, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        UPCAST=upcast, IEEE=ieee, BLOCK_T=K.ATTN_BLOCK_T, BLOCK_G=max(1, _pow2(G)), BLOCK_N=K.ATTN_BLOCK_N,
+        BLOCK_D=max(16, _pow2(Dh)),
+    )  # fmt: skip
+    return out
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, start_B, scale):
+        ctx.save_for_backward(q, k, v)
+        ctx.scale = scale
+        return _launch_attention(q, k, v, start_B, scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # training rows: start 0 and Tq == Tk, plain causal attention; torch's SDPA recomputes it for the gradient
+        q, k, v = ctx.saved_tensors
+        with torch.enable_grad():
+            qd, kd, vd = (t.detach().requires_grad_() for t in (q, k, v))
+            out = F.scaled_dot_product_attention(
+                qd.transpose(1, 2), kd, vd, is_causal=True, scale=ctx.scale, enable_gqa=True
+            ).transpose(1, 2)
+            gq, gk, gv = torch.autograd.grad(out, (qd, kd, vd), grad)
+        return gq, gk, gv, None, None
+
+
+def attention(
+    q_BTqNDh: torch.Tensor, k_BNkvTkDh: torch.Tensor, v_BNkvTkDh: torch.Tensor, start_B: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal GQA: query t of row b at position start_B[b] + t attends keys [0, position] of row b; k/v may be strided
+    views (a KV cache's slots, or [B, Tk, Nkv, Dh] transposed). -> [B, Tq, N, Dh] in q's dtype; batch-invariant.
+    The backward (training: start 0, Tq == Tk) recomputes torch's causal SDPA."""
+    check_device(q_BTqNDh)
+    return _Attention.apply(q_BTqNDh, k_BNkvTkDh, v_BNkvTkDh, start_B, scale)
+
+
+@torch.no_grad()
+def logprobs(logits_RV: torch.Tensor, targets_R: torch.Tensor, temperature_R: torch.Tensor):
+    """fp32 (log_softmax(logits / T)[target], entropy) [R] of fp32 logits [R, V] (contiguous last dim) at fp32
+    temperatures [R] (> 0); batch-invariant: the vocab is walked in fixed chunks."""
+    check_device(logits_RV)
+    R, V = logits_RV.shape
+    lp = torch.empty(R, dtype=torch.float32, device=logits_RV.device)
+    ent = torch.empty_like(lp)
+    if R:
+        K.logprob_kernel[(R,)](
+            logits_RV, temperature_R.float().contiguous(), targets_R.contiguous(), lp, ent, R, V, logits_RV.stride(0),
+            BLOCK_V=K.LOGPROB_BLOCK_V,
+        )  # fmt: skip
+    return lp, ent
+
+
+LM_HEAD_CHUNK_TOKENS = 2048
+"""Tokens per chunk of ``lm_head_logprobs``: bounds its fp32 logits to 2048 x V (1.2 GiB at Qwen3's 151936 vocab)."""
+
+
+class _LMHeadLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_TD, w_VD, targets_T, temperature_T):
+        ctx.save_for_backward(hidden_TD, w_VD, targets_T, temperature_T)
+        lps, ents = [], []
+        for i in range(0, hidden_TD.shape[0], LM_HEAD_CHUNK_TOKENS):
+            sl = slice(i, i + LM_HEAD_CHUNK_TOKENS)
+            logits = _launch_linear(hidden_TD[sl], w_VD, None, torch.float32)
+            lp, ent = logprobs(logits, targets_T[sl], temperature_T[sl])
+            lps.append(lp)
+            ents.append(ent)
+        if not lps:
+            empty = hidden_TD.new_zeros(0, dtype=torch.float32)
+            return empty, empty.clone()
+        return torch.cat(lps), torch.cat(ents)
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        hidden_TD, w_VD, targets_T, temperature_T = ctx.saved_tensors
+        gh = torch.zeros_like(hidden_TD) if ctx.needs_input_grad[0] else None
+        gw = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device) if ctx.needs_input_grad[1] else None
+        for i in range(0, hidden_TD.shape[0], LM_HEAD_CHUNK_TOKENS):
+            sl = slice(i, i + LM_HEAD_CHUNK_TOKENS)
+            with torch.enable_grad():
+                h, w = hidden_TD[sl].detach().requires_grad_(), w_VD.detach().requires_grad_()
+                logits = h.float() @ w.float().T
+                lp, ent = logprob_reference(logits, targets_T[sl], temperature_T[sl])
+                dh, dw = torch.autograd.grad((lp, ent), (h, w), (g_lp[sl], g_ent[sl]))
+            if gh is not None:
+                gh[sl] = dh.to(gh.dtype)
+            if gw is not None:
+                gw += dw.float()
+        return gh, None if gw is None else gw.to(w_VD.dtype), None, None
+
+
+def lm_head_logprobs(
+    hidden_TD: torch.Tensor, w_VD: torch.Tensor, targets_T: torch.Tensor, temperature: float | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable fp32 (logprob, entropy) [T] of ``targets`` under softmax(hidden @ w.T / temperature): the fp32
+    logits of ``linear`` and the log-softmax of ``logprobs``, the same two kernels the engine samples with."""
+    check_device(hidden_TD)
+    T = hidden_TD.shape[0]
+    if not isinstance(temperature, torch.Tensor):
+        temperature = torch.full((T,), float(temperature), dtype=torch.float32, device=hidden_TD.device)
+    return _LMHeadLogprobs.apply(hidden_TD, w_VD, targets_T, temperature.float())
