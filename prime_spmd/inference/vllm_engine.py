@@ -398,7 +398,7 @@ class VLLMEngine(InferenceEngine):
         if not requests:
             return []
         self.finish_weight_update()
-        prompts = [self._prompt_cls(prompt_token_ids=list(r.prompt_ids)) for r in requests]
+        prompts = [self._prompt(r) for r in requests]
         params = [self._sp_cls(**vllm_sampling_kwargs(r.sampling)) for r in requests]
         # LLM.generate returns outputs in input order (vllm/entrypoints/llm.py).
         lora = {"lora_request": self.lora.request} if self.lora is not None and self.lora.request else {}
@@ -406,6 +406,19 @@ class VLLMEngine(InferenceEngine):
         if len(outputs) != len(requests):
             raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(requests)} prompts")
         return [to_completion(r, o, self.tokenizer) for r, o in zip(requests, outputs)]
+
+    def _prompt(self, r: Request) -> Any:
+        """The vLLM prompt of ``r``: its token ids and, with images, ``multi_modal_data`` (the PIL images; the ids
+        already hold each image's expanded tokens, which vLLM's multimodal processor recognizes as applied)."""
+        prompt = self._prompt_cls(prompt_token_ids=list(r.prompt_ids))
+        if r.vision is not None:
+            if not r.vision.images:
+                raise ValueError(
+                    f"request {r.request_id!r}: --inference.engine=vllm takes images as PIL images, and this request's "
+                    "vision inputs carry none (render prompts with the engine's render_prompt)"
+                )
+            prompt["multi_modal_data"] = {"image": list(r.vision.images)}
+        return prompt
 
     # -- weights and caches
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -186,3 +186,25 @@ def test_visual_task_examples_and_partial_credit():
         VisualEnv(args={"colour": "red"})
     with pytest.raises(ValueError, match="num_cells='x' is not an integer"):
         VisualEnv(args={"num_cells": "x"})
+
+
+def test_vllm_engine_passes_images_as_multi_modal_data(vlm):
+    from prime_spmd.inference.vllm_engine import VLLMEngine
+    from tests.unit.test_vllm_engine import FakeLLM
+
+    path, model, tok, proc = vlm
+    seen = []
+
+    class RecordingLLM(FakeLLM):
+        def generate(self, prompts, params, use_tqdm=True):
+            seen.extend(prompts)
+            return super().generate(prompts, params, use_tqdm)
+
+    eng = VLLMEngine(RecordingLLM(), tok, sampling_params_cls=dict, tokens_prompt_cls=dict)
+    img = _img((4, 5, 6))
+    ids, vision = proc.render(_msgs(img))
+    eng.generate([Request(prompt_ids=ids, vision=vision, request_id="v"), Request(prompt_ids=[1, 2], request_id="t")])
+    assert seen[0]["prompt_token_ids"] == ids and seen[0]["multi_modal_data"]["image"][0].tobytes() == img.tobytes()
+    assert "multi_modal_data" not in seen[1]
+    with pytest.raises(ValueError, match="request 'n': --inference.engine=vllm takes images as PIL images"):
+        eng.generate([Request(prompt_ids=ids, vision=vision.without_images(), request_id="n")])
