@@ -47,7 +47,9 @@ def build_engine(
         if inference_cfg.native != NativeEngineConfig():
             logger.warning(f"--inference.engine=vllm ignores [inference.native]: {inference_cfg.native}")
 
-        return build_vllm_engine(model_cfg, inference_cfg, device=device, tp=tp, seed=seed, max_model_len=max_len)
+        engine = build_vllm_engine(model_cfg, inference_cfg, device=device, tp=tp, seed=seed, max_model_len=max_len)
+        engine.processor = load_vision_processor(model_cfg.path, engine.tokenizer)  # images pass to vLLM as PIL
+        return engine
     if tp != 1:
         raise ValueError(f"--topology.engine_tp={tp} needs --inference.engine=vllm (the native engine runs tp 1)")
     dtype = resolve_dtype(model_cfg.dtype, device)
