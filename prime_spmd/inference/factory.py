@@ -16,6 +16,7 @@ from prime_spmd.models import registry
 from prime_spmd.models.loading import load_model, load_tokenizer, resolve_dtype
 from prime_spmd.models.qwen3.model import set_moe_impl
 from prime_spmd.models.vision import load_vision_processor
+from prime_spmd.models.vlm import VLM_TYPES
 
 
 def build_engine(
@@ -48,7 +49,8 @@ def build_engine(
             logger.warning(f"--inference.engine=vllm ignores [inference.native]: {inference_cfg.native}")
 
         engine = build_vllm_engine(model_cfg, inference_cfg, device=device, tp=tp, seed=seed, max_model_len=max_len)
-        engine.processor = load_vision_processor(model_cfg.path, engine.tokenizer)  # images pass to vLLM as PIL
+        if registry.model_type(model_cfg.path) in VLM_TYPES:  # images pass to vLLM as PIL images
+            engine.processor = load_vision_processor(model_cfg.path, engine.tokenizer)
         return engine
     if tp != 1:
         raise ValueError(f"--topology.engine_tp={tp} needs --inference.engine=vllm (the native engine runs tp 1)")
