@@ -8,7 +8,8 @@ its scale (IEEE ``div_rn``, as torch divides) and cast to e4m3 (round to nearest
 read as FP8 (half of bf16's bytes: the decode step is bound by reading the weights) and converted in registers, fp32
 accumulation, and each output column scaled once before the shared epilogue (``decode_linear.kernel._epilogue``:
 bias, rounding, SiLU-gate, residual). The prologue (RMSNorm) and epilogue are the bf16 kernels' own jit functions,
-so the FP8 path rounds as they do. The PDL weight preload / L2 prefetch of the bf16 kernels are not ported.
+so the FP8 path rounds as they do. The GEMV's PDL weight preload is ported (PRELOAD); the tile kernel's L2 prefetch
+is not.
 
 Interpreter (TRITON_INTERPRET=1): its fp32 -> fp8 cast does not round to nearest even, so the quantize rounds in the
 fp32 bits first (keep 3 mantissa bits; exact for normal e4m3 values, subnormals may differ by one step), and tiles
@@ -78,11 +79,35 @@ def _fp8_gemv_kernel(
     NO, eps, swn,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RNE_EMU: tl.constexpr, USE_PDL: tl.constexpr,
+    PRELOAD: tl.constexpr = False, KP: tl.constexpr = 1,
 ):  # fmt: skip
-    """One row: decode_linear's ``_gemv_kernel`` (no preload) over FP8 w, each column's sum times its scale."""
+    """One row: decode_linear's ``_gemv_kernel`` over FP8 w, each column's sum times its scale. PRELOAD (PDL): the
+    program's whole w slab (K padded to KP) and its scales are loaded before PDL's wait, as the bf16 kernel's
+    ``gemv_preloaded`` does (the decode step never writes w or the scales; the quantize runs outside it)."""
     dtype = o_ptr.dtype.element_ty
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < NO
+    if PRELOAD:
+        offs_kp = tl.arange(0, KP)
+        mask_kp = offs_kp < K
+        w, w_up = _gemv_w(w_ptr, offs_n, mask_n, offs_kp, mask_kp, swn, NO, SILU_MUL)
+        s, s_up = _scale_cols(s_ptr, offs_n, mask_n, NO, SILU_MUL)
+        pdl_enter(USE_PDL)
+        xf = tl.load(x_ptr + offs_kp, mask=mask_kp, other=0.0).to(tl.float32)
+        h = xf
+        if HAS_NORM:
+            rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / K + eps)
+            nw = tl.load(nw_ptr + offs_kp, mask=mask_kp, other=0.0).to(tl.float32)
+            h = _rms_scaled(xf, rstd, nw, dtype, RNE_EMU).to(tl.float32)
+        y = tl.sum(w.to(tl.float32) * h[None, :], axis=1) * s
+        y_up = y
+        if SILU_MUL:
+            y_up = tl.sum(w_up.to(tl.float32) * h[None, :], axis=1) * s_up
+        offs_m1 = tl.arange(0, 1)
+        mask_mn1 = (offs_m1 < 1)[:, None] & mask_n[None, :]
+        _epilogue(y[None, :], y_up[None, :], b_ptr, r_ptr, o_ptr, offs_m1, offs_n, mask_n, mask_mn1, NO, 0, 0,
+                  HAS_BIAS, HAS_RES, SILU_MUL, RNE_EMU)  # fmt: skip
+        return
     rk = tl.arange(0, BLOCK_K)
     pdl_enter(USE_PDL)
     if HAS_NORM:
@@ -200,10 +225,12 @@ def fp8_decode_linear(
     )  # fmt: skip
     if cfg[0] == "gemv":
         _, block_n, block_k, num_warps = cfg[:4]
+        preload = pdl.prefetch_enabled() if len(cfg) < 5 else bool(cfg[4])  # as decode_linear's GEMV; tests force it
         if M != 1:
             raise ValueError(f"fp8_decode_linear: the GEMV config {cfg} takes one row, got {M}")
         _fp8_gemv_kernel[(triton.cdiv(no, block_n),)](
             *ptrs, no, eps, q_NK.stride(0), K=K, BLOCK_N=block_n, BLOCK_K=block_k, **flags,
+            PRELOAD=preload, KP=triton.next_power_of_2(K),
             num_warps=num_warps, num_stages=1, **pdl.launch_options(),
         )  # fmt: skip
         return out

@@ -105,6 +105,19 @@ def test_fp8_decode_linear_fp32_matches_reference(m, k, n, act, flags):
     torch.testing.assert_close(got, ref, rtol=FP32_RTOL, atol=FP32_RTOL)
 
 
+@pytest.mark.parametrize("act", ["none", "silu_mul"])
+@pytest.mark.parametrize("flags", [(False, False, False), (True, True, True)])
+def test_fp8_gemv_preloaded_form_matches_reference(act, flags):
+    """The GEMV's PDL form (whole w slab and scales before the wait), forced by the config without PDL."""
+    from prime_spmd.kernels.fp8 import kernel
+
+    bias, norm, res = flags
+    case = _decode_case(1, 200, 34, act, torch.float32, bias=bias, norm=norm, residual=res)
+    args = [case[k] for k in ("x_MK", "q_NK", "scale_N", "bias_N", "norm_w_K")]
+    got = kernel.fp8_decode_linear(*args, 1e-6, case["residual_MNo"], act == "silu_mul", ("gemv", 4, 32, 1, True))
+    torch.testing.assert_close(got, fp8_decode_linear_reference(**case), rtol=FP32_RTOL, atol=FP32_RTOL)
+
+
 @pytest.mark.parametrize("m", [1, 5])
 @pytest.mark.parametrize("act", ["none", "silu_mul"])
 def test_fp8_decode_linear_bf16_within_one_rounding(m, act):
