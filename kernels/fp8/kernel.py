@@ -30,6 +30,9 @@ from prime_spmd.kernels.pdl import launch as pdl
 from prime_spmd.kernels.pdl.launch import pdl_enter
 
 INTERPRET = dl.INTERPRET
+# globals a kernel reads must be constexpr (compiled Triton refuses others; the interpreter does not check)
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+_FP8_MAX = tl.constexpr(FP8_MAX)
 
 
 @triton.jit
@@ -40,12 +43,12 @@ def _quantize_kernel(w_ptr, q_ptr, s_ptr, K, sw, sq, BLOCK_K: tl.constexpr, RNE_
     for k0 in range(0, K, BLOCK_K):
         v = tl.load(w_ptr + row * sw + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(v))
-    scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), AMAX_FLOOR), FP8_MAX)
+    scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), _AMAX_FLOOR), _FP8_MAX)
     tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
         mask = k0 + rk < K
         v = tl.load(w_ptr + row * sw + k0 + rk, mask=mask, other=0.0).to(tl.float32)
-        v = tl.minimum(tl.maximum(tl.div_rn(v, scale), -FP8_MAX), FP8_MAX)
+        v = tl.minimum(tl.maximum(tl.div_rn(v, scale), -_FP8_MAX), _FP8_MAX)
         if RNE_EMU:  # round to 3 mantissa bits in the fp32 bits (add 0x7FFFF plus the kept lowest bit, drop 20 bits)
             bits = v.to(tl.uint32, bitcast=True)
             bits = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) << 20
