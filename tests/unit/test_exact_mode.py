@@ -1,6 +1,8 @@
-"""Exact mode (``--model.exact``): the native engine's sampled-token logprobs equal the trainer's forward logprobs bit
-for bit (``torch.equal``), in fp32 and bf16, whatever the batch: one row or many, prompts and generations of different
-lengths, prefilled or decoded. A control runs the default engine and shows the comparison can fail.
+"""Exact mode (``--model.exact``): the native engine's sampled-token logprobs equal the trainer's logprobs bit for bit
+(``torch.equal``), in fp32 and bf16, whatever the batch on either side: one request or many, prompts and generations
+of different lengths (prefilled or decoded, other length buckets), and on the trainer side samples packed into one row
+(``PolicyModel``: documents unpacked into rows) or one sample a row. A control runs the default engine against the same
+trainer and shows the comparison can fail.
 
 CPU: the batch-invariant Triton kernels run under TRITON_INTERPRET=1 (tests/conftest.py).
 """
@@ -12,18 +14,17 @@ import torch
 
 from prime_spmd.inference.engine import Request, SamplingParams
 from prime_spmd.inference.native import NativeEngine
-from prime_spmd.kernels.batch_invariant import op
 from prime_spmd.models import registry
-from prime_spmd.models import exact as exact_model
 from prime_spmd.models.tiny import build_char_tokenizer, build_tiny_model
+from prime_spmd.trainer.policy import PolicyModel
 
-PROMPTS = ["hello world", "abc", "the quick brown fox jumps over", "x", "reverse me please", "qwerty uiop asdf"]
+PROMPTS = ["hello world", "abc", "the quick brown fox jumps", "x", "reverse me"]
+MAX_TOKENS = [2, 9, 4, 12, 1]  # generations of different lengths: rows finish at different steps
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    # initializer_range 0.3: a peaky random model (std 0.02 repeats one token); vocab padded past 64 so the LM head
-    # spans several matmul column tiles
+    # initializer_range 0.3: a peaky random model (std 0.02 repeats one token)
     return build_tiny_model(tmp_path_factory.mktemp("nano"), "qwen3-nano", seed=0, initializer_range=0.3)
 
 
@@ -31,54 +32,76 @@ def _model(path, dtype):
     return registry.load_custom(str(path), device=torch.device("cpu"), dtype=dtype).eval()
 
 
-def _engine(path, dtype, exact=True, **kw):
-    kw.setdefault("max_batch_size", 8)
-    kw.setdefault("max_model_len", 96)
-    return NativeEngine(_model(path, dtype), build_char_tokenizer(), device="cpu", exact=exact, **kw)
+def _engine(path, dtype, exact=True):
+    return NativeEngine(
+        _model(path, dtype), build_char_tokenizer(), device="cpu", max_batch_size=8, max_model_len=64, exact=exact
+    )
 
 
-def _requests(tok, prompts, max_tokens, temperature=1.0, seed0=0):
+def _requests(prompts, max_tokens, seeds, temperature=1.0):
+    tok = build_char_tokenizer()
     return [
         Request(
             prompt_ids=tok.encode(p),
-            sampling=SamplingParams(temperature=temperature, max_tokens=m, seed=seed0 + i, ignore_eos=True),
-            request_id=i,
+            sampling=SamplingParams(temperature=temperature, max_tokens=m, seed=s, ignore_eos=True),
+            request_id=s,
         )
-        for i, (p, m) in enumerate(zip(prompts, max_tokens))
+        for p, m, s in zip(prompts, max_tokens, seeds)
     ]
 
 
-def trainer_logprobs(model, completions, temperature=1.0) -> list[torch.Tensor]:
-    """The trainer side: one exact forward over all samples as rows (right-padded), then the exact LM-head logprobs of
-    each completion token, as ``PolicyModel`` computes them in exact mode."""
-    seqs = [c.prompt_ids + c.token_ids for c in completions]
-    T = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), T, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s)
-    with torch.no_grad():
-        hidden = exact_model.forward_hidden(model, ids)
-        targets = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
-        lp, _ = op.lm_head_logprobs(hidden.reshape(-1, hidden.shape[-1]), model.lm_head_weight(), targets.flatten(), temperature)
-    lp = lp.view(len(seqs), T)
-    return [lp[i, len(c.prompt_ids) - 1 : len(c.prompt_ids) - 1 + len(c.token_ids)] for i, c in enumerate(completions)]
+def trainer_logprobs(policy: PolicyModel, completions, temperature: float, packed: bool) -> list[torch.Tensor]:
+    """Each completion token's logprob as the trainer computes it: all samples packed into one row (positions restart
+    at each sample), or one forward per sample."""
+    groups = [completions] if packed else [[c] for c in completions]
+    out = []
+    for group in groups:
+        seqs = [c.prompt_ids + c.token_ids for c in group]
+        ids = torch.tensor([sum(seqs, [])])
+        pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+        targets = torch.cat([ids[0, 1:], ids.new_zeros(1)])
+        with torch.no_grad():
+            lp, _ = policy.logprobs(ids, pos, targets, temperature)
+        o = 0
+        for c, s in zip(group, seqs):
+            n = len(c.prompt_ids)
+            out.append(lp[o + n - 1 : o + n - 1 + len(c.token_ids)])
+            o += len(s)
+    return out
+
+
+def _equal(completions, trainer) -> list[bool]:
+    return [torch.equal(torch.tensor(c.logprobs, dtype=torch.float32), t) for c, t in zip(completions, trainer)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_engine_logprobs_equal_trainer(model_dir, dtype):
-    tok = build_char_tokenizer()
     eng = _engine(model_dir, dtype)
-    many = eng.generate(_requests(tok, PROMPTS, [3, 17, 9, 30, 1, 12]))
-    assert [len(c.token_ids) for c in many] == [3, 17, 9, 30, 1, 12]
-    # the same requests one at a time: other batches, other buckets; the same tokens (seeded) and logprobs
-    alone = [eng.generate(_requests(tok, [p], [m], seed0=i))[0] for i, (p, m) in enumerate(zip(PROMPTS, [3, 17, 9, 30, 1, 12]))]
-    model = _model(model_dir, dtype)
-    for batch in (many, alone):
-        got = trainer_logprobs(model, batch)
-        for c, lp in zip(batch, got):
-            assert torch.equal(torch.tensor(c.logprobs, dtype=torch.float32), lp), (c.request_id, c.logprobs, lp)
-    for a, b in zip(many, alone):
+    seeds = list(range(len(PROMPTS)))
+    batch = eng.generate(_requests(PROMPTS, MAX_TOKENS, seeds, temperature=0.7))
+    assert [len(c.token_ids) for c in batch] == MAX_TOKENS
+    # two of them again, one at a time: another batch composition and length bucket; seeded, so the same tokens
+    alone = [eng.generate(_requests([PROMPTS[i]], [MAX_TOKENS[i]], [i], temperature=0.7))[0] for i in (1, 4)]
+    for a in alone:
+        b = batch[a.request_id]
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
-    # trainer rows of another composition: each sample alone
-    for c in many[:3]:
-        assert torch.equal(torch.tensor(c.logprobs, dtype=torch.float32), trainer_logprobs(model, [c])[0])
+    policy = PolicyModel(_model(model_dir, dtype), exact=True)
+    for packed in (True, False):
+        assert all(_equal(batch, trainer_logprobs(policy, batch, 0.7, packed))), packed
+
+
+def test_default_mode_differs(model_dir):
+    """The control: the default engine (fused decode, SDPA prefill, torch sampler) against the exact trainer. Equal
+    logprobs here would mean the test above cannot tell the modes apart."""
+    eng = _engine(model_dir, torch.float32, exact=False)
+    batch = eng.generate(_requests(PROMPTS[:3], [6, 6, 6], [0, 1, 2]))
+    policy = PolicyModel(_model(model_dir, torch.float32), exact=True)
+    assert not all(_equal(batch, trainer_logprobs(policy, batch, 1.0, packed=True)))
+
+
+def test_exact_engine_refuses_filtered_sampling(model_dir):
+    eng = _engine(model_dir, torch.float32)
+    req = _requests(["abc"], [2], [0])[0]
+    req.sampling.top_p = 0.9
+    with pytest.raises(ValueError, match="--model.exact samples without top-k/top-p/min-p"):
+        eng.add_request(req)

@@ -77,4 +77,3 @@ def test_exact_refuses_what_it_does_not_cover(tmp_path: Path) -> None:
     cfg = RLJobConfig(output_dir=str(tmp_path), model=ModelConfig(path=str(tmp_path), exact=True, impl="hf"))
     with pytest.raises(ValueError, match="--model.impl custom"):
         cfg._check_exact()
-

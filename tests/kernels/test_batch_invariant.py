@@ -1,0 +1,155 @@
+"""kernels/batch_invariant against its PyTorch reference (forward to rounding, backward to rounding), and the property
+the kernels exist for: a row's output is bit-identical whether it is computed alone, inside a larger batch, at another
+position of the batch, or (attention) as a decode query against a cache instead of inside a prefill.
+
+Device-aware (``device`` fixture): CUDA compiles the kernels, CPU runs them under TRITON_INTERPRET=1. Inputs are drawn
+on the CPU from a seeded generator.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from prime_spmd.kernels.batch_invariant import op
+from prime_spmd.kernels.batch_invariant import reference as ref
+
+DTYPES = [torch.float32, torch.bfloat16]
+# max |kernel - reference| / max |reference| measured over these cases (CPU interpreter, 2026-12-06): fp32 3.3e-7
+# (matmul), 1.1e-7 (norm), 3e-8 (SiLU-gate), 1.9e-7 (attention); bf16 6.5e-3, 1.5e-2, 8.1e-3, 5.8e-3: the bf16 output
+# roundings (ulp 2^-8 = 3.9e-3 relative), where the kernel's fp32 value lands on the other side of a rounding boundary
+# than the reference's (the norm rounds twice: its 1/sqrt is not torch's rsqrt)
+RTOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+def _rand(gen, *shape, dtype, device, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(device, dtype)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,k,n", [(1, 64, 96), (70, 96, 130), (129, 200, 257)])
+def test_linear(device, dtype, m, k, n):
+    gen = torch.Generator().manual_seed(m * k + n)
+    x, w, b = _rand(gen, m, k, dtype=dtype, device=device), _rand(gen, n, k, dtype=dtype, device=device), None
+    if n == 130:
+        b = _rand(gen, n, dtype=dtype, device=device)
+    y = op.linear(x, w, b)
+    assert y.dtype == dtype and _rel(y, ref.linear_reference(x, w, b)) < RTOL[dtype]
+    y32 = op.linear(x, w, b, torch.float32)
+    assert y32.dtype == torch.float32 and _rel(y32, ref.linear_reference(x, w, b, torch.float32)) < RTOL[torch.float32]
+    # batch invariance: each of a few rows alone, and the batch reversed, give the same bits
+    for i in {0, m // 2, m - 1}:
+        assert torch.equal(op.linear(x[i : i + 1], w, b), y[i : i + 1])
+    assert torch.equal(op.linear(x.flip(0), w, b), y.flip(0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_backward(device, dtype):
+    gen = torch.Generator().manual_seed(1)
+    x = _rand(gen, 9, 48, dtype=dtype, device=device).requires_grad_()
+    w = _rand(gen, 40, 48, dtype=dtype, device=device).requires_grad_()
+    b = _rand(gen, 40, dtype=dtype, device=device).requires_grad_()
+    g = _rand(gen, 9, 40, dtype=dtype, device=device)
+    got = torch.autograd.grad(op.linear(x, w, b), (x, w, b), g)
+    want = torch.autograd.grad(ref.linear_reference(x, w, b), (x, w, b), g)
+    for a, e in zip(got, want):
+        assert _rel(a, e) < RTOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,d", [(1, 16), (37, 24), (300, 64), (5, 1024)])
+def test_rms_norm(device, dtype, rows, d):
+    gen = torch.Generator().manual_seed(rows + d)
+    x, w = _rand(gen, rows, d, dtype=dtype, device=device, scale=3.0), _rand(gen, d, dtype=dtype, device=device)
+    y = op.rms_norm(x, w, 1e-6)
+    assert _rel(y, ref.rms_norm_reference(x, w, 1e-6)) < RTOL[dtype]
+    for i in {0, rows // 2, rows - 1}:
+        assert torch.equal(op.rms_norm(x[i : i + 1], w, 1e-6), y[i : i + 1])
+    xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
+    g = _rand(gen, rows, d, dtype=dtype, device=device)
+    got = torch.autograd.grad(op.rms_norm(xg, wg, 1e-6), (xg, wg), g)
+    want = torch.autograd.grad(ref.rms_norm_reference(xg, wg, 1e-6), (xg, wg), g)
+    for a, e in zip(got, want):
+        assert _rel(a, e) < 1e-5 if dtype == torch.float32 else _rel(a, e) < 5e-2  # bf16 grads: the same ops
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(device, dtype):
+    gen = torch.Generator().manual_seed(2)
+    g, u = _rand(gen, 33, 300, dtype=dtype, device=device, scale=4.0), _rand(gen, 33, 300, dtype=dtype, device=device)
+    y = op.silu_mul(g, u)
+    assert _rel(y, ref.silu_mul_reference(g, u)) < RTOL[dtype]
+    assert torch.equal(op.silu_mul(g[7:8], u[7:8]), y[7:8])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,nkv,dh", [(4, 2, 16), (4, 1, 24), (8, 8, 32)])
+def test_attention_prefill_and_decode(device, dtype, n, nkv, dh):
+    """Rows of different lengths as right-padded [B, T] (the trainer's and the prefill's case), then every query again
+    as a decode step (one token at its position against the row's K/V, as the engine's cache holds them), alone or with
+    the other rows: the same bits."""
+    gen = torch.Generator().manual_seed(n * dh)
+    B, T = 3, 80  # T spans two KV blocks
+    q = _rand(gen, B, T, n, dh, dtype=dtype, device=device)
+    k, v = (_rand(gen, B, T, nkv, dh, dtype=dtype, device=device) for _ in range(2))
+    start = torch.zeros(B, dtype=torch.long, device=device)
+    scale = dh**-0.5
+    out = op.attention(q, k.transpose(1, 2), v.transpose(1, 2), start, scale)
+    want = ref.attention_reference(q, k.transpose(1, 2), v.transpose(1, 2), start, scale)
+    assert _rel(out, want) < RTOL[dtype]
+    cache_k = k.transpose(1, 2).contiguous()  # [B, Nkv, T, Dh]: a slot cache's layout
+    cache_v = v.transpose(1, 2).contiguous()
+    for pos in (0, 15, 16, 63, 64, T - 1):
+        pos_B = torch.full((B,), pos, dtype=torch.long, device=device)
+        pos_B[1] = max(0, pos - 5)  # rows at different positions in one step
+        dec = op.attention(q[torch.arange(B), pos_B][:, None], cache_k, cache_v, pos_B, scale)  # [B, 1, N, Dh]
+        for b in range(B):
+            assert torch.equal(dec[b, 0], out[b, pos_B[b]]), (pos, b)
+        alone = op.attention(q[1:2, pos_B[1] : pos_B[1] + 1], cache_k[1:2], cache_v[1:2], pos_B[1:2], scale)
+        assert torch.equal(alone[0, 0], out[1, pos_B[1]])
+    # backward (training rows: start 0) recomputes torch's SDPA
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k.transpose(1, 2), v.transpose(1, 2)))
+    g = _rand(gen, B, T, n, dh, dtype=dtype, device=device)
+    got = torch.autograd.grad(op.attention(qg, kg, vg, start, scale), (qg, kg, vg), g)
+    want = torch.autograd.grad(ref.attention_reference(qg, kg, vg, start, scale), (qg, kg, vg), g)
+    for a, e in zip(got, want):
+        assert _rel(a, e) < (1e-4 if dtype == torch.float32 else 5e-2)
+
+
+def test_logprobs(device):
+    gen = torch.Generator().manual_seed(3)
+    R, V = 7, 5000  # V spans several vocab chunks and ends inside one
+    logits = _rand(gen, R, V, dtype=torch.float32, device=device, scale=4.0)
+    targets = torch.randint(0, V, (R,), generator=gen).to(device)
+    temp = (torch.rand(R, generator=gen) + 0.5).to(device)
+    lp, ent = op.logprobs(logits, targets, temp)
+    rlp, rent = ref.logprob_reference(logits, targets, temp)
+    assert (lp - rlp).abs().max() < 1e-5 and (ent - rent).abs().max() < 1e-5  # measured 1.9e-6 / 2.1e-6
+    for i in (0, R - 1):
+        one = op.logprobs(logits[i : i + 1], targets[i : i + 1], temp[i : i + 1])
+        assert torch.equal(one[0], lp[i : i + 1]) and torch.equal(one[1], ent[i : i + 1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lm_head_logprobs_grad(device, dtype, monkeypatch):
+    """Chunked over tokens (chunk 4 here): values equal the unchunked ones bit for bit, grads match the reference."""
+    gen = torch.Generator().manual_seed(4)
+    h = _rand(gen, 10, 32, dtype=dtype, device=device).requires_grad_()
+    w = _rand(gen, 300, 32, dtype=dtype, device=device, scale=0.5).requires_grad_()
+    targets = torch.randint(0, 300, (10,), generator=gen).to(device)
+    lp, ent = op.lm_head_logprobs(h, w, targets, 0.8)
+    monkeypatch.setattr(op, "LM_HEAD_CHUNK_TOKENS", 4)
+    lp4, ent4 = op.lm_head_logprobs(h, w, targets, 0.8)
+    assert torch.equal(lp, lp4) and torch.equal(ent, ent4)
+    logits = ref.linear_reference(h, w, None, torch.float32)
+    t = torch.full((10,), 0.8, device=device)
+    rlp, rent = ref.logprob_reference(logits, targets, t)
+    assert (lp - rlp).abs().max() < 1e-4
+    g1, g2 = _rand(gen, 10, dtype=torch.float32, device=device), _rand(gen, 10, dtype=torch.float32, device=device)
+    got = torch.autograd.grad((lp4, ent4), (h, w), (g1, g2))
+    want = torch.autograd.grad((rlp, rent), (h, w), (g1, g2))
+    for a, e in zip(got, want):
+        assert _rel(a, e) < (1e-5 if dtype == torch.float32 else 1e-2)
