@@ -209,7 +209,9 @@ class NativeEngine(InferenceEngine):
                 f"request {request.request_id!r}: prompt of {n} tokens{images} does not fit --inference.max_model_len="
                 f"{self.max_model_len} (need at least one free position to generate)"
             )
-        if request.vision is not None and not hasattr(self.runner, "set_vision"):
+        if hasattr(self.runner, "set_vision"):  # vision-language models: image tokens and images must agree
+            self.runner.check_request(request)
+        elif request.vision is not None:
             raise no_image_support(f"request {request.request_id!r}", type(self.model).__name__)
         bad = [t for t in request.prompt_ids if not 0 <= t < self.vocab_size]
         if bad:

@@ -54,6 +54,18 @@ class VisionRunner:
         """The weights changed (the engine calls this after a weight load): drop the cached image features."""
         self._features.clear()
 
+    def check_request(self, request) -> None:
+        """``ValueError`` naming the request when its image tokens and its images disagree (e.g. a prompt rendered
+        by a text-only path: the chat template wrote a placeholder but no image came with it)."""
+        image_id = self.model.config.image_token_id
+        n = sum(1 for t in request.prompt_ids if t == image_id)
+        want = 0 if request.vision is None else sum(request.vision.tokens_per_image())
+        if n != want:
+            raise ValueError(
+                f"request {request.request_id!r}: the prompt holds {n} image tokens (id {image_id}) but its images "
+                f"make {want}: render prompts with images through the engine's render_prompt"
+            )
+
     def set_vision(self, slot: int, vision: VisionInputs | None) -> None:
         self._next_vision[slot] = vision
 

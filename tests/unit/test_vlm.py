@@ -98,6 +98,14 @@ def test_more_image_tokens_than_the_context_holds(vlm):
         eng.add_request(Request(prompt_ids=ids, request_id="big", vision=vision))
 
 
+def test_image_tokens_without_images_are_refused(vlm):
+    path, model, tok, proc = vlm
+    ids, vision = proc.render(_msgs(_img((7, 7, 7))))
+    eng = NativeEngine(model, tok, max_batch_size=2, max_model_len=64)
+    with pytest.raises(ValueError, match="request 'x': the prompt holds 16 image tokens .* but its images make 0"):
+        eng.add_request(Request(prompt_ids=ids, request_id="x"))
+
+
 def test_packed_row_matches_per_document_forward_and_encodes_each_prompt_once(vlm):
     path, model, tok, proc = vlm
     adapter = VLMAdapter(model)
