@@ -4,7 +4,7 @@
 #   1. kernels: tests/kernels, the same files as on CPU, with their tensors on CUDA (the `device` fixture
 #      in tests/conftest.py): Triton kernels compiled instead of interpreted;
 #   2. unit: tests/unit/test_loss_impls.py, test_native_engine.py, test_native_decode_attention.py, test_native_decode_linear.py, test_native_prefill.py,
-#      test_paged_kv_cache.py, test_fp8_engine.py on CUDA (kernels compiled,
+#      test_paged_kv_cache.py on CUDA (kernels compiled,
 #      the native engine with compiled decode and CUDA graphs), test_train_compile.py (inductor on CUDA),
 #      test_attention_backends.py (no cuDNN SDPA);
 #   3. gpu: tests/gpu (-m gpu), real shapes in bf16 (LM head, loss-fused head, MoE experts, FP8 quantize / linears /
@@ -54,8 +54,7 @@ step() {  # name, step limit in s, per-test limit in s, pytest arguments
 start=$(date +%s)
 step kernels 280 90 -m "not gpu" tests/kernels
 step unit 240 90 -m "not gpu" tests/unit/test_loss_impls.py tests/unit/test_native_engine.py tests/unit/test_native_decode_attention.py \
-  tests/unit/test_native_decode_linear.py tests/unit/test_native_prefill.py tests/unit/test_paged_kv_cache.py tests/unit/test_train_compile.py tests/unit/test_attention_backends.py \
-  tests/unit/test_fp8_engine.py
+  tests/unit/test_native_decode_linear.py tests/unit/test_native_prefill.py tests/unit/test_paged_kv_cache.py tests/unit/test_train_compile.py tests/unit/test_attention_backends.py
 step gpu 90 60 -m gpu tests/gpu
 python3 - "$OUT" > "$OUT/summary.txt" <<'EOF'
 import sys

@@ -44,7 +44,7 @@ def test_quantize_kernel_equals_the_reference(name, k, n):
 
 
 @pytest.mark.parametrize("name,k,n", CASES)
-@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("m", [1, 64])  # the GEMV and the tile kernel
 def test_fp8_decode_linear_bf16_real_shapes(name, k, n, m, record_property):
     """bf16 outputs (norm prologue for the K = hidden linears, residual otherwise): the kernel's fp32 sum against the
     reference's fp32 matmul, one bf16 rounding each; max error recorded."""
