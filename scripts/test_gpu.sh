@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU test suite (docs/testing.md), on a machine with a CUDA GPU, in steps with their own time limits
-# (610 s in all):
+# (790 s in all):
 #   1. kernels: tests/kernels, the same files as on CPU, with their tensors on CUDA (the `device` fixture
 #      in tests/conftest.py): Triton kernels compiled instead of interpreted;
 #   2. unit: tests/unit/test_loss_impls.py, test_native_engine.py, test_native_decode_attention.py, test_native_decode_linear.py, test_native_prefill.py,
@@ -8,9 +8,11 @@
 #      the native engine with compiled decode and CUDA graphs), test_train_compile.py (inductor on CUDA),
 #      test_attention_backends.py (no cuDNN SDPA);
 #   3. gpu: tests/gpu (-m gpu), real shapes in bf16 (LM head, loss-fused head, MoE experts, FP8 quantize / linears /
-#      engine with CUDA graphs: test_fp8_real_shapes.py, sm >= 8.9).
+#      engine with CUDA graphs: test_fp8_real_shapes.py, sm >= 8.9);
+#   4. exact: --model.exact on CUDA (tests/unit/test_exact_mode.py, test_exact_rl.py, tests/gpu/test_exact_mode_gpu.py):
+#      engine logprobs == trainer logprobs bit for bit, ~5k tokens at the Qwen3-0.6B layer shape, RL at lag 0.
 #   bash scripts/test_gpu.sh [OUTDIR]     (default $OUT, else /tmp/test_gpu)
-# Writes OUTDIR/{kernels,unit,gpu}.{log,xml} and OUTDIR/summary.txt (counts, times, each failure's message,
+# Writes OUTDIR/{kernels,unit,gpu,exact}.{log,xml} and OUTDIR/summary.txt (counts, times, each failure's message,
 # the measured errors recorded by the tests as junit properties). Exits nonzero if a step fails or times out.
 # With pytest-timeout importable each test has its own limit (a slow test fails alone, with its stack);
 # a step past its limit gets SIGINT, so pytest still prints the tracebacks so far and writes its junit file.
@@ -55,14 +57,15 @@ start=$(date +%s)
 step kernels 280 90 -m "not gpu" tests/kernels
 step unit 240 90 -m "not gpu" tests/unit/test_loss_impls.py tests/unit/test_native_engine.py tests/unit/test_native_decode_attention.py \
   tests/unit/test_native_decode_linear.py tests/unit/test_native_prefill.py tests/unit/test_paged_kv_cache.py tests/unit/test_train_compile.py tests/unit/test_attention_backends.py
-step gpu 90 60 -m gpu tests/gpu
+step gpu 90 60 -m gpu tests/gpu --ignore=tests/gpu/test_exact_mode_gpu.py
+step exact 180 120 tests/unit/test_exact_mode.py tests/unit/test_exact_rl.py tests/gpu/test_exact_mode_gpu.py
 python3 - "$OUT" > "$OUT/summary.txt" <<'EOF'
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 out = Path(sys.argv[1])
-for name in ("kernels", "unit", "gpu"):
+for name in ("kernels", "unit", "gpu", "exact"):
     path = out / f"{name}.xml"
     if not path.is_file():
         print(f"{name}: no junit file (timed out?); see {name}.log")

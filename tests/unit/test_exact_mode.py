@@ -4,7 +4,8 @@ of different lengths (prefilled or decoded, other length buckets), and on the tr
 (``PolicyModel``: documents unpacked into rows) or one sample a row. A control runs the default engine against the same
 trainer and shows the comparison can fail.
 
-CPU: the batch-invariant Triton kernels run under TRITON_INTERPRET=1 (tests/conftest.py).
+Device-aware (``device`` fixture): CUDA compiles the kernels and the engine replays them in CUDA graphs; CPU runs them
+under TRITON_INTERPRET=1 (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -28,14 +29,16 @@ def model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("nano"), "qwen3-nano", seed=0, initializer_range=0.3)
 
 
-def _model(path, dtype):
-    return registry.load_custom(str(path), device=torch.device("cpu"), dtype=dtype).eval()
+def _model(path, dtype, device):
+    return registry.load_custom(str(path), device=device, dtype=dtype).eval()
 
 
-def _engine(path, dtype, exact=True):
+def _engine(path, dtype, device, exact=True):
+    """On CUDA with its defaults: CUDA graphs, the decode and prefill graphs replaying the exact kernels."""
     return NativeEngine(
-        _model(path, dtype), build_char_tokenizer(), device="cpu", max_batch_size=8, max_model_len=64, exact=exact
-    )
+        _model(path, dtype, device), build_char_tokenizer(), device=device, max_batch_size=8, max_model_len=64,
+        exact=exact,
+    )  # fmt: skip
 
 
 def _requests(prompts, max_tokens, seeds, temperature=1.0):
@@ -57,15 +60,16 @@ def trainer_logprobs(policy: PolicyModel, completions, temperature: float, packe
     out = []
     for group in groups:
         seqs = [c.prompt_ids + c.token_ids for c in group]
-        ids = torch.tensor([sum(seqs, [])])
-        pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+        dev = policy.adapter.lm_head_weight().device
+        ids = torch.tensor([sum(seqs, [])], device=dev)
+        pos = torch.cat([torch.arange(len(s), device=dev) for s in seqs])[None]
         targets = torch.cat([ids[0, 1:], ids.new_zeros(1)])
         with torch.no_grad():
             lp, _ = policy.logprobs(ids, pos, targets, temperature)
         o = 0
         for c, s in zip(group, seqs):
             n = len(c.prompt_ids)
-            out.append(lp[o + n - 1 : o + n - 1 + len(c.token_ids)])
+            out.append(lp[o + n - 1 : o + n - 1 + len(c.token_ids)].cpu())
             o += len(s)
     return out
 
@@ -75,8 +79,8 @@ def _equal(completions, trainer) -> list[bool]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_engine_logprobs_equal_trainer(model_dir, dtype):
-    eng = _engine(model_dir, dtype)
+def test_engine_logprobs_equal_trainer(model_dir, dtype, device):
+    eng = _engine(model_dir, dtype, device)
     seeds = list(range(len(PROMPTS)))
     batch = eng.generate(_requests(PROMPTS, MAX_TOKENS, seeds, temperature=0.7))
     assert [len(c.token_ids) for c in batch] == MAX_TOKENS
@@ -85,22 +89,22 @@ def test_engine_logprobs_equal_trainer(model_dir, dtype):
     for a in alone:
         b = batch[a.request_id]
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
-    policy = PolicyModel(_model(model_dir, dtype), exact=True)
+    policy = PolicyModel(_model(model_dir, dtype, device), exact=True)
     for packed in (True, False):
         assert all(_equal(batch, trainer_logprobs(policy, batch, 0.7, packed))), packed
 
 
-def test_default_mode_differs(model_dir):
+def test_default_mode_differs(model_dir, device):
     """The control: the default engine (fused decode, SDPA prefill, torch sampler) against the exact trainer. Equal
     logprobs here would mean the test above cannot tell the modes apart."""
-    eng = _engine(model_dir, torch.float32, exact=False)
+    eng = _engine(model_dir, torch.float32, device, exact=False)
     batch = eng.generate(_requests(PROMPTS[:3], [6, 6, 6], [0, 1, 2]))
-    policy = PolicyModel(_model(model_dir, torch.float32), exact=True)
+    policy = PolicyModel(_model(model_dir, torch.float32, device), exact=True)
     assert not all(_equal(batch, trainer_logprobs(policy, batch, 1.0, packed=True)))
 
 
-def test_exact_engine_refuses_filtered_sampling(model_dir):
-    eng = _engine(model_dir, torch.float32)
+def test_exact_engine_refuses_filtered_sampling(model_dir, device):
+    eng = _engine(model_dir, torch.float32, device)
     req = _requests(["abc"], [2], [0])[0]
     req.sampling.top_p = 0.9
     with pytest.raises(ValueError, match="--model.exact samples without top-k/top-p/min-p"):
