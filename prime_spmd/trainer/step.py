@@ -123,6 +123,12 @@ def train_step(
     if skipped:
         optimizer.zero_grad(set_to_none=True)
     else:
+        if params and not any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
+            raise RuntimeError(
+                f"the backward filled {len(params)} parameter gradients and none of them belongs to the optimizer: "
+                "the model's parameters were replaced after the optimizer was built (distributed/fsdp.py: "
+                "settle_parameters), so this step would change nothing"
+            )
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     with warnings.catch_warnings():  # a skipped step still advances the schedule: steps and LRs stay aligned

@@ -241,3 +241,15 @@ def test_train_step_divides_by_all_trained_tokens_of_the_micro_batches(tiny_lm, 
     for name, want in want_grads.items():
         # fp32, other summation order: measured max |diff| / max |grad| 2.2e-7 (2026-12-03)
         torch.testing.assert_close(opt.grads[name], want, rtol=1e-4, atol=1e-5 * want.abs().max().item(), msg=name)
+
+
+def test_train_step_refuses_an_optimizer_that_holds_none_of_the_trained_parameters(tiny_lm) -> None:
+    # what torch 2.11 on CUDA did before distributed/fsdp.py settle_parameters: the modules' parameters were new
+    # objects after the first forward, the optimizer kept the old ones, and every step silently changed nothing
+    loss = RLLoss(LossConfig(type="dppo"))
+    samples = rl_samples((20, 7))
+    policy = PolicyModel(copy.deepcopy(tiny_lm), "reference")
+    stale = torch.optim.SGD([torch.nn.Parameter(p.detach().clone()) for p in policy.parameters()], lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(stale, lambda _: 1.0)
+    with pytest.raises(RuntimeError, match="none of them belongs to the optimizer"):
+        train_step(policy, stale, sched, pack(samples, 20, 1)[0], loss, device=torch.device("cpu"))
