@@ -11,6 +11,7 @@ bandwidth measured by a large device-to-device copy. Measured tokens/s include t
 Needs only torch + transformers (no tyro, no verifiers), plus vLLM for ``--engine vllm``:
     python benchmarks/engine.py --device cuda --model-shape qwen3-0.6b --batch-sizes 1,64 --engine native,hf
     python benchmarks/engine.py --model-shape qwen3-8b --batch-sizes 1,64 --engine native --quantization none,fp8
+    python benchmarks/engine.py --model-shape qwen3-0.6b --batch-sizes 1,64 --engine native-custom --exact off,on
 
 ``--quantization fp8`` rows (``--inference.quantization``) count the layer linears at one byte a weight plus their
 fp32 row scales in the roofline, and time a full re-quantize of the engine's FP8 copies (what a weight sync costs,
@@ -102,6 +103,7 @@ def run_native(
     prefill_layer_fn: bool | None = None,
     decode_steps: int = 0,
     quantization: str = "none",
+    exact: bool = False,
 ) -> tuple[float, list]:
     """(seconds of the second ``generate``, its token ids per request, the attention / linear / sampler it ran)."""
     from prime_spmd.inference.engine import Request, SamplingParams
@@ -123,6 +125,7 @@ def run_native(
         prefill_layer_fn=prefill_layer_fn,
         decode_steps_per_launch=decode_steps,
         quantization=quantization,
+        exact=exact,
     )
 
     def once() -> float:
@@ -153,6 +156,7 @@ def run_native(
         pdl=eng.pdl,
         decode_steps_per_launch=eng.decode_steps,
         quantization=quantization,
+        exact=exact,
     )
     fp8 = getattr(runner, "fp8", None)
     if fp8 is not None:
@@ -331,6 +335,9 @@ def main() -> None:
         help="native engines: comma list of none, fp8 (--inference.quantization: FP8 layer weights); crossed with the "
         "variants above; fp8 rows count FP8 bytes in the roofline and report the re-quantize time",
     )
+    ap.add_argument(
+        "--exact", default="off", help="native engines: comma list of off, on (--model.exact: batch-invariant kernels)"
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -371,12 +378,13 @@ def main() -> None:
                     prefills,
                     [int(x) for x in args.decode_steps.split(",")],
                     args.quantization.split(","),
+                    [x == "on" for x in args.exact.split(",")],
                 )
-                for attn, lin, smp, kv, fprefill, dsteps, quant in variants:
+                for attn, lin, smp, kv, fprefill, dsteps, quant, exact in variants:
                     m = model if name == "native" else custom
                     graphs = not args.no_cuda_graphs
                     secs, toks, ran = run_native(m, ids, args.new_tokens, device, graphs, attn, lin, smp, kv, args.pdl,
-                                                 fprefill, dsteps, quant)  # fmt: skip
+                                                 fprefill, dsteps, quant, exact)  # fmt: skip
                     attn, lin, smp = ran["decode_attention"], ran["decode_linear"], ran["sampler"]
                     row = dict(engine=name, **ran, kv_cache=kv)
                     # one-row steps on the GEMV kernel (the ops whose K it takes: kernel.uses_gemv)
@@ -393,7 +401,7 @@ def main() -> None:
                     rows.append(row)
                     extra = f", same tokens as the first: {row['same_tokens']:.3f}" if "same_tokens" in row else ""
                     tag = ",prefill layer_fn" if ran["prefill_layer_fn"] else ""
-                    tag += f",{ran['decode_steps_per_launch']} steps a launch"
+                    tag += f",{ran['decode_steps_per_launch']} steps a launch" + (",exact" if exact else "")
                     if quant != "none":
                         tag += f",{quant} (re-quantize {ran['quantize_ms']:.2f} ms, GEMM {ran['fp8_gemm']})"
                     print(f"{name}[{attn},{lin},{smp},{kv}{tag}] batch {bs:4d}: {row['tokens_per_s']:10.1f} tok/s ({secs:.2f} s){extra}",
@@ -443,6 +451,7 @@ def main() -> None:
                 if r.get("quantization", "none") != "none"
                 else ""
             )
+            tag += ",exact" if r.get("exact") else ""
             label += f"[{r['decode_attention']},{lin},{r['sampler']},{r['kv_cache']}{tag}]"
         table.append([label, r["batch"], f"{tok_s:.0f}", vs, f"{roof:.0f}", f"{100 * frac:.1f}%"])
     common.print_markdown_table(["engine", "batch", "tokens/s", "vs hf", "decode roofline tok/s", "of roofline"], table)

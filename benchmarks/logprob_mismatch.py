@@ -10,7 +10,10 @@ mean |d| and the mismatch KL mean(exp(d) - d - 1), d = trainer - inference, over
     python benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --quantization fp8
 
 ``--quantization fp8``: the engine samples from FP8 layer weights (``--inference.quantization``); the trainer side stays
-the bf16 model, so the KL includes the quantization error.
+the bf16 model, so the KL includes the quantization error. ``--exact`` (``--model.exact``): our model code on both sides
+and the batch-invariant kernels: max |diff| and the KL are 0.
+
+    python benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --exact
 """
 
 from __future__ import annotations
@@ -74,6 +77,9 @@ def main() -> None:
         choices=["none", "fp8"],
         help="the engine's weights (--inference.quantization)",
     )
+    ap.add_argument(
+        "--exact", action="store_true", help="--model.exact: engine and trainer on the batch-invariant kernels"
+    )
     ap.add_argument("--out", default="")
     args = ap.parse_args()
 
@@ -92,7 +98,7 @@ def main() -> None:
         shape = {**shape, "overrides": {**shape["overrides"], "initializer_range": args.init_std}}
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_model(Path(tmp) / "m", shape["preset"], seed=0, **shape["overrides"])
-        mcfg = ModelConfig(path=str(path), impl="hf")
+        mcfg = ModelConfig(path=str(path), impl="custom" if args.exact else "hf")
         engine = NativeEngine(
             load_model(mcfg, device, dtype),
             build_char_tokenizer(),
@@ -105,6 +111,7 @@ def main() -> None:
             kv_cache=args.kv_cache,
             prefill_layer_fn=prefill_choice(args.prefill),
             quantization=args.quantization,
+            exact=args.exact,
         )
         trainer_lm = load_model(mcfg, device, dtype).eval()
     vocab = engine.vocab_size
@@ -120,7 +127,7 @@ def main() -> None:
     ]
     outs = engine.generate(reqs)
     impl = args.loss_impl if args.loss_impl != "auto" else ("triton" if device.type == "cuda" else "reference")
-    policy = PolicyModel(trainer_lm, impl)
+    policy = PolicyModel(trainer_lm, impl, exact=args.exact)
     diffs = []
     with torch.no_grad():
         for r, c in zip(reqs, outs):
@@ -142,6 +149,7 @@ def main() -> None:
             k: getattr(args, k)
             for k in ("decode_attention", "decode_linear", "sampler", "kv_cache", "prefill", "quantization")
         },
+        "exact": args.exact,
         "prefill_layer_fn_ran": getattr(engine.runner, "prefill_layer", None) is not None,
         "tokens": d.numel(),
         "mean_abs_diff": d.abs().mean().item(),

@@ -12,11 +12,14 @@ by host time and by device time, and the device's busy fraction of the wall time
 the host launches too slowly). Variants are trainer flag sets (``name:key=value,...`` of ``--trainer.*``), plus
 ``sdpa_cudnn=1``, which lets SDPA use cuDNN again (``models/common/attention.py: SDPA_BACKENDS``) to measure what
 leaving it out saves, and ``lora_rank=r``, which trains LoRA adapters of rank r (alpha 2r, ``--model.lora``) instead
-of every weight. MFU counts the whole model's FLOPs, a lower bound under LoRA. ``--prompts 1 --group-size 1
+of every weight, and ``exact=1``, which trains in exact mode (``--model.exact``: the batch-invariant kernels; no
+compile). MFU counts the whole model's FLOPs, a lower bound under LoRA. ``--prompts 1 --group-size 1
 --prompt-len 0 --completion-min 16384 --completion-max 16384`` trains one packed row of 16,384 tokens.
 
     python3 benchmarks/train_step.py --device cuda --shape qwen3-0.6b --tokenizer-files .whl/qwen3-tokenizer \\
         --variants "eager:compile=off;compiled:compile=on" --out $OUT/train_step
+    python3 benchmarks/train_step.py --device cuda --shape qwen3-0.6b --tokenizer-files .whl/qwen3-tokenizer \
+        --variants "default:;exact:exact=1" --out $OUT/train_step_exact
     python benchmarks/train_step.py --device cpu --shape qwen3-nano --steps 2 --warmup 1 --out /tmp/train_step
 
 It asserts nothing about timings.
@@ -90,7 +93,7 @@ def parse_variants(spec: str) -> list[tuple[str, dict[str, str]]]:
     return out
 
 
-BENCH_KEYS = ("sdpa_cudnn", "lora_rank")
+BENCH_KEYS = ("sdpa_cudnn", "lora_rank", "exact")
 
 
 def trainer_config(base, overrides: dict[str, str]):
@@ -186,6 +189,8 @@ def run_variant(name: str, overrides: dict[str, str], model_dir: Path, args: arg
     lora_rank = int(overrides.get("lora_rank", "0"))
     if lora_rank:
         cfg.model = dataclasses.replace(cfg.model, lora=LoraConfig(rank=lora_rank, alpha=2.0 * lora_rank))
+    if overrides.get("exact", "0") in ("1", "true"):
+        cfg.model = dataclasses.replace(cfg.model, exact=True)
     from prime_spmd.models.common import attention
 
     backends = [b for b in attention.SDPA_BACKENDS if b != SDPBackend.CUDNN_ATTENTION]
