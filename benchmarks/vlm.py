@@ -1,0 +1,173 @@
+"""Native-engine throughput with images beside text-only prompts, on a random-weight Qwen3-VL.
+
+For each ``--images`` count (0: text only) the same model serves ``--prompts`` prompts x ``--group-size`` samples
+(a GRPO step's shape): prefill tokens/s (requests with max_tokens 1: the vision encoder once per prompt, the prompt
+forward, the first token), decode tokens/s (the rest of ``--new-tokens``, no eos) and the vision encoder's share
+(``image_features`` of one prompt's images, timed alone). Each prompt holds ``--prompt-tokens`` text tokens plus its
+images (``--image-size`` pixels square: (size / 32)^2 LM tokens an image at the 2b shape).
+
+The vision runner (prime_spmd/inference/vision_runner.py) re-runs whole sequences at each decode step (no KV cache
+yet), so decode tokens/s here is what that path costs, not the Llama-style runner's.
+
+    python benchmarks/vlm.py --device cuda --shape qwen3-vl-2b --images 0,1 --out vlm.json       # H100: < 4 min
+    python benchmarks/vlm.py --device cpu --shape qwen3-vl-nano --images 0,1 --prompts 2 --group-size 2 --new-tokens 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from prime_spmd.inference.engine import Request, SamplingParams  # noqa: E402
+from prime_spmd.inference.native import NativeEngine  # noqa: E402
+from prime_spmd.models.vision import VisionProcessor  # noqa: E402
+from prime_spmd.models.vlm import (  # noqa: E402
+    VLM_BPE_TOKENS,
+    VLM_PRESETS,
+    VLMAdapter,
+    build_image_processor,
+    build_vl_tokenizer,
+    tiny_vlm_config,
+)
+
+
+def build(shape: str, device: torch.device, dtype: torch.dtype, image_size: int):
+    """(model, tokenizer, processor): random weights of ``shape``, the processor sized for ``image_size`` images."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    tok = build_vl_tokenizer(VLM_BPE_TOKENS.get(shape, 0))
+    cfg = tiny_vlm_config(shape, tok)
+    torch.manual_seed(0)
+    with device:
+        model = Qwen3VLForConditionalGeneration(cfg).to(dtype).eval()
+    merge = cfg.vision_config.spatial_merge_size
+    images = build_image_processor(cfg.vision_config.patch_size, merge, max_pixels=image_size * image_size)
+    return model, tok, VisionProcessor(tok, images, cfg.image_token_id, merge)
+
+
+def prompts(proc: VisionProcessor, n: int, images: int, text_tokens: int, size: int) -> list:
+    """``n`` (ids, vision) prompts, each ``images`` random-noise images then about ``text_tokens`` text tokens."""
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        parts = []
+        for _ in range(images):
+            pixels = torch.randint(0, 256, (size, size, 3), generator=g, dtype=torch.uint8).numpy()
+            parts.append({"type": "image", "image": Image.fromarray(pixels)})
+        parts.append({"type": "text", "text": " ".join(f"w{(i * 7 + k) % 97}" for k in range(text_tokens // 2))})
+        out.append(proc.render([{"role": "user", "content": parts}]))
+    return out
+
+
+def run(eng: NativeEngine, ps: list, group: int, max_tokens: int, tag: str) -> tuple[float, int, int]:
+    """(seconds, prompt tokens, generated tokens) of one generate over ``ps`` x ``group`` requests."""
+    reqs = [
+        Request(
+            prompt_ids=ids,
+            vision=v,
+            request_id=f"{tag}/{i}/{j}",
+            sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=i * group + j),
+        )
+        for i, (ids, v) in enumerate(ps)
+        for j in range(group)
+    ]
+    eng.reset_cache()  # drops the cached image features: every timed generate encodes its prompts' images
+    sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    done = eng.generate(reqs)
+    sync()
+    return time.perf_counter() - t0, sum(len(r.prompt_ids) for r in reqs), sum(len(c.token_ids) for c in done)
+
+
+def encoder_ms(model, vision, device: torch.device) -> float:
+    """Median ms of ``image_features`` over one prompt's images (5 runs after 2 warm-ups)."""
+    adapter, v = VLMAdapter(model), vision.to(device)
+    times = []
+    for k in range(7):
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            adapter.image_features([v])
+        sync()
+        if k >= 2:
+            times.append(1000 * (time.perf_counter() - t0))
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--shape", default="qwen3-vl-2b", choices=sorted(VLM_PRESETS))
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    ap.add_argument("--images", default="0,1", help="images per prompt, comma-separated (0: text only)")
+    ap.add_argument("--image-size", type=int, default=448)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=128, help="text tokens per prompt (about)")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(
+        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32
+    )
+    model, tok, proc = build(args.shape, device, dtype, args.image_size)
+    counts = [int(x) for x in args.images.split(",")]
+    all_prompts = {k: prompts(proc, args.prompts, k, args.prompt_tokens, args.image_size) for k in counts}
+    max_len = max(len(ids) for ps in all_prompts.values() for ids, _ in ps) + args.new_tokens + 1
+    n_seqs = args.prompts * args.group_size
+    eng = NativeEngine(model, tok, max_batch_size=n_seqs, max_model_len=max_len, device=device, dtype=dtype)
+    run(eng, all_prompts[counts[0]][:1], 1, 2, "warm")  # first kernels, allocator
+    rows = []
+    for k in counts:
+        ps = all_prompts[k]
+        before = eng.runner.num_encoded_images
+        t_pre, n_prompt, _ = run(eng, ps, args.group_size, 1, f"pre{k}")
+        encoded = eng.runner.num_encoded_images - before
+        t_all, _, n_gen = run(eng, ps, args.group_size, args.new_tokens, f"all{k}")
+        t_dec = max(t_all - t_pre, 1e-9)
+        enc = encoder_ms(model, ps[0][1], device) if k else 0.0
+        rows.append(
+            {
+                "images": k,
+                "image_tokens_per_prompt": sum(ps[0][1].tokens_per_image()) if k else 0,
+                "prompt_tokens": len(ps[0][0]),
+                "sequences": n_seqs,
+                "images_encoded_per_generate": encoded,
+                "prefill_s": t_pre,
+                "prefill_tokens_per_s": n_prompt / t_pre,
+                "decode_tokens_per_s": (n_gen - n_seqs) / t_dec,
+                "generate_s": t_all,
+                "encoder_ms_per_prompt": enc,
+            }
+        )
+    mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(
+        f"{args.shape} {dtype} on {name}; {args.prompts} prompts x {args.group_size} samples, {args.new_tokens} new tokens"
+    )
+    print("| images | image tok | prompt tok | prefill tok/s | decode tok/s | encoder ms/prompt | encoded/generate |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['images']} | {r['image_tokens_per_prompt']} | {r['prompt_tokens']} | {r['prefill_tokens_per_s']:.0f} "
+            f"| {r['decode_tokens_per_s']:.1f} | {r['encoder_ms_per_prompt']:.1f} | {r['images_encoded_per_generate']} |"
+        )
+    print(f"peak GPU memory {mem:.1f} GiB")
+    if args.out:
+        args.out.write_text(json.dumps({"shape": args.shape, "device": name, "rows": rows, "peak_gib": mem}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
