@@ -251,10 +251,14 @@ class VerifiersEnvironment(Environment):
         # a group reward outside the guard); the run goes on with the group failed and counted.
         except Exception as e:  # noqa: BLE001
             logger.warning("verifiers run_group failed for example %d: %s: %s", example_id, type(e).__name__, e)
+            for row in inputs:
+                client.visions.pop(row.get(SEED_KEY), None)
             return failed_group(self.vf_env, client.renderer, example_id, inputs)
         rollouts = []
         for k, out in enumerate(outputs):
             rollouts.append(output_to_rollout(out, example_id, k, client.renderer))
+            vision = client.visions.pop(inputs[k].get(SEED_KEY), None)  # a prompt with images (vision-language)
+            rollouts[-1].vision = None if vision is None else vision.without_images()
         return rollouts
 
 

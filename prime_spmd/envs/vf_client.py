@@ -43,6 +43,7 @@ from verifiers.types import (
 from prime_spmd.envs.base import completion_text, end_token_ids
 from prime_spmd.envs.chat_render import ChatRenderer, split_tool_calls, turn_seed
 from prime_spmd.inference.engine import AsyncEngine, Completion, SamplingParams
+from prime_spmd.models.vision import VisionInputs, has_images
 
 STATS_KEY = "ps_bridge"
 """State key of the per-rollout bridge counters (a JSON-able dict of ints, returned as a state column)."""
@@ -71,8 +72,10 @@ def to_template_message(message: Any) -> dict[str, Any]:
     d = message.model_dump(exclude_none=True) if hasattr(message, "model_dump") else dict(message)
     role = "user" if d.get("role") == "text" else d["role"]
     content = d.get("content")
-    if isinstance(content, list):  # text parts only: templates here take strings
+    if isinstance(content, list) and not has_images([{"content": content}]):  # text parts: templates take strings
         content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    elif isinstance(content, list):  # text and image parts: the engine's render_prompt (vision-language models)
+        content = [p for p in content if isinstance(p, dict)]
     out: dict[str, Any] = {"role": role, "content": content if content is not None else ""}
     if d.get("reasoning_content") is not None:
         out["reasoning_content"] = d["reasoning_content"]
@@ -158,6 +161,9 @@ class EngineClient(vf.Client):
         self._end_ids = end_token_ids(self.tokenizer)
         self.tool_parser = tool_parser or parse_hermes_tool_calls
         self.max_model_len: int | None = getattr(engine.engine, "max_model_len", None)
+        self.visions: dict[Any, VisionInputs] = {}
+        """The images of each sample's prompt (key: the sample's seed, ``SEED_KEY``), for its requests and its
+        ``Rollout`` (the bridge pops them; verifiers' state columns must be JSON)."""
 
     def setup_client(self, config: Any) -> Any:
         raise ValueError("EngineClient wraps an in-process engine; it cannot be built from a ClientConfig")
@@ -184,7 +190,7 @@ class EngineClient(vf.Client):
     ) -> EngineResponse:
         state = kwargs.get("state")
         prompt_ids, sampling, turn = self.prepare_request(prompt, sampling_args, tools, state)
-        completion = await self.engine.generate(prompt_ids, sampling)
+        completion = await self.engine.generate(prompt_ids, sampling, vision=self.visions.get(_sample_key(state)))
         return self.engine_response(prompt_ids, completion, turn)
 
     def prepare_request(
@@ -208,13 +214,25 @@ class EngineClient(vf.Client):
         """Stitch onto the previous turn's ids when ``prompt`` extends its messages; else render afresh."""
         step = _last_step_with_tokens(state)
         if step is None:
+            if has_images(prompt):  # the engine's image processor expands each image's tokens (models/vision.py)
+                ids, vision = self.engine.engine.render_prompt(prompt, tools)
+                self.visions[_sample_key(state)] = vision
+                return ids
             return self.renderer.render_ids(prompt, tools, kwargs)
         previous = [to_template_message(m) for m in list(step["prompt"]) + list(step["completion"])]
         tokens = step["tokens"]
         prompt_ids, completion_ids = list(tokens["prompt_ids"]), list(tokens["completion_ids"])
+        images = _sample_key(state) in self.visions
+        if images and not (prompt[: len(previous)] == previous and not has_images(prompt[len(previous) :])):
+            raise ValueError(
+                "a later turn of a prompt with images adds images or rewrites the history: only the first turn's "
+                "prompt may hold images (docs/environments.md, 'Image environments')"
+            )
         ids, stat = self.renderer.stitch_ids(
-            prompt, tools, kwargs, previous, prompt_ids, completion_ids, self.check_rerender
+            prompt, tools, kwargs, previous, prompt_ids, completion_ids, self.check_rerender and not images
         )
+        if images and stat is not None:  # a fresh text render would drop the images' tokens
+            raise ValueError(f"a later turn of a prompt with images could not be stitched ({stat})")
         if stat is not None:
             bump_stat(state, stat)
         return ids
@@ -279,6 +297,11 @@ class EngineClient(vf.Client):
                 tool_calls=tool_calls or None,
             ),
         )
+
+
+def _sample_key(state: Any) -> Any:
+    """The sample's seed (unique per sample of a run_groups call), None outside a rollout."""
+    return None if state is None else (state.get("input") or {}).get(SEED_KEY)
 
 
 def _last_step_with_tokens(state: Any) -> dict | None:

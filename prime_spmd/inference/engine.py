@@ -179,15 +179,18 @@ class AsyncEngine:
         self._driver: asyncio.Task | None = None
         self._next_id = 0
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Completion:
-        """Submit one request and await its completion. Raises the engine's exception if a step failed."""
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, vision: VisionInputs | None = None
+    ) -> Completion:
+        """Submit one request (``vision``: its prompt's images) and await its completion. Raises the engine's
+        exception if a step failed."""
         if self.failure is not None:
             raise RuntimeError("the inference engine failed earlier; no new requests") from self.failure
         rid = f"async-{self._next_id}"
         self._next_id += 1
         fut = asyncio.get_running_loop().create_future()
         self._futures[rid] = fut
-        self.engine.add_request(Request(prompt_ids=list(prompt_ids), sampling=sampling, request_id=rid))
+        self.engine.add_request(Request(prompt_ids=list(prompt_ids), sampling=sampling, request_id=rid, vision=vision))
         if self._driver is None or self._driver.done():
             self._driver = asyncio.ensure_future(self._drive())
         return await fut

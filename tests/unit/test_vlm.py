@@ -216,3 +216,27 @@ def test_vllm_engine_passes_images_as_multi_modal_data(vlm):
     assert "multi_modal_data" not in seen[1]
     with pytest.raises(ValueError, match="request 'n': --inference.engine=vllm takes images as PIL images"):
         eng.generate([Request(prompt_ids=ids, vision=vision.without_images(), request_id="n")])
+
+
+def test_classic_verifiers_env_with_images_is_token_exact(vlm):
+    """The classic bridge renders image_url parts with the engine's processor; each rollout carries the engine's ids
+    and its prompt's images, the same as the built-in's for the same example."""
+    pytest.importorskip("verifiers")
+    from prime_spmd.config.sections import EnvConfig
+    from prime_spmd.envs.verifiers_bridge import load_verifiers_environment
+
+    path, model, tok, proc = vlm
+    eng = NativeEngine(model, tok, max_batch_size=8, max_model_len=64)
+    eng.processor = proc
+    args = {"num_train_examples": "4", "num_eval_examples": "2"}
+    env = load_verifiers_environment(EnvConfig(name="prime_spmd.envs.vf_visual:load_environment", args=args))
+    sp = SamplingParams(max_tokens=4)
+    groups = env.run_groups(eng, "train", [0, 1], 2, sp, seed=0)
+    builtin = VisualEnv(seed=0, args={"num_train_examples": "4"})
+    ref = builtin.run_groups(eng, "train", [0, 1], 2, sp, seed=0)
+    for g, rg in zip(groups, ref):
+        for r, b in zip(g, rg):
+            assert r.vision is not None and r.vision.images is None and r.vision.key == b.vision.key
+            assert r.prompt_ids == b.prompt_ids and r.prompt_ids.count(model.config.image_token_id) == 16
+            assert r.metrics["failed"] == 0.0 and len(r.completion_ids) == len(r.inference_logprobs) > 0
+    assert eng.runner.num_encoded_images >= 2
