@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from prime_spmd.kernels.batch_invariant import kernel as K
-from prime_spmd.kernels.batch_invariant.reference import logprob_reference
 
 
 def check_device(t: torch.Tensor) -> None:
@@ -209,36 +208,32 @@ LM_HEAD_CHUNK_TOKENS = 2048
 class _LMHeadLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_TD, w_VD, targets_T, temperature_T):
-        ctx.save_for_backward(hidden_TD, w_VD, targets_T, temperature_T)
-        lps, ents = [], []
+        lps, ents, lses = [], [], []
         for i in range(0, hidden_TD.shape[0], LM_HEAD_CHUNK_TOKENS):
             sl = slice(i, i + LM_HEAD_CHUNK_TOKENS)
             logits = _launch_linear(hidden_TD[sl], w_VD, None, torch.float32)
             lp, ent = logprobs(logits, targets_T[sl], temperature_T[sl])
             lps.append(lp)
             ents.append(ent)
+            lses.append(logits.gather(1, targets_T[sl, None].long()).squeeze(1) / temperature_T[sl] - lp)
         if not lps:
             empty = hidden_TD.new_zeros(0, dtype=torch.float32)
             return empty, empty.clone()
-        return torch.cat(lps), torch.cat(ents)
+        lp, ent = torch.cat(lps), torch.cat(ents)
+        ctx.save_for_backward(hidden_TD, w_VD, targets_T, temperature_T, torch.cat(lses), ent)
+        return lp, ent
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
-        hidden_TD, w_VD, targets_T, temperature_T = ctx.saved_tensors
-        gh = torch.zeros_like(hidden_TD) if ctx.needs_input_grad[0] else None
-        gw = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device) if ctx.needs_input_grad[1] else None
-        for i in range(0, hidden_TD.shape[0], LM_HEAD_CHUNK_TOKENS):
-            sl = slice(i, i + LM_HEAD_CHUNK_TOKENS)
-            with torch.enable_grad():
-                h, w = hidden_TD[sl].detach().requires_grad_(), w_VD.detach().requires_grad_()
-                logits = h.float() @ w.float().T
-                lp, ent = logprob_reference(logits, targets_T[sl], temperature_T[sl])
-                dh, dw = torch.autograd.grad((lp, ent), (h, w), (g_lp[sl], g_ent[sl]))
-            if gh is not None:
-                gh[sl] = dh.to(gh.dtype)
-            if gw is not None:
-                gw += dw.float()
-        return gh, None if gw is None else gw.to(w_VD.dtype), None, None
+        # the trainer's LM-head backward kernel (kernels/lm_logprob; Triton, interpreted on the CPU): no [T, V] logits
+        from prime_spmd.kernels.lm_logprob.op import lm_logprob_bwd
+
+        hidden_TD, w_VD, targets_T, temperature_T, lse_T, ent_T = ctx.saved_tensors
+        gh, gw = lm_logprob_bwd(
+            g_lp.float().contiguous(), g_ent.float().contiguous(), hidden_TD.contiguous(), w_VD.contiguous(),
+            targets_T.long().contiguous(), temperature_T, lse_T, ent_T,
+        )  # fmt: skip
+        return gh, gw, None, None
 
 
 def lm_head_logprobs(

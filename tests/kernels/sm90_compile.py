@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 warnings.filterwarnings("ignore")
 
 import triton  # noqa: E402
+from prime_spmd.kernels.batch_invariant import kernel as batch_invariant  # noqa: E402
 from prime_spmd.kernels.decode_attention import kernel as attention  # noqa: E402
 from prime_spmd.kernels.decode_glue import kernel as glue  # noqa: E402
 from prime_spmd.kernels.decode_linear import kernel as linear  # noqa: E402
@@ -248,6 +249,30 @@ def variants():
     yield ("decode_attention reduce", attention._reduce_kernel,
            sig("acc_ptr ml_ptr lens_ptr o_ptr so_b so_n max_len", "*fp32 *fp32 *i64 *bf16 i32 i32 i32"), heads,
            {"num_warps": 4})  # fmt: skip
+    yield from batch_invariant_variants()
+
+
+def batch_invariant_variants():
+    """kernels/batch_invariant (--model.exact) as op.py launches them in bf16 at the Qwen3-0.6B shape (Dh 128, G 2)."""
+    bi = batch_invariant
+    mm = {"BLOCK_M": bi.MM_BLOCK_M, "BLOCK_N": bi.MM_BLOCK_N, "BLOCK_K": bi.MM_BLOCK_K, "UPCAST": False, "IEEE": False}
+    for out, bias in (("bf16", False), ("fp32", True)):
+        yield (f"batch_invariant matmul {out} out", bi.matmul_kernel,
+               sig("x_ptr w_ptr b_ptr out_ptr M N K sxm sxk swn swk som son", f"*bf16 *bf16 *bf16 *{out} " + "i32 " * 9),
+               {**mm, "HAS_BIAS": bias}, {"num_warps": bi.MM_WARPS, "num_stages": bi.MM_STAGES})  # fmt: skip
+    for d in (128, 1024):
+        yield (f"batch_invariant rms_norm D {d}", bi.rms_norm_kernel,
+               sig("x_ptr w_ptr out_ptr R D sx so eps", "*bf16 *bf16 *bf16 i32 i32 i32 i32 fp32"),
+               {"BLOCK_R": bi.ROW_ELEMS // d, "BLOCK_D": d}, {"num_warps": 4})  # fmt: skip
+    yield ("batch_invariant silu_mul", bi.silu_mul_kernel, sig("g_ptr u_ptr out_ptr R C sg su so", "*bf16 " * 3 + "i32 " * 5),
+           {"BLOCK_R": 16, "BLOCK_C": 256}, {"num_warps": 4})  # fmt: skip
+    names = "q_ptr k_ptr v_ptr out_ptr start_ptr B Tq G Dh scale sqb sqt sqh sqd skb skh skt skd svb svh svt svd sob sot soh sod"
+    yield ("batch_invariant attention", bi.attention_kernel, sig(names, "*bf16 " * 4 + "*i64 i32 i32 i32 i32 fp32 " + "i32 " * 16),
+           {"UPCAST": False, "IEEE": False, "BLOCK_T": bi.ATTN_BLOCK_T, "BLOCK_G": 2, "BLOCK_N": bi.ATTN_BLOCK_N,
+            "BLOCK_D": 128}, {"num_warps": 4})  # fmt: skip
+    yield ("batch_invariant logprob", bi.logprob_kernel,
+           sig("logits_ptr temp_ptr target_ptr lp_ptr ent_ptr R V sl", "*fp32 *fp32 *i64 *fp32 *fp32 i32 i32 i32"),
+           {"BLOCK_V": bi.LOGPROB_BLOCK_V}, {"num_warps": 4})  # fmt: skip
 
 
 NO_SPILLS = ("gumbel_sample",)
