@@ -109,3 +109,21 @@ def test_exact_engine_refuses_filtered_sampling(model_dir, device):
     req.sampling.top_p = 0.9
     with pytest.raises(ValueError, match="--model.exact samples without top-k/top-p/min-p"):
         eng.add_request(req)
+
+
+def test_exact_refuses_moe_and_hf_models(model_dir):
+    from prime_spmd.models.qwen3.model import Qwen3Args, Qwen3ForCausalLM
+    from prime_spmd.trainer.exact import check_trainer_model
+
+    moe = Qwen3ForCausalLM(
+        Qwen3Args(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        )
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="--model.exact covers dense SwiGLU MLPs"):
+        PolicyModel(moe, exact=True)
+    from transformers import AutoModelForCausalLM
+
+    with pytest.raises(ValueError, match="--model.exact trains our Qwen3 code: set --model.impl custom"):
+        check_trainer_model(AutoModelForCausalLM.from_pretrained(model_dir))
