@@ -252,8 +252,23 @@ class VLMAdapter(HFAdapter):
         return list(self.lm.model.visual.parameters())
 
     def forward_hidden(self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor | None) -> torch.Tensor:
+        """A row without images (the trainer's text-only or dummy micro-batches). The vision tower still runs, on a
+        blank one-token image whose features enter the result times 0: every micro-batch of every rank then runs the
+        vision blocks once, so their FSDP2 all-gathers and gradient reduce-scatters line up across ranks (a rank
+        whose micro-batch has no image would otherwise skip them: a collective mismatch)."""
+        blank = self._blank_image_features(input_ids_BT.device)  # first, as rows with images run the tower first
         out = self.lm.model(input_ids=input_ids_BT, position_ids=position_ids_BT, use_cache=False)
-        return out.last_hidden_state
+        return out.last_hidden_state + 0.0 * blank.to(out.last_hidden_state.dtype)
+
+    def _blank_image_features(self, device: torch.device) -> torch.Tensor:
+        """The sum of the vision tower's outputs (merged and DeepStack) for one blank image of one LM token."""
+        vc = self.lm.config.vision_config
+        m = vc.spatial_merge_size
+        pixels = torch.zeros(m * m, vc.in_channels * vc.temporal_patch_size * vc.patch_size**2, device=device)
+        grid = torch.tensor([[1, m, m]], device=device)
+        out = self.lm.model.get_image_features(pixels, grid, return_dict=True)
+        feats = list(out.pooler_output) + [f for layer in out.deepstack_features for f in layer]
+        return torch.stack([f.sum() for f in feats]).sum()
 
     def supports_slot_cache(self) -> bool:
         return False
