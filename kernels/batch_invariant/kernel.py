@@ -38,34 +38,44 @@ LOGPROB_BLOCK_V = 2048
 
 @triton.jit(do_not_specialize=["M"])
 def matmul_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, sxm, sxk, swn, swk, som, son,
-    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    x_ptr, w_ptr, b_ptr, res_ptr, out_ptr, M, N, K, sxm, sxk, swn, swk, srm, som, son,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """out[M, N] = x[M, K] @ w[N, K].T (+ b[N]), fp32 accumulation over K in BLOCK_K steps from 0, rounded once."""
+    """out[M, N] = x[M, K] @ w[N, K].T (+ b[N]), fp32 accumulation over K in BLOCK_K steps from 0, rounded once;
+    with HAS_RES, then + res[M, N] rounded again (torch's ``res + linear(x)``: two roundings). Rows and columns past
+    the edges read rows M - ... again (index modulo M, N: unmasked loads the loop can pipeline) and are not stored;
+    EVEN_K (K % BLOCK_K == 0, a property of the weight) drops the K mask."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + (rm % M)[:, None] * sxm + rk[None, :] * sxk
+    w_ptrs = w_ptr + (rn % N)[None, :] * swn + rk[:, None] * swk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        x = tl.load(
-            x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0
-        )
-        w = tl.load(
-            w_ptr + rn[None, :] * swn + kk[:, None] * swk, mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0
-        )
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            x = tl.load(x_ptrs, mask=(k0 + rk)[None, :] < K, other=0.0)
+            w = tl.load(w_ptrs, mask=(k0 + rk)[:, None] < K, other=0.0)
         if UPCAST:
             x, w = x.to(tl.float32), w.to(tl.float32)
         if IEEE:
             acc = tl.dot(x, w, acc, input_precision="ieee")
         else:
             acc = tl.dot(x, w, acc)
+        x_ptrs += BLOCK_K * sxk
+        w_ptrs += BLOCK_K * swk
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     mask = (rm[:, None] < M) & (rn[None, :] < N)
-    tl.store(out_ptr + rm[:, None] * som + rn[None, :] * son, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    out = acc.to(out_ptr.dtype.element_ty)
+    if HAS_RES:
+        res = tl.load(res_ptr + rm[:, None] * srm + rn[None, :], mask=mask, other=0.0)
+        out = (out.to(tl.float32) + res.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rm[:, None] * som + rn[None, :] * son, out, mask=mask)
 
 
 @triton.jit(do_not_specialize=["R"])
@@ -79,6 +89,36 @@ def rms_norm_kernel(x_ptr, w_ptr, out_ptr, R, D, sx, so, eps, BLOCK_R: tl.conste
     y = (x * (1.0 / tl.sqrt(ms + eps))[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows[:, None] * so + cols[None, :], (w[None, :] * y).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["R"])
+def rms_norm_rope_kernel(
+    x_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, R, H, D, sx, so, sc, eps,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Per row (one head of one token): ``rms_norm_kernel``'s output y, then RoPE at the token's position as torch's
+    ``y * cos + rotate_half(y) * sin`` rounds it (each product, then the sum). Row r belongs to token r // H, at
+    position pos[r // H]; the rotate-half partner of column d is recomputed from x (the same ops, the same bits)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    half = D // 2
+    row_ok = rows < R
+    mask = row_ok[:, None] & (cols[None, :] < D)
+    partner = tl.where(cols < half, cols + half, cols - half)
+    x = tl.load(x_ptr + rows[:, None] * sx + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(x_ptr + rows[:, None] * sx + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+    dt = out_ptr.dtype.element_ty
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    wp = tl.load(w_ptr + partner, mask=cols < D, other=0.0).to(tl.float32)
+    y = (w[None, :] * (x * inv[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    yp = (wp[None, :] * (xp * inv[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    rh = tl.where(cols[None, :] < half, -yp, yp)
+    pos = tl.load(pos_ptr + rows // H, mask=row_ok, other=0)
+    c = tl.load(cos_ptr + pos[:, None] * sc + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    sn = tl.load(sin_ptr + pos[:, None] * sc + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    out = (y * c).to(dt).to(tl.float32) + (rh * sn).to(dt).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * so + cols[None, :], out.to(dt), mask=mask)
 
 
 @triton.jit(do_not_specialize=["R"])

@@ -27,7 +27,9 @@ def _flags(dtype: torch.dtype) -> tuple[bool, bool]:
     return K.INTERPRET and dtype != torch.float32, dtype == torch.float32
 
 
-def _launch_linear(x_MK: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None, out_dtype) -> torch.Tensor:
+def _launch_linear(
+    x_MK: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None, out_dtype, res_MN: torch.Tensor | None = None
+) -> torch.Tensor:
     M, Kd = x_MK.shape
     N = w_NK.shape[0]
     out = torch.empty(M, N, dtype=out_dtype, device=x_MK.device)
@@ -36,9 +38,10 @@ def _launch_linear(x_MK: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | N
     upcast, ieee = _flags(x_MK.dtype)
     grid = (triton_cdiv(M, K.MM_BLOCK_M), triton_cdiv(N, K.MM_BLOCK_N))
     K.matmul_kernel[grid](
-        x_MK, w_NK, b_N if b_N is not None else x_MK, out, M, N, Kd, x_MK.stride(0), x_MK.stride(1),
-        w_NK.stride(0), w_NK.stride(1), out.stride(0), out.stride(1),
-        HAS_BIAS=b_N is not None, UPCAST=upcast, IEEE=ieee,
+        x_MK, w_NK, b_N if b_N is not None else x_MK, res_MN if res_MN is not None else out, out, M, N, Kd,
+        x_MK.stride(0), x_MK.stride(1), w_NK.stride(0), w_NK.stride(1),
+        res_MN.stride(0) if res_MN is not None else 0, out.stride(0), out.stride(1),
+        HAS_BIAS=b_N is not None, HAS_RES=res_MN is not None, UPCAST=upcast, IEEE=ieee, EVEN_K=Kd % K.MM_BLOCK_K == 0,
         BLOCK_M=K.MM_BLOCK_M, BLOCK_N=K.MM_BLOCK_N, BLOCK_K=K.MM_BLOCK_K, num_warps=K.MM_WARPS, num_stages=K.MM_STAGES,
     )  # fmt: skip
     return out
@@ -50,11 +53,12 @@ def triton_cdiv(a: int, b: int) -> int:
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, b, out_dtype):
+    def forward(ctx, x, w, b, out_dtype, res):
         ctx.save_for_backward(x, w)
         ctx.has_bias = b is not None
         x_MK = x.reshape(-1, x.shape[-1])
-        return _launch_linear(x_MK, w, b, out_dtype or x.dtype).view(*x.shape[:-1], w.shape[0])
+        res_MN = None if res is None else res.reshape(-1, res.shape[-1]).contiguous()
+        return _launch_linear(x_MK, w, b, out_dtype or x.dtype, res_MN).view(*x.shape[:-1], w.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
@@ -63,13 +67,17 @@ class _Linear(torch.autograd.Function):
         gx = (g.to(w.dtype) @ w).view(x.shape).to(x.dtype) if ctx.needs_input_grad[0] else None
         gw = (g.T.to(x.dtype) @ x.reshape(-1, x.shape[-1])).to(w.dtype) if ctx.needs_input_grad[1] else None
         gb = g.sum(0).to(w.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return gx, gw, gb, None
+        return gx, gw, gb, None, grad if ctx.needs_input_grad[4] else None
 
 
-def linear(x: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None = None, out_dtype=None) -> torch.Tensor:
-    """``x @ w.T + b`` for x [..., K] -> [..., N] in ``out_dtype`` (default x's), fp32 accumulation; batch-invariant."""
+def linear(
+    x: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None = None, out_dtype=None, residual=None
+) -> torch.Tensor:
+    """``x @ w.T + b`` for x [..., K] -> [..., N] in ``out_dtype`` (default x's), fp32 accumulation; with
+    ``residual`` (x's leading shape, [..., N]) ``residual + (x @ w.T + b)`` rounded as torch rounds it, in the same
+    launch; batch-invariant."""
     check_device(x)
-    return _Linear.apply(x, w_NK, b_N, out_dtype)
+    return _Linear.apply(x, w_NK, b_N, out_dtype, residual)
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -107,6 +115,48 @@ def rms_norm(x: torch.Tensor, w_D: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's RMSNorm over the last dim of x [..., D] (contiguous last dim), in x's dtype; batch-invariant."""
     check_device(x)
     return _RMSNorm.apply(x.contiguous(), w_D, eps)
+
+
+class _RMSNormRope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, eps, cos_PDh, sin_PDh, pos_T):
+        ctx.save_for_backward(x, w, cos_PDh, sin_PDh, pos_T)
+        ctx.eps = eps
+        H, D = x.shape[-2], x.shape[-1]
+        x_RD = x.reshape(-1, D)
+        R = x_RD.shape[0]
+        out = torch.empty_like(x_RD)
+        if R:
+            block_d = max(16, _pow2(D))
+            block_r = max(1, K.ROW_ELEMS // block_d)
+            K.rms_norm_rope_kernel[(triton_cdiv(R, block_r),)](
+                x_RD, w, cos_PDh, sin_PDh, pos_T.reshape(-1).contiguous(), out, R, H, D, x_RD.stride(0),
+                out.stride(0), cos_PDh.stride(0), eps, BLOCK_R=block_r, BLOCK_D=block_d,
+            )  # fmt: skip
+        return out.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w, cos_PDh, sin_PDh, pos_T = ctx.saved_tensors
+        with torch.enable_grad():
+            xd, wd = x.detach().requires_grad_(), w.detach().requires_grad_()
+            x32 = xd.float()
+            y = wd * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + ctx.eps)).to(x.dtype)
+            cos, sin = cos_PDh[pos_T][..., None, :], sin_PDh[pos_T][..., None, :]
+            half = y.shape[-1] // 2
+            out = y * cos + torch.cat((-y[..., half:], y[..., :half]), dim=-1) * sin
+            gx, gw = torch.autograd.grad(out, (xd, wd), grad)
+        return gx, gw, None, None, None, None
+
+
+def rms_norm_rope(
+    x: torch.Tensor, w_Dh: torch.Tensor, eps: float, cos_PDh: torch.Tensor, sin_PDh: torch.Tensor, pos: torch.Tensor
+) -> torch.Tensor:
+    """Qwen3's per-head q/k RMSNorm then RoPE, in one launch: x [..., H, Dh] (contiguous), the token at index i of
+    ``pos`` (int64, x's leading shape) at position pos[i]; cos/sin tables [P, Dh] in x's dtype (row p: position p).
+    Rounds as ``rotate(rms_norm(x), cos, sin)`` in torch; batch-invariant."""
+    check_device(x)
+    return _RMSNormRope.apply(x.contiguous(), w_Dh, eps, cos_PDh, sin_PDh, pos)
 
 
 SILU_BLOCK_C = 256

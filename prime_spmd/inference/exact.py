@@ -57,10 +57,10 @@ def prefill(runner, ids_BT: torch.Tensor, slots_B: torch.Tensor, last_B: torch.T
 
     b, t = ids_BT.shape
     x = runner.inner.embed_tokens(ids_BT)
-    cos, sin = runner.exact_rope[0][:t, None], runner.exact_rope[1][:t, None]  # [T, 1, Dh]
+    pos_BT = torch.arange(t, device=x.device).expand(b, t)
     start_B = torch.zeros(b, dtype=torch.long, device=x.device)
     for li, layer in enumerate(runner.inner.layers):
-        q, k, v = layer_qkv(layer, x, cos, sin)  # [B, T, N or Nkv, Dh]
+        q, k, v = layer_qkv(layer, x, runner.exact_rope, pos_BT)  # [B, T, N or Nkv, Dh]
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Nkv, T, Dh]
         runner.cache.write_prefill(li, slots_B, k, v)
         o = op.attention(q, k, v, start_B, attn_scale(layer))
@@ -77,10 +77,9 @@ def decode(runner, ids_B: torch.Tensor, pos_B: torch.Tensor, head: bool) -> torc
 
     b = ids_B.shape[0]
     x = runner.inner.embed_tokens(ids_B)[:, None]  # [B, 1, D]
-    cos, sin = runner.exact_rope[0][pos_B][:, None, None], runner.exact_rope[1][pos_B][:, None, None]  # [B, 1, 1, Dh]
     k_cache, v_cache = runner.cache.k, runner.cache.v
     for li, layer in enumerate(runner.inner.layers):
-        q, k, v = layer_qkv(layer, x, cos, sin)  # [B, 1, N or Nkv, Dh]
+        q, k, v = layer_qkv(layer, x, runner.exact_rope, pos_B[:, None])  # [B, 1, N or Nkv, Dh]
         runner.cache.write_decode(li, pos_B, k[:, 0], v[:, 0])
         o = op.attention(q, k_cache[li][:b], v_cache[li][:b], pos_B, attn_scale(layer))
         x = layer_out(layer, x, o.reshape(b, 1, -1))

@@ -45,9 +45,11 @@ def rope_tables(head_dim: int, theta: float, length: int, device: torch.device, 
 
 @dataclass(slots=True)
 class ExactContext:
-    """What an exact block forward needs besides x: rows start at position 0 (``start_B`` zeros, int64 [B])."""
+    """What an exact block forward needs besides x: rows start at position 0 (``start_B`` zeros, int64 [B]), token t
+    of a row at position t (``pos_BT``, int64)."""
 
     start_B: torch.Tensor
+    pos_BT: torch.Tensor
 
 
 def _eps(norm: nn.Module) -> float:
@@ -70,9 +72,9 @@ def check_exact_model(model: nn.Module) -> None:
                 raise ValueError(f"--model.exact: {n} is a {type(mod).__name__}, not nn.Linear (LoRA is not covered)")
 
 
-def layer_qkv(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """Input norm, q/k/v projections, per-head q/k norm, RoPE: x [..., D] -> q [..., N, Dh], k, v [..., Nkv, Dh].
-    ``cos``/``sin`` broadcast against [..., heads, Dh] (e.g. [T, 1, Dh])."""
+def layer_qkv(layer: nn.Module, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], pos: torch.Tensor):
+    """Input norm, q/k/v projections, per-head q/k norm and RoPE: x [..., D] -> q [..., N, Dh], k, v [..., Nkv, Dh].
+    ``rope``: cos, sin tables [P, Dh] (``rope_tables``); ``pos``: int64 [...], each token's position."""
     from prime_spmd.kernels.batch_invariant import op  # lazily: Triton loads only in exact mode
 
     attn = layer.self_attn
@@ -82,10 +84,13 @@ def layer_qkv(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
     q = op.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(*lead, -1, dh)
     k = op.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(*lead, -1, dh)
     v = op.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(*lead, -1, dh)
-    if getattr(attn, "q_norm", None) is not None:
-        q = op.rms_norm(q, attn.q_norm.weight, _eps(attn.q_norm))
-        k = op.rms_norm(k, attn.k_norm.weight, _eps(attn.k_norm))
-    return rotate(q, cos, sin), rotate(k, cos, sin), v
+    cos, sin = rope
+    if getattr(attn, "q_norm", None) is not None:  # Qwen3: norm and RoPE in one launch
+        q = op.rms_norm_rope(q, attn.q_norm.weight, _eps(attn.q_norm), cos, sin, pos)
+        k = op.rms_norm_rope(k, attn.k_norm.weight, _eps(attn.k_norm), cos, sin, pos)
+        return q, k, v
+    c, s = cos[pos][..., None, :], sin[pos][..., None, :]
+    return rotate(q, c, s), rotate(k, c, s), v
 
 
 def layer_out(layer: nn.Module, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
@@ -94,10 +99,10 @@ def layer_out(layer: nn.Module, x: torch.Tensor, o: torch.Tensor) -> torch.Tenso
     from prime_spmd.kernels.batch_invariant import op  # lazily: Triton loads only in exact mode
 
     attn, mlp = layer.self_attn, layer.mlp
-    x = x + op.linear(o, attn.o_proj.weight, attn.o_proj.bias)
+    x = op.linear(o, attn.o_proj.weight, attn.o_proj.bias, residual=x)
     h = op.rms_norm(x, layer.post_attention_layernorm.weight, _eps(layer.post_attention_layernorm))
     gated = op.silu_mul(op.linear(h, mlp.gate_proj.weight), op.linear(h, mlp.up_proj.weight))
-    return x + op.linear(gated, mlp.down_proj.weight)
+    return op.linear(gated, mlp.down_proj.weight, residual=x)
 
 
 def attn_scale(layer: nn.Module) -> float:
@@ -108,12 +113,11 @@ def block_forward(
     layer: nn.Module, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ExactContext
 ) -> torch.Tensor:
     """One layer over rows of whole documents (token t at position t): what a Qwen3 ``Block.forward`` runs when
-    ``ctx`` is an ``ExactContext``. ``rope``: cos, sin [T, Dh]."""
+    ``ctx`` is an ``ExactContext``. ``rope``: cos, sin tables [>= T, Dh]."""
     from prime_spmd.kernels.batch_invariant import op  # lazily: Triton loads only in exact mode
 
     B, T, _ = x_BTD.shape
-    cos, sin = rope[0][:, None], rope[1][:, None]  # [T, 1, Dh]
-    q, k, v = layer_qkv(layer, x_BTD, cos, sin)
+    q, k, v = layer_qkv(layer, x_BTD, rope, ctx.pos_BT)
     o = op.attention(q, k.transpose(1, 2), v.transpose(1, 2), ctx.start_B, attn_scale(layer))
     return layer_out(layer, x_BTD, o.reshape(B, T, -1))
 
@@ -129,7 +133,8 @@ def forward_hidden(lm: nn.Module, input_ids_BT: torch.Tensor) -> torch.Tensor:
     x = inner.embed_tokens(input_ids_BT)
     attn = inner.layers[0].self_attn
     rope = rope_tables(attn.head_dim, rope_theta(lm), T, x.device, x.dtype)
-    ctx = ExactContext(start_B=torch.zeros(B, dtype=torch.long, device=x.device))
+    pos_BT = torch.arange(T, device=x.device).expand(B, T)
+    ctx = ExactContext(start_B=torch.zeros(B, dtype=torch.long, device=x.device), pos_BT=pos_BT)
     for layer in inner.layers:
         x = layer(x, rope, ctx)
     return op.rms_norm(x, inner.norm.weight, _eps(inner.norm))

@@ -255,15 +255,21 @@ def variants():
 def batch_invariant_variants():
     """kernels/batch_invariant (--model.exact) as op.py launches them in bf16 at the Qwen3-0.6B shape (Dh 128, G 2)."""
     bi = batch_invariant
-    mm = {"BLOCK_M": bi.MM_BLOCK_M, "BLOCK_N": bi.MM_BLOCK_N, "BLOCK_K": bi.MM_BLOCK_K, "UPCAST": False, "IEEE": False}
-    for out, bias in (("bf16", False), ("fp32", True)):
+    mm = {"BLOCK_M": bi.MM_BLOCK_M, "BLOCK_N": bi.MM_BLOCK_N, "BLOCK_K": bi.MM_BLOCK_K, "UPCAST": False, "IEEE": False,
+          "EVEN_K": True}  # fmt: skip
+    for out, bias, res in (("bf16", False, True), ("fp32", True, False)):
         yield (f"batch_invariant matmul {out} out", bi.matmul_kernel,
-               sig("x_ptr w_ptr b_ptr out_ptr M N K sxm sxk swn swk som son", f"*bf16 *bf16 *bf16 *{out} " + "i32 " * 9),
-               {**mm, "HAS_BIAS": bias}, {"num_warps": bi.MM_WARPS, "num_stages": bi.MM_STAGES})  # fmt: skip
+               sig("x_ptr w_ptr b_ptr res_ptr out_ptr M N K sxm sxk swn swk srm som son",
+                   f"*bf16 *bf16 *bf16 *bf16 *{out} " + "i32 " * 10),
+               {**mm, "HAS_BIAS": bias, "HAS_RES": res}, {"num_warps": bi.MM_WARPS, "num_stages": bi.MM_STAGES})  # fmt: skip
     for d in (128, 1024):
         yield (f"batch_invariant rms_norm D {d}", bi.rms_norm_kernel,
                sig("x_ptr w_ptr out_ptr R D sx so eps", "*bf16 *bf16 *bf16 i32 i32 i32 i32 fp32"),
                {"BLOCK_R": bi.ROW_ELEMS // d, "BLOCK_D": d}, {"num_warps": 4})  # fmt: skip
+    yield ("batch_invariant rms_norm_rope Dh 128", bi.rms_norm_rope_kernel,
+           sig("x_ptr w_ptr cos_ptr sin_ptr pos_ptr out_ptr R H D sx so sc eps",
+               "*bf16 *bf16 *bf16 *bf16 *i64 *bf16 i32 i32 i32 i32 i32 i32 fp32"),
+           {"BLOCK_R": bi.ROW_ELEMS // 128, "BLOCK_D": 128}, {"num_warps": 4})  # fmt: skip
     yield ("batch_invariant silu_mul", bi.silu_mul_kernel, sig("g_ptr u_ptr out_ptr R C sg su so", "*bf16 " * 3 + "i32 " * 5),
            {"BLOCK_R": 16, "BLOCK_C": 256}, {"num_warps": 4})  # fmt: skip
     names = "q_ptr k_ptr v_ptr out_ptr start_ptr B Tq G Dh scale sqb sqt sqh sqd skb skh skt skd svb svh svt svd sob sot soh sod"

@@ -44,6 +44,12 @@ def test_linear(device, dtype, m, k, n):
     for i in {0, m // 2, m - 1}:
         assert torch.equal(op.linear(x[i : i + 1], w, b), y[i : i + 1])
     assert torch.equal(op.linear(x.flip(0), w, b), y.flip(0))
+    r = _rand(gen, m, n, dtype=dtype, device=device)
+    fused = op.linear(x, w, b, residual=r)
+    if dtype == torch.float32 or device.type == "cuda":
+        assert torch.equal(fused, r + y)  # the fused residual rounds as torch's add
+    else:  # the interpreter rounds fp32 -> bf16 toward zero (triton 3.9 interpreter.py _convert_float), torch to even
+        assert _rel(fused, r + y) < RTOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -52,9 +58,10 @@ def test_linear_backward(device, dtype):
     x = _rand(gen, 9, 48, dtype=dtype, device=device).requires_grad_()
     w = _rand(gen, 40, 48, dtype=dtype, device=device).requires_grad_()
     b = _rand(gen, 40, dtype=dtype, device=device).requires_grad_()
+    r = _rand(gen, 9, 40, dtype=dtype, device=device).requires_grad_()
     g = _rand(gen, 9, 40, dtype=dtype, device=device)
-    got = torch.autograd.grad(op.linear(x, w, b), (x, w, b), g)
-    want = torch.autograd.grad(ref.linear_reference(x, w, b), (x, w, b), g)
+    got = torch.autograd.grad(op.linear(x, w, b, residual=r), (x, w, b, r), g)
+    want = torch.autograd.grad(r + ref.linear_reference(x, w, b), (x, w, b, r), g)
     for a, e in zip(got, want):
         assert _rel(a, e) < RTOL[dtype]
 
@@ -153,3 +160,28 @@ def test_lm_head_logprobs_grad(device, dtype, monkeypatch):
     want = torch.autograd.grad((rlp, rent), (h, w), (g1, g2))
     for a, e in zip(got, want):
         assert _rel(a, e) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_rope(device, dtype):
+    """q/k norm + RoPE in one launch against ``rotate(rms_norm(x), cos, sin)`` (torch's roundings), per-token positions;
+    a token alone gives the same bits."""
+    from prime_spmd.models.common.rope import rotate
+    from prime_spmd.models.exact import rope_tables
+
+    gen = torch.Generator().manual_seed(5)
+    B, T, H, Dh = 2, 9, 3, 24
+    x = _rand(gen, B, T, H, Dh, dtype=dtype, device=device, scale=2.0)
+    w = _rand(gen, Dh, dtype=dtype, device=device)
+    cos, sin = rope_tables(Dh, 10000.0, 64, device, dtype)
+    pos = torch.randint(0, 64, (B, T), generator=gen).to(device)
+    out = op.rms_norm_rope(x, w, 1e-6, cos, sin, pos)
+    want = rotate(ref.rms_norm_reference(x, w, 1e-6), cos[pos][:, :, None], sin[pos][:, :, None])
+    assert _rel(out, want) < RTOL[dtype]
+    assert torch.equal(op.rms_norm_rope(x[1:2, 4:5], w, 1e-6, cos, sin, pos[1:2, 4:5]), out[1:2, 4:5])
+    xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
+    g = _rand(gen, B, T, H, Dh, dtype=dtype, device=device)
+    got = torch.autograd.grad(op.rms_norm_rope(xg, wg, 1e-6, cos, sin, pos), (xg, wg), g)
+    ref_out = rotate(ref.rms_norm_reference(xg, wg, 1e-6), cos[pos][:, :, None], sin[pos][:, :, None])
+    for a, e in zip(got, torch.autograd.grad(ref_out, (xg, wg), g)):
+        assert _rel(a, e) < (1e-5 if dtype == torch.float32 else 5e-2)
