@@ -51,8 +51,10 @@ class VisionRunner:
         """Images run through the vision encoder so far (one per distinct prompt image)."""
 
     def rebuild_rope(self) -> None:
-        """The weights changed (the engine calls this after a weight load): drop the cached image features."""
+        """The weights changed (the engine calls this after a weight load, between generations): drop the cached
+        image features and the slots' sequences (a finished slot's dummy decode row must not read stale features)."""
         self._features.clear()
+        self.slots = [None] * len(self.slots)
 
     def check_request(self, request) -> None:
         """``ValueError`` naming the request when its image tokens and its images disagree (e.g. a prompt rendered
@@ -85,28 +87,18 @@ class VisionRunner:
 
     @torch.no_grad()
     def _last_logits(self, slots: list[_Slot]) -> torch.Tensor:
-        from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
-
         t = max(len(s.ids) for s in slots)
         ids_BT = torch.zeros(len(slots), t, dtype=torch.long, device=self.device)
         pos_4BT = torch.arange(t, device=self.device)[None, None].repeat(4, len(slots), 1)
-        feats: list[torch.Tensor] = []
-        deep: list[list[torch.Tensor]] = []
+        spans = []
         for i, s in enumerate(slots):
             ids_BT[i, : len(s.ids)] = torch.tensor(s.ids, device=self.device)
             pos_4BT[1:, i, : len(s.ids)] = self._slot_positions(s)  # pads keep text positions (never attended)
             if s.vision is not None:
-                f, ds = self._features[s.vision.key]
-                feats += f
-                deep = deep or [[] for _ in ds]
-                for acc, layer in zip(deep, ds):
-                    acc += layer
-        kwargs = {}
-        if feats:
-            encoded = BaseModelOutputWithDeepstackFeatures(pooler_output=feats, deepstack_features=deep)
-            kwargs["mm_encoder_outputs"] = {"image": encoded}
+                assert s.vision.key in self._features, "a running slot's image features were dropped"
+                spans.append((i, 0, len(s.ids), s.vision))
         # right padding + causal attention: real positions see only real tokens
-        hidden = self.model.model(input_ids=ids_BT, position_ids=pos_4BT, use_cache=False, **kwargs).last_hidden_state
+        hidden = self.adapter.forward_embedded(ids_BT, pos_4BT, spans, self._features)
         last = torch.tensor([len(s.ids) - 1 for s in slots], device=self.device)
         h = hidden[torch.arange(len(slots), device=self.device), last]
         return self.model.lm_head(h).float()

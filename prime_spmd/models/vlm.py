@@ -209,11 +209,22 @@ def build_tiny_vlm(path: str | Path, preset: str = "qwen3-vl-nano", seed: int = 
     return path
 
 
+def image_token_mask(ids_T: torch.Tensor, vision: VisionInputs) -> torch.Tensor:
+    """[T] bool: the tokens of one document that take its images' features: the first ``sum(tokens_per_image())``
+    image tokens (the prompt's). A later image token is text the policy sampled (its own embedding, text positions).
+    ``ValueError`` when the document holds fewer image tokens than its images make."""
+    is_image = ids_T == vision.image_token_id
+    n = sum(vision.tokens_per_image())
+    if int(is_image.sum()) < n:
+        raise ValueError(f"a document has {int(is_image.sum())} image tokens but its images make {n}")
+    return is_image & (is_image.cumsum(0) <= n)
+
+
 def mrope_positions(model: nn.Module, ids_T: torch.Tensor, vision: VisionInputs | None) -> torch.Tensor:
     """[3, T] multimodal rotary positions of one document (``Qwen3VLModel.get_rope_index``); text-only: arange."""
     if vision is None:
         return torch.arange(ids_T.numel(), device=ids_T.device)[None].expand(3, -1)
-    types = (ids_T == vision.image_token_id).int()[None]
+    types = image_token_mask(ids_T, vision).int()[None]
     pos, _ = model.model.get_rope_index(ids_T[None], types, image_grid_thw=vision.image_grid_thw_I3.to(ids_T.device))
     return pos[:, 0]
 
@@ -306,32 +317,44 @@ class VLMAdapter(HFAdapter):
         by_doc = dict(docs)
         feats = self.image_features([v for _, v in docs])
         rope_3P = torch.empty(3, P, dtype=torch.long, device=ids_P.device)
-        image_feats: list[torch.Tensor] = []
-        deep: list[list[torch.Tensor]] = []
+        spans = []
         for d, (a, b) in enumerate(bounds):
             v = by_doc.get(d)
             rope_3P[:, a:b] = mrope_positions(self.lm, ids_P[a:b], v)
             if v is not None:
-                if int((ids_P[a:b] == v.image_token_id).sum()) != sum(v.tokens_per_image()):
-                    raise ValueError(
-                        f"document {d} of a packed row has {int((ids_P[a:b] == v.image_token_id).sum())} image "
-                        f"tokens but its images make {sum(v.tokens_per_image())}"
-                    )
+                spans.append((0, a, b, v))
+        # row 0: text positions (restart per document: transformers' packed-sequence mask), rows 1-3: MRoPE
+        return self.forward_embedded(input_ids_1P, torch.cat([pos_P[None], rope_3P])[:, None], spans, feats)
+
+    def forward_embedded(
+        self,
+        input_ids_BT: torch.Tensor,
+        position_ids_4BT: torch.Tensor,
+        spans: list[tuple[int, int, int, VisionInputs]],
+        feats: dict[str, tuple[list[torch.Tensor], list[list]]],
+    ) -> torch.Tensor:
+        """The language model's final hidden states [B, T, D]: token embeddings with the image features of each span
+        (row, start, end, vision inputs; in row-major order) scattered into its image tokens (``image_token_mask``)
+        and into the DeepStack layers. ``feats``: ``image_features`` of the spans' inputs. ``position_ids_4BT``: the
+        text positions, then the three MRoPE rows."""
+        embeds_BTD = self.lm.model.get_input_embeddings()(input_ids_BT)
+        kwargs = {}
+        if spans:
+            mask_BT = torch.zeros_like(input_ids_BT, dtype=torch.bool)
+            image, deep = [], []
+            for b, start, end, v in spans:
+                mask_BT[b, start:end] = image_token_mask(input_ids_BT[b, start:end], v)
                 f, ds = feats[v.key]
-                image_feats += f
+                image += f
                 deep = deep or [[] for _ in ds]
                 for acc, layer in zip(deep, ds):
                     acc += layer
-        from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
-
-        encoded = BaseModelOutputWithDeepstackFeatures(pooler_output=image_feats, deepstack_features=deep)
-        # row 0: text positions (restart per document: transformers' packed-sequence mask), rows 1-3: MRoPE
-        position_ids_4BP = torch.cat([pos_P[None], rope_3P])[:, None]
-        out = self.lm.model(
-            input_ids=input_ids_1P,
-            position_ids=position_ids_4BP,
-            mm_encoder_outputs={"image": encoded},
-            use_cache=False,
+            source = torch.cat(image).to(embeds_BTD.dtype)
+            embeds_BTD = embeds_BTD.masked_scatter(mask_BT[..., None], source)
+            deep_tensors = [torch.cat(layer).to(embeds_BTD.dtype) for layer in deep]
+            kwargs = dict(visual_pos_masks=mask_BT, deepstack_visual_embeds=deep_tensors)
+        out = self.lm.model.language_model(
+            input_ids=None, inputs_embeds=embeds_BTD, position_ids=position_ids_4BT, use_cache=False, **kwargs
         )
         return out.last_hidden_state
 

@@ -152,6 +152,26 @@ def test_packing_carries_vision_and_masks_image_targets(vlm):
     assert mb.to(torch.device("cpu")).vision[0][1].key == vision.key
 
 
+def test_a_sampled_image_token_is_text(vlm):
+    """An image token the policy samples after the prompt takes no image features: the engine, the trainer's forward
+    and the loss mask (which keeps it trainable) agree."""
+    path, model, tok, proc = vlm
+    image_id = model.config.image_token_id
+    ids, vision = proc.render(_msgs(_img((100, 50, 0))))
+    eng = NativeEngine(model, tok, max_batch_size=2, max_model_len=64)
+    runner = eng.runner
+    runner.set_vision(0, vision)
+    runner.prefill(torch.tensor([ids]), torch.tensor([0]), torch.tensor([len(ids) - 1]))
+    logits = runner.decode(torch.tensor([image_id]), torch.tensor([len(ids)]), 64)[0]
+    full = torch.tensor([ids + [image_id]])
+    with torch.no_grad():
+        h = VLMAdapter(model).forward_hidden_vision(full, torch.arange(full.shape[1])[None], [(0, vision)])
+        ref = model.lm_head(h)[0, -1].float()
+    torch.testing.assert_close(logits, ref, atol=1e-5, rtol=0)
+    (mb,) = pack([Sample(input_ids=ids + [image_id, 5], loss_mask=[0] * len(ids) + [1, 1], vision=vision)], 4096, 1)[0]
+    assert mb.loss_mask.tolist()[len(ids) - 1 : len(ids) + 1] == [True, True]
+
+
 def test_engine_with_images_matches_trainer_logprobs_and_shares_the_encoder(vlm):
     path, model, tok, proc = vlm
     adapter = VLMAdapter(model)
