@@ -17,7 +17,8 @@ One script for both machines; the same phases run on CPU (tiny shapes) and on on
    (run 6); its result does not depend on when it runs.
 
 Per RL step: samples/s, generated and trained tokens/s, the time split (generate / train / weight sync /
-wait), the train part's MFU (``common.train_step_flops``: 6 x the blocks' parameters x the tokens they ran, prompt
+wait), the train part's MFU (``common.train_step_flops``: 6 x the blocks' parameters (a MoE layer's experts at
+top-k / E) x the tokens they ran, prompt
 copies skipped by prompt sharing left out, + 6 x the LM head's x every packed token; / train time / --peak-tflops;
 GPU only) and
 peak memory; the mismatch KL of step 0 (max_async 0: the engine's and the trainer's bf16 logprobs of the
@@ -60,7 +61,7 @@ TASKS = {
         dict(args=dict(min_chars=8, max_chars=16, alphabet="0123456789"), prompt_tokens=64),
     ),
     "number_list": (
-        dict(args=dict(min_items=4, max_items=12, min_digits=1, max_digits=2, transform="reverse"), prompt_tokens=0),
+        dict(args=dict(min_items=4, max_items=10, min_digits=1, max_digits=1, transform="reverse"), prompt_tokens=0),
         dict(args=dict(min_items=20, max_items=200, min_digits=1, max_digits=3, transform="reverse"), prompt_tokens=0),
     ),
 }
@@ -168,8 +169,27 @@ def run_logged(
     return {"rc": rc, "wall_s": wall, "limit_s": limit, "log": str(log), "arrivals_s": arrivals}
 
 
-def num_params(model_dir: Path) -> int:
-    """Parameters in the model's safetensors files (read from their JSON headers; tied weights once)."""
+def num_params(model_dir: Path) -> tuple[int, int]:
+    """(parameters, parameters a token runs through): the first from the safetensors files' JSON headers (tied
+    weights once), or for a directory without weights (--random-init) from config.json on the meta device; the
+    second counts a MoE layer's experts at top-k / E (the MFU's FLOPs), else equals the first."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    moe = 0
+    if cfg.get("model_type") == "qwen3_moe":
+        from prime_spmd.models.qwen3.model import Qwen3Args
+
+        a = Qwen3Args.from_hf_config(cfg)
+        layers = sum(a.is_moe_layer(i) for i in range(a.num_hidden_layers))
+        moe = layers * a.num_experts * 3 * a.hidden_size * a.moe_intermediate_size  # gate, up, down of every expert
+        moe -= moe * a.num_experts_per_tok // a.num_experts  # the experts a token does not run
+    if not any(model_dir.glob("*.safetensors")):
+        import torch
+
+        from prime_spmd.models.qwen3.model import Qwen3Args, Qwen3ForCausalLM
+
+        with torch.device("meta"):
+            total = sum(p.numel() for p in Qwen3ForCausalLM(Qwen3Args.from_hf_config(cfg)).parameters())
+        return total, total - moe
     total = 0
     for f in sorted(model_dir.glob("*.safetensors")):
         with f.open("rb") as fh:
@@ -180,7 +200,7 @@ def num_params(model_dir: Path) -> int:
                 for d in v["shape"]:
                     n *= d
                 total += n
-    return total
+    return total, total - moe
 
 
 def qwen3_tokenizer_dir(dst: Path, src: Path | None) -> Path:
@@ -205,12 +225,14 @@ def qwen3_tokenizer_dir(dst: Path, src: Path | None) -> Path:
 
 
 def build_real_shape_model(
-    path: Path, shape: str, seed: int, tokenizer_files: Path | None, dtype: str = "float32"
+    path: Path, shape: str, seed: int, tokenizer_files: Path | None, dtype: str = "float32", weights: bool = True
 ) -> Path:
-    """A random Qwen3 of flavor ``shape`` (models/qwen3) with the real Qwen3 tokenizer, written to ``path`` in
-    ``dtype`` (initialized on the GPU where there is one: an 8B model's init takes minutes on the host)."""
+    """A random Qwen3 (or Qwen3-MoE) of flavor ``shape`` (models/qwen3) with the real Qwen3 tokenizer, written to
+    ``path`` in ``dtype`` (initialized on the GPU where there is one: an 8B model's init takes minutes on the host).
+    ``weights`` False (--random-init): config.json and the tokenizer only; ``--model.random_init`` draws the weights
+    at load (a 30B model's 61 GB of bf16 need not fit the disk)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3MoeConfig
 
     from prime_spmd.models.qwen3 import FLAVORS
     from prime_spmd.models.tiny import PRESETS, tiny_qwen3_config
@@ -220,9 +242,14 @@ def build_real_shape_model(
     if shape in PRESETS:  # a tiny shape with the real vocabulary: the GPU path, small enough for a CPU test
         cfg = tiny_qwen3_config(shape, **ids)
     elif shape in FLAVORS:
-        cfg = Qwen3Config(**{k: v for k, v in FLAVORS[shape].items() if k not in ("model_type", *ids)}, **ids)
+        config_cls = Qwen3MoeConfig if FLAVORS[shape]["model_type"] == "qwen3_moe" else Qwen3Config
+        cfg = config_cls(**{k: v for k, v in FLAVORS[shape].items() if k not in ("model_type", *ids)}, **ids)
     else:
         raise SystemExit(f"--shape {shape!r}: choose one of {sorted(FLAVORS) + sorted(PRESETS)}")
+    if not weights:
+        cfg.save_pretrained(path)
+        tok.save_pretrained(path)
+        return path
     torch.manual_seed(seed)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
@@ -239,10 +266,18 @@ def eval_model(
     r = run_logged(name, [sys.executable, "-m", "prime_spmd", "eval", "--config", str(task_config("eval", args, out)),
                           "--model.path", str(model), "--output_dir", str(d), "--sampling.max_tokens",
                           str(args.max_tokens), "--env.num_eval_examples", str(args.eval_examples),
-                          "--log.no_progress", *extra], out, limit_s or args.eval_limit_s)  # fmt: skip
+                          "--log.no_progress", *extra, *random_init_flags(args, model)], out,
+                   limit_s or args.eval_limit_s)  # fmt: skip
     if r["rc"] == 0:
         r.update(json.loads((d / "summary.json").read_text()))
     return r
+
+
+def random_init_flags(args: argparse.Namespace, model: Path) -> list[str]:
+    """``--model.random_init`` for the --random-init base model (its weights are drawn from --seed at load)."""
+    if not args.random_init or any(model.glob("*.safetensors")):
+        return []
+    return ["--model.random_init", "--model.random_init_seed", str(args.seed)]
 
 
 # ---- the two sides -----------------------------------------------------------------------------------
@@ -262,7 +297,8 @@ def run_ours(k: int, rep: int, seed: int, model: Path, args: argparse.Namespace,
            "--optim.lr", str(args.lr), "--rollout.max_async", str(k), "--trainer.seed", str(seed),
            "--trainer.micro_batch_tokens", str(max(args.micro_batch_tokens, args.task["seq_len"])),
            "--ckpt.interval_steps", "0", "--log.no_progress", "--log.no_plots", *evals,
-           *([] if last else ["--ckpt.no_save_hf"]), *args.ours_flags]  # fmt: skip
+           *([] if last and not args.random_init else ["--ckpt.no_save_hf"]), *random_init_flags(args, model),
+           *args.ours_flags]  # fmt: skip
     d.mkdir(parents=True, exist_ok=True)
     metrics = d / "metrics.jsonl"
     metrics.unlink(missing_ok=True)  # a rerun into the same OUT: arrivals count this run's lines only
@@ -356,6 +392,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--no-sft", action="store_true", help="skip SFT: RL from a random --shape model (bf16; speed and memory only)"
     )
+    p.add_argument("--random-init", action="store_true",
+                   help="with --no-sft: write config.json and the tokenizer only, our side draws the weights at load "
+                   "(--model.random_init; no weights on disk, no final HF export); TRL is refused")  # fmt: skip
     p.add_argument("--task", choices=sorted(TASKS), default="reverse_text")
     p.add_argument("--task-arg", action="append", default=[], help="KEY=VALUE: override one of the task's env args")
     p.add_argument("--sft-steps", type=int, default=400)
@@ -412,7 +451,12 @@ def parse_args() -> argparse.Namespace:
                    "samples in one batch (per_device_train_batch_size = prompts x group size); a value >= the step's "
                    "tokens gives ours the same single forward/backward")  # fmt: skip
     p.add_argument("--ours-flag", dest="ours_flags", action="append", default=[], help="extra `rl` flag (repeat)")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.random_init and not args.no_sft:
+        p.error("--random-init needs --no-sft (it replaces the random --shape model's weights on disk)")
+    if args.random_init and args.trl_python and "trl" in args.sides.split(","):
+        p.error("--random-init: the TRL side reads weights from disk; drop trl from --sides or --trl-python")
+    return args
 
 
 def setup_run(args: argparse.Namespace) -> Path:
@@ -442,7 +486,9 @@ def prepare_model(args: argparse.Namespace, out: Path, res: dict, save) -> Path:
         if not args.shape:
             raise SystemExit("--no-sft needs --shape")
         t0 = time.perf_counter()
-        model = build_real_shape_model(out / "base", args.shape, args.seed, args.tokenizer_files, dtype="bfloat16")
+        model = build_real_shape_model(
+            out / "base", args.shape, args.seed, args.tokenizer_files, dtype="bfloat16", weights=not args.random_init
+        )
         res["phases"]["build_model"] = {"rc": 0, "wall_s": time.perf_counter() - t0}
         save()
     if model is None:  # SFT from scratch
@@ -487,8 +533,8 @@ def prepare_model(args: argparse.Namespace, out: Path, res: dict, save) -> Path:
 
 def run_sides(model: Path, args: argparse.Namespace, out: Path, res: dict, save) -> None:
     """The RL runs, the sides interleaved per repeat and seed; summary, ratios and learning rewritten after each."""
-    n_params = num_params(model)
-    res["meta"]["num_params"] = n_params
+    n_params, n_active = num_params(model)
+    res["meta"].update(num_params=n_params, num_active_params=n_active)
     sides = args.sides.split(",")
     for rep in range(args.num_runs):
         seed = args.seed_list[rep % len(args.seed_list)]
@@ -500,7 +546,7 @@ def run_sides(model: Path, args: argparse.Namespace, out: Path, res: dict, save)
             else:
                 continue
             res["runs"].append(run)
-            res["summary"].append(summarize(run, args, n_params, model))
+            res["summary"].append(summarize(run, args, n_active, model))
             res["ratios"] = ratios(res["summary"])
             res["learning"] = learning(res["runs"], res["summary"])
             save()

@@ -68,8 +68,16 @@ class ModelConfig:
     """Exact mode: the trainer's forward and the native engine's prefill/decode run batch-invariant Triton kernels, so each sampled token's logprob equals the trainer's bit for bit (dense Qwen3, --model.impl custom, one device, no LoRA; docs/algorithms.md)."""
     freeze_vision: bool = False
     """Vision-language models: keep the vision tower's weights fixed (only the language model trains)."""
+    random_init: bool = False
+    """Draw random weights at load instead of reading them (speed and memory runs at big shapes): --model.path holds config.json and the tokenizer, no weights; each weight depends only on --model.random_init_seed and its name, the same on every device and process (our Qwen3 / Qwen3-MoE code, native engine; docs/memory.md)."""
+    random_init_seed: int = 0
+    """Seed of the weights --model.random_init draws."""
 
     def __post_init__(self) -> None:
+        if self.random_init:
+            _check(self.init_tiny == "none", "model.random_init", True, "draws the weights: drop --model.init_tiny")
+            _check(self.impl != "hf", "model.random_init", True, "needs our model code: --model.impl auto or custom")
+        _check(self.random_init_seed >= 0, "model.random_init_seed", self.random_init_seed, "must be >= 0")
         coef = self.router_aux_loss_coef
         _check(
             coef is None or (math.isfinite(coef) and coef >= 0),

@@ -13,7 +13,7 @@ from prime_spmd.inference.runner import prefill_choice
 from prime_spmd.inference.shared_weights import share_frozen_weights
 from prime_spmd.log import logger
 from prime_spmd.models import registry
-from prime_spmd.models.loading import load_model, load_tokenizer, resolve_dtype
+from prime_spmd.models.loading import load_model, load_tokenizer, materialize_random_init, resolve_dtype
 from prime_spmd.models.qwen3.model import set_moe_impl
 from prime_spmd.models.vision import load_vision_processor
 from prime_spmd.models.vlm import VLM_TYPES
@@ -39,9 +39,12 @@ def build_engine(
 
     ``share_from`` (colocated, one trainer rank, native engine): the trainer's LM. The model is read to the host,
     every weight the trainer holds frozen in the engine's dtype becomes the trainer's tensor (``shared_weights.py``),
-    and only the rest moves to the device: the device never holds a second copy of a shared weight.
+    and only the rest moves to the device: the device never holds a second copy of a shared weight. With
+    ``--model.random_init`` the model is built on meta instead and only the rest is drawn, on the device: no host copy.
     """
     max_len = inference_cfg.max_model_len or seq_len
+    if inference_cfg.engine == "vllm" and model_cfg.random_init:
+        raise ValueError("--model.random_init needs --inference.engine native (vLLM reads the weights from disk)")
     if inference_cfg.engine == "vllm":
         from prime_spmd.inference.vllm_engine import build_vllm_engine
 
@@ -59,9 +62,11 @@ def build_engine(
     if share_from is None:
         model = load_model(model_cfg, device, dtype)
     else:
-        model = load_model(model_cfg, torch.device("cpu"), dtype)
+        model = load_model(model_cfg, torch.device("meta" if model_cfg.random_init else "cpu"), dtype)
         report = share_frozen_weights(model, share_from)
         lora_base = report.lora_base
+        if model_cfg.random_init:  # what is not the trainer's is drawn on the device, as the trainer drew its own
+            materialize_random_init(model, model_cfg, device)
         if registry.use_custom(model_cfg):  # read on the host, it chose the host's MoE kernel
             set_moe_impl(model, "triton" if device.type == "cuda" else "reference")
         logger.info(

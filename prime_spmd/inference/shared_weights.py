@@ -48,12 +48,13 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 def share_frozen_weights(engine_model: nn.Module, trainer_lm: nn.Module) -> SharingReport:
     """Re-point each engine parameter whose trainer twin (same name, wrappers removed) is frozen, of the same dtype
     and shape, at the trainer's tensor (on the trainer's device: an engine model read to the host then moves only
-    what it owns). Parameters the engine fused into a larger tensor (their ``.data`` is a view of it) keep their
-    copy. Single process; one trainer rank only (a shard of a larger mesh is not the whole tensor)."""
+    what it owns; a parameter still on meta is replaced by one that aliases the trainer's tensor). Parameters the
+    engine fused into a larger tensor (their ``.data`` is a view of it) keep their copy. Single process; one trainer
+    rank only (a shard of a larger mesh is not the whole tensor)."""
     trainer = {unwrapped_name(n): p for n, p in trainer_lm.named_parameters()}
     adapted = {unwrapped_name(n) + ".weight" for n, m in trainer_lm.named_modules() if hasattr(m, "lora_A")}
     report = SharingReport(lora_base={n: _local(trainer[n]) for n in adapted if n in trainer})
-    for name, p in engine_model.named_parameters():
+    for name, p in list(engine_model.named_parameters()):
         t = trainer.get(name)
         src = _local(t) if t is not None else None
         ok = (
@@ -65,8 +66,12 @@ def share_frozen_weights(engine_model: nn.Module, trainer_lm: nn.Module) -> Shar
             and p.untyped_storage().nbytes() == p.numel() * p.element_size()  # not a slice of a fused tensor
         )
         nbytes = p.numel() * p.element_size()
-        if ok:
+        if ok and p.is_meta:  # built on meta (--model.random_init): a meta parameter's data cannot be re-pointed
+            module, _, leaf = name.rpartition(".")
+            setattr(engine_model.get_submodule(module), leaf, nn.Parameter(src, requires_grad=p.requires_grad))
+        elif ok:
             p.data = src
+        if ok:
             report.shared_bytes += nbytes
             report.shared += 1
         else:

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Auto
 from prime_spmd.config.sections import ModelConfig
 from prime_spmd.log import logger
 from prime_spmd.models import registry
+from prime_spmd.models.qwen3.hf import materialize_random, random_init_std
 from prime_spmd.models.tiny import build_tiny_model
 from prime_spmd.models.vlm import VLM_PRESETS, VLM_TYPES, build_tiny_vlm
 
@@ -24,12 +25,24 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
-def check_model_dir(path: str) -> None:
-    """Raise ``ValueError`` when a local model directory lacks what ``from_pretrained`` needs.
+def check_model_dir(path: str, random_init: bool = False) -> None:
+    """Raise ``ValueError`` when a local model directory lacks what ``from_pretrained`` needs (``random_init``: a
+    local directory with config.json and no weights, which ``--model.random_init`` draws instead).
 
     Paths that do not exist locally are treated as hub ids and left to transformers.
     """
     p = Path(path)
+    if random_init:
+        if not (p / "config.json").is_file():
+            raise ValueError(f"--model.random_init: --model.path={path!r} must be a local directory with a config.json")
+        weights = sorted(x.name for x in [*p.glob("*.safetensors"), *p.glob("*.bin")])
+        if weights:
+            raise ValueError(
+                f"--model.random_init draws the weights, but --model.path={path!r} holds weights too ({weights[:3]}); "
+                "drop --model.random_init to load them, or point --model.path at a directory with config.json and "
+                "the tokenizer only"
+            )
+        return
     if not p.exists():
         if p.is_absolute() or path.startswith((".", "~")) or path.count("/") != 1:
             raise ValueError(f"--model.path={path!r}: no such directory (and not a hub id of the form org/name)")
@@ -75,9 +88,20 @@ def load_tokenizer(cfg: ModelConfig):
 
 
 def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """Load the causal LM of ``cfg`` onto ``device``: custom code where registered (impl auto/custom), else HF."""
-    check_model_dir(cfg.path)
+    """Load the causal LM of ``cfg`` onto ``device``: custom code where registered (impl auto/custom), else HF.
+
+    ``--model.random_init``: our registered loader draws the weights on ``device`` instead of reading them (device
+    "meta": nothing materialized yet; ``materialize_random_init`` draws what is left)."""
+    check_model_dir(cfg.path, random_init=cfg.random_init)
     dtype = dtype or resolve_dtype(cfg.dtype, device)
+    if cfg.random_init:
+        mtype = registry.model_type(cfg.path)
+        if cfg.impl == "hf" or mtype not in registry.REGISTRY:
+            raise ValueError(
+                f"--model.random_init: only our own model code draws weights (model types {sorted(registry.REGISTRY)} "
+                f"with --model.impl auto or custom); {cfg.path!r} is {mtype!r} with --model.impl={cfg.impl}"
+            )
+        return registry.REGISTRY[mtype](cfg.path, device=device, dtype=dtype, random_init_seed=cfg.random_init_seed)
     if registry.use_custom(cfg):
         return registry.load_custom(cfg.path, device=device, dtype=dtype)
     # vision-language models (models/vlm.py) load as image-text-to-text: transformers has no causal-LM class for them
@@ -89,3 +113,9 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype | None
         trust_remote_code=cfg.trust_remote_code,
     )
     return model.to(device)
+
+
+def materialize_random_init(model: torch.nn.Module, cfg: ModelConfig, device: torch.device) -> int:
+    """``--model.random_init``: draw every parameter of ``model`` (loaded on meta) still on meta, on ``device``, with
+    the values ``load_model`` gives them; returns the bytes drawn. Single process, no collective."""
+    return materialize_random(model, device, cfg.random_init_seed, random_init_std(model.hf_config))

@@ -4,19 +4,30 @@ Only MoE experts differ: HF safetensors hold ``mlp.experts.{e}.{gate,up,down}_pr
 expert; we hold ``mlp.experts.gate_up_proj`` [E, 2I, D] (gate rows, then up rows) and
 ``mlp.experts.down_proj`` [E, D, I]. Tied embeddings: no ``lm_head.weight`` on either side.
 Stacking and splitting copy bytes unchanged, so HF -> ours -> HF is bitwise.
+
+``--model.random_init`` (``load_qwen3(random_init_seed=...)``, ``materialize_random``): no weights are read; each
+parameter is drawn at load, built on meta and then filled on its device chunk by chunk, so no whole copy of the
+model is ever on the host. A chunk's values depend only on (seed, parameter name, chunk index): the same on CPU and
+CUDA, in every process, and equal to a ``save_hf`` of the drawn model loaded back.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import zlib
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
 from prime_spmd.models.adapter import HF_EXPERT_NAME
+from prime_spmd.models.common.norm import RMSNorm
+from prime_spmd.models.common.rope import RotaryEmbedding
 from prime_spmd.models.qwen3.model import Qwen3Args, Qwen3ForCausalLM, set_moe_impl
 
 
@@ -77,19 +88,94 @@ def build_model(args: Qwen3Args, device: torch.device | str, dtype: torch.dtype)
     return model
 
 
-def load_qwen3(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+def load_qwen3(
+    path: str | Path,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    random_init_seed: int | None = None,
+):
     """Load an HF ``qwen3``/``qwen3_moe`` directory into our model (registry loader). MoE kernel:
-    ``triton`` on CUDA, ``reference`` elsewhere (``set_moe_impl`` changes it)."""
+    ``triton`` on CUDA, ``reference`` elsewhere (``set_moe_impl`` changes it).
+
+    ``random_init_seed`` (``--model.random_init``): read config.json only and draw the weights on ``device``
+    (``materialize_random``); ``device`` "meta" leaves every parameter unmaterialized (the colocated engine shares
+    the trainer's tensors first, then draws the rest)."""
     cfg = json.loads((Path(path) / "config.json").read_text())
     args = Qwen3Args.from_hf_config(cfg)
-    model = build_model(args, device, dtype)
-    state = from_hf(read_safetensors(path), args.num_experts)
-    if args.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    model.load_state_dict(state, strict=True)
+    if random_init_seed is None:
+        model = build_model(args, device, dtype)
+        state = from_hf(read_safetensors(path), args.num_experts)
+        if args.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        model.load_state_dict(state, strict=True)
+    else:
+        with torch.device("meta"):
+            model = Qwen3ForCausalLM(args).to(dtype)
+        if torch.device(device).type != "meta":
+            materialize_random(model, device, random_init_seed, random_init_std(cfg))
     set_moe_impl(model, "triton" if torch.device(device).type == "cuda" else "reference")
     model.hf_config = cfg
     return model
+
+
+RANDOM_INIT_CHUNK = 1 << 22
+"""Elements a random-init draw takes at once (16 MiB of fp32): each chunk has its own generator, so this constant is
+part of what the values are; changing it changes every random model."""
+
+
+def random_init_std(hf_config: dict) -> float:
+    """The std of the normal draws: the config's ``initializer_range`` (HF's default 0.02)."""
+    return float(hf_config.get("initializer_range", 0.02))
+
+
+def _draw_chunk(flat: torch.Tensor, name: str, index: int, seed: int, std: float) -> None:
+    """Fill ``flat[index * CHUNK:][:CHUNK]`` with normal(0, std): drawn in fp32 on the host from a generator seeded
+    with crc32 of (seed, name, index), cast to ``flat``'s dtype there, then copied (CPU and CUDA get the same bits).
+    The host generator (mt19937) keeps 32 bits of its seed: two of a 30B model's ~7k chunks share their values with
+    odds of about 1 in 160, harmless for the speed and memory runs this is for."""
+    start = index * RANDOM_INIT_CHUNK
+    n = min(RANDOM_INIT_CHUNK, flat.numel() - start)
+    gen = torch.Generator(device="cpu").manual_seed(zlib.crc32(f"{seed}/{name}#{index}".encode()))
+    values = torch.randn(n, generator=gen, dtype=torch.float32).mul_(std).to(flat.dtype)
+    flat[start : start + n].copy_(values)
+
+
+@torch.no_grad()
+def materialize_random(model: nn.Module, device: torch.device | str, seed: int, std: float) -> int:
+    """Give every parameter still on meta its random-init values on ``device``, in its dtype: RMSNorm weights 1,
+    biases 0, every other weight (embeddings, linears, router, stacked experts) normal(0, ``std``) drawn per
+    ``_draw_chunk``; the RoPE buffer is recomputed there. Parameters already materialized (the trainer's tensors,
+    shared) are left alone. The chunks are drawn on a thread pool (torch releases the GIL; the values do not depend
+    on the order). Host memory: one chunk per thread. Returns the bytes materialized. Single process, no collective."""
+    device = torch.device(device)
+    jobs, done, nbytes = [], {}, 0
+    for mod_name, mod in model.named_modules():
+        for pname, p in list(mod.named_parameters(recurse=False)):
+            if not p.is_meta:
+                continue
+            if id(p) in done:  # one parameter held by two modules (tied): one tensor
+                setattr(mod, pname, done[id(p)])
+                continue
+            t = torch.empty(p.shape, dtype=p.dtype, device=device)
+            if isinstance(mod, RMSNorm):
+                t.fill_(1.0)
+            elif pname == "bias":
+                t.zero_()
+            else:
+                name = f"{mod_name}.{pname}" if mod_name else pname
+                jobs += [(t.view(-1), name, i) for i in range(-(-t.numel() // RANDOM_INIT_CHUNK))]
+            done[id(p)] = new = nn.Parameter(t, requires_grad=p.requires_grad)
+            setattr(mod, pname, new)
+            nbytes += t.numel() * t.element_size()
+    with ThreadPoolExecutor(max_workers=min(32, os.cpu_count() or 1)) as pool:
+        for future in [pool.submit(_draw_chunk, flat, name, i, seed, std) for flat, name, i in jobs]:
+            future.result()
+    for mod in model.modules():
+        if isinstance(mod, RotaryEmbedding) and mod.inv_freq.is_meta:
+            mod.inv_freq = mod._inv_freq().to(device)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    assert not left, f"still on meta after random init: {left[:5]}"
+    return nbytes
 
 
 def save_hf(model: Qwen3ForCausalLM, path: str | Path, hf_config: dict | None = None) -> None:
