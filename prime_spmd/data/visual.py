@@ -2,8 +2,8 @@
 
 Two kinds (``VisualTask.kind``), both on a dark background with a little per-pixel color noise:
 - ``colors``: the image is cut into ``num_cells`` vertical strips, each a color of ``PALETTE``; the answer names
-  them left to right (``"red blue"``). Reward: the fraction of strips named right, position by position (a
-  wrong or missing word costs that strip only).
+  them left to right (``"red blue"``). Reward: the words that name their strip right, position by position, over
+  the longer of answer and output (a wrong or missing word costs that strip only; extra words cost as much).
 - ``count``: 1 to ``max_count`` squares of one palette color on a 4 x 4 grid; the answer is the number (``"3"``).
   Reward: ``1 - |guess - count| / max_count`` (0.0 when the output holds no number): an answer off by one still
   earns most of the credit, so RL sees a gradient between exact and wrong.
@@ -119,7 +119,7 @@ def visual_score(task: VisualTask, answer: str, text: str) -> tuple[float, float
     exact = float(text.strip() == answer)
     if task.kind == "colors":
         want, got = answer.split(), text.lower().replace(",", " ").split()
-        return sum(w == g for w, g in zip(want, got)) / len(want), exact
+        return sum(w == g for w, g in zip(want, got)) / max(len(want), len(got)), exact
     m = _INT.search(text)
     if m is None:
         return 0.0, exact
