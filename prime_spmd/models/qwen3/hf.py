@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import zlib
+from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -128,25 +129,25 @@ def random_init_std(hf_config: dict) -> float:
     return float(hf_config.get("initializer_range", 0.02))
 
 
-def _draw_chunk(flat: torch.Tensor, name: str, index: int, seed: int, std: float) -> None:
-    """Fill ``flat[index * CHUNK:][:CHUNK]`` with normal(0, std): drawn in fp32 on the host from a generator seeded
-    with crc32 of (seed, name, index), cast to ``flat``'s dtype there, then copied (CPU and CUDA get the same bits).
-    The host generator (mt19937) keeps 32 bits of its seed: two of a 30B model's ~7k chunks share their values with
-    odds of about 1 in 160, harmless for the speed and memory runs this is for."""
-    start = index * RANDOM_INIT_CHUNK
-    n = min(RANDOM_INIT_CHUNK, flat.numel() - start)
+def _draw_chunk(name: str, index: int, n: int, seed: int) -> torch.Tensor:
+    """``n`` fp32 standard normals for chunk ``index`` of weight ``name``, from a host generator seeded with crc32 of
+    (seed, name, index). Runs on a pool thread: the draw is one serial kernel that releases the GIL. The host generator
+    (mt19937) keeps 32 bits of its seed: two of a 30B model's ~7k chunks share their values with odds of about 1 in
+    160, harmless for the speed and memory runs this is for."""
     gen = torch.Generator(device="cpu").manual_seed(zlib.crc32(f"{seed}/{name}#{index}".encode()))
-    values = torch.randn(n, generator=gen, dtype=torch.float32).mul_(std).to(flat.dtype)
-    flat[start : start + n].copy_(values)
+    return torch.randn(n, generator=gen, dtype=torch.float32)
 
 
 @torch.no_grad()
 def materialize_random(model: nn.Module, device: torch.device | str, seed: int, std: float) -> int:
     """Give every parameter still on meta its random-init values on ``device``, in its dtype: RMSNorm weights 1,
-    biases 0, every other weight (embeddings, linears, router, stacked experts) normal(0, ``std``) drawn per
-    ``_draw_chunk``; the RoPE buffer is recomputed there. Parameters already materialized (the trainer's tensors,
-    shared) are left alone. The chunks are drawn on a thread pool (torch releases the GIL; the values do not depend
-    on the order). Host memory: one chunk per thread. Returns the bytes materialized. Single process, no collective."""
+    biases 0, every other weight (embeddings, linears, router, stacked experts) normal(0, ``std``), chunk by chunk:
+    drawn in fp32 on the host (``_draw_chunk``), scaled and cast there, then copied (CPU and CUDA get the same bits).
+    The RoPE buffer is recomputed on ``device``. Parameters already materialized (the trainer's tensors, shared) are
+    left alone. Draws run on a thread pool, at most two chunks a thread ahead of this thread, which scales, casts and
+    copies them in order (its elementwise ops use torch's intra-op threads; the pool threads run only the serial
+    draw, so the two do not nest). Host memory: about two chunks (16 MiB each) a pool thread. Returns the bytes
+    materialized. Single process, no collective."""
     device = torch.device(device)
     jobs, done, nbytes = [], {}, 0
     for mod_name, mod in model.named_modules():
@@ -167,9 +168,22 @@ def materialize_random(model: nn.Module, device: torch.device | str, seed: int, 
             done[id(p)] = new = nn.Parameter(t, requires_grad=p.requires_grad)
             setattr(mod, pname, new)
             nbytes += t.numel() * t.element_size()
-    with ThreadPoolExecutor(max_workers=min(32, os.cpu_count() or 1)) as pool:
-        for future in [pool.submit(_draw_chunk, flat, name, i, seed, std) for flat, name, i in jobs]:
-            future.result()
+
+    def write(flat: torch.Tensor, index: int, future) -> None:
+        start = index * RANDOM_INIT_CHUNK
+        values = future.result().mul_(std).to(flat.dtype)
+        flat[start : start + values.numel()].copy_(values)
+
+    num_workers = min(32, os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=num_workers) as pool:
+        pending: deque = deque()
+        for flat, name, i in jobs:
+            n = min(RANDOM_INIT_CHUNK, flat.numel() - i * RANDOM_INIT_CHUNK)
+            pending.append((flat, i, pool.submit(_draw_chunk, name, i, n, seed)))
+            if len(pending) >= 2 * num_workers:
+                write(*pending.popleft())
+        while pending:
+            write(*pending.popleft())
     for mod in model.modules():
         if isinstance(mod, RotaryEmbedding) and mod.inv_freq.is_meta:
             mod.inv_freq = mod._inv_freq().to(device)
