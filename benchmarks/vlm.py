@@ -3,13 +3,14 @@
 For each ``--images`` count (0: text only) the same model serves ``--prompts`` prompts x ``--group-size`` samples
 (a GRPO step's shape): prefill tokens/s (requests with max_tokens 1: the vision encoder once per prompt, the prompt
 forward, the first token), decode tokens/s (the rest of ``--new-tokens``, no eos) and the vision encoder's share
-(``image_features`` of one prompt's images, timed alone). Each prompt holds ``--prompt-tokens`` text tokens plus its
+(``image_features`` of one prompt's images, timed alone); with ``--train`` also a trainer step's time split and peak
+memory on the same samples (``train_steps``). Each prompt holds ``--prompt-tokens`` text tokens plus its
 images (``--image-size`` pixels square: (size / 32)^2 LM tokens an image at the 2b shape).
 
 The vision runner (prime_spmd/inference/vision_runner.py) re-runs whole sequences at each decode step (no KV cache
 yet), so decode tokens/s here is what that path costs, not the Llama-style runner's.
 
-    python benchmarks/vlm.py --device cuda --shape qwen3-vl-2b --images 0,1 --out vlm.json       # H100: < 4 min
+    python benchmarks/vlm.py --device cuda --shape qwen3-vl-2b --images 0,1 --train --out vlm.json   # H100: < 4 min
     python benchmarks/vlm.py --device cpu --shape qwen3-vl-nano --images 0,1 --prompts 2 --group-size 2 --new-tokens 4
 """
 
@@ -105,6 +106,63 @@ def encoder_ms(model, vision, device: torch.device) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def train_steps(model, ps: list, group: int, new_tokens: int, device: torch.device, steps: int = 3) -> dict:
+    """A trainer step's time split and memory on ``ps`` x ``group`` samples (prompt + ``new_tokens`` random completion
+    tokens, every completion token trained): ``PolicyModel`` (the trainer's packed forward: the encoder once per
+    prompt) over 8192-token micro-batches, fp32 master weights and AdamW, bf16 autocast on CUDA; medians of ``steps``
+    after one warm-up. Needs the fp32 copy, its grads and two AdamW moments: 16 bytes a parameter."""
+    import copy
+
+    from prime_spmd.data.sample import Sample
+    from prime_spmd.trainer.packing import pack
+    from prime_spmd.trainer.policy import PolicyModel
+    from prime_spmd.trainer.sft import sft_loss
+
+    lm = copy.deepcopy(model).float().train()
+    policy = PolicyModel(lm, loss_impl="reference" if device.type == "cpu" else "fused", share_prompts=False)
+    opt = torch.optim.AdamW([p for p in lm.parameters() if p.requires_grad], lr=1e-6)
+    g = torch.Generator().manual_seed(1)
+    samples = []
+    for ids, v in ps:
+        for _ in range(group):
+            tail = torch.randint(10, 4000, (new_tokens,), generator=g).tolist()
+            samples.append(Sample(input_ids=ids + tail, loss_mask=[0] * len(ids) + [1] * new_tokens, vision=v))
+    mbs = pack(samples, max(8192, max(len(s.input_ids) for s in samples)), 1)[0]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fb, op = [], []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for k in range(steps + 1):
+        sync()
+        t0 = time.perf_counter()
+        for mb in mbs:
+            mb = mb.to(device)
+            fields = {**mb.fields, "loss_mask": mb.loss_mask.float()}
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                out = policy(mb.input_ids, mb.position_ids, mb.targets, 1.0, sft_loss, fields, vision=mb.vision or None)
+            out.loss_sum.backward()
+        sync()
+        t1 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        if k:
+            fb.append(t1 - t0)
+            op.append(time.perf_counter() - t1)
+    tokens = sum(len(s.input_ids) for s in samples)
+    fwd_bwd = sorted(fb)[len(fb) // 2]
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+    del lm, policy, opt
+    return {
+        "micro_batches": len(mbs),
+        "tokens": tokens,
+        "fwd_bwd_s": fwd_bwd,
+        "optim_s": sorted(op)[len(op) // 2],
+        "train_tokens_per_s": tokens / fwd_bwd,
+        "peak_gib": peak,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -116,6 +174,7 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=128, help="text tokens per prompt (about)")
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--train", action="store_true", help="also time a trainer step per --images count")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -152,6 +211,8 @@ def main() -> None:
                 "encoder_ms_per_prompt": enc,
             }
         )
+        if args.train:
+            rows[-1]["train"] = train_steps(model, ps, args.group_size, args.new_tokens, device)
     mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(
@@ -165,6 +226,17 @@ def main() -> None:
             f"| {r['decode_tokens_per_s']:.1f} | {r['encoder_ms_per_prompt']:.1f} | {r['images_encoded_per_generate']} |"
         )
     print(f"peak GPU memory {mem:.1f} GiB")
+    if args.train:
+        print(
+            "| images | micro-batches | tokens | fwd+bwd s | optimizer s | train tok/s | peak GiB (engine + trainer) |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            t = r["train"]
+            print(
+                f"| {r['images']} | {t['micro_batches']} | {t['tokens']} | {t['fwd_bwd_s']:.2f} | {t['optim_s']:.2f} "
+                f"| {t['train_tokens_per_s']:.0f} | {t['peak_gib']:.1f} |"
+            )
     if args.out:
         args.out.write_text(json.dumps({"shape": args.shape, "device": name, "rows": rows, "peak_gib": mem}, indent=1))
 
