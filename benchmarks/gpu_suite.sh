@@ -103,7 +103,8 @@ case $PART in
       scale scale_4b_offload --shape qwen3-4b --micro-batch-tokens 4096 --ours-flag=--trainer.offload --ours-flag=optimizer
       scale scale_8b_lora --shape qwen3-8b --micro-batch-tokens 4096 --ours-flag=--model.lora.rank --ours-flag=16
       # weights drawn at load (--model.random_init: 61 GB of bf16 fit no disk twice); activation checkpointing: the plan
-      # says 71.1 GiB without it (of 72.8 usable) and counts a MoE layer's activations as a dense MLP's, 61.6 GiB with it
+      # says 71.1 GiB without it (of 72.8 usable), 61.6 GiB with it, and does not count the experts backward's transient
+      # gradients of a layer's frozen expert weights (1.2 GB bf16)
       scale scale_30b_a3b_lora --shape qwen3-30b-a3b --random-init --micro-batch-tokens 4096 --ours-flag=--model.lora.rank \
         --ours-flag=16 --ours-flag=--trainer.activation_checkpointing
       if [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -gt 100000 ]; then
