@@ -29,6 +29,7 @@ from prime_spmd.inference.engine import SamplingParams, render_chat_ids
 from prime_spmd.inference.factory import build_engine
 from prime_spmd.log import logger
 from prime_spmd.models.loading import load_tokenizer, maybe_build_tiny
+from prime_spmd.models.vision import load_vision_processor
 from prime_spmd.progress import Progress
 from prime_spmd.trainer.resolved import resolved_settings
 
@@ -52,7 +53,12 @@ def _model_len(cfg: EvalJobConfig, env: Environment, tokenizer, num_examples: in
     """KV-cache length: --inference.max_model_len, else the longest eval prompt plus --sampling.max_tokens."""
     if cfg.inference.max_model_len:
         return cfg.inference.max_model_len
-    longest = max(len(render_chat_ids(tokenizer, env.example("eval", i)["prompt"])) for i in range(num_examples))
+    processor = load_vision_processor(cfg.model.path, tokenizer)  # images count their expanded tokens
+
+    def length(messages: list[dict]) -> int:
+        return len(processor.render(messages)[0] if processor is not None else render_chat_ids(tokenizer, messages))
+
+    longest = max(length(env.example("eval", i)["prompt"]) for i in range(num_examples))
     return longest + cfg.sampling.max_tokens + 1
 
 
