@@ -4,7 +4,7 @@ For each ``--images`` count (0: text only) the same model serves ``--prompts`` p
 (a GRPO step's shape): prefill tokens/s (requests with max_tokens 1: the vision encoder once per prompt, the prompt
 forward, the first token), decode tokens/s (the rest of ``--new-tokens``, no eos) and the vision encoder's share
 (``image_features`` of one prompt's images, timed alone); with ``--train`` also a trainer step's time split and peak
-memory on the same samples (``train_steps``). Each prompt holds ``--prompt-tokens`` text tokens plus its
+memory on the same samples (``train_steps``: a bf16 copy with bf16 AdamW, not the fp32 masters of the trainer). Each prompt holds ``--prompt-tokens`` text tokens plus its
 images (``--image-size`` pixels square: (size / 32)^2 LM tokens an image at the 2b shape).
 
 The vision runner (prime_spmd/inference/vision_runner.py) re-runs whole sequences at each decode step (no KV cache
@@ -109,8 +109,9 @@ def encoder_ms(model, vision, device: torch.device) -> float:
 def train_steps(model, ps: list, group: int, new_tokens: int, device: torch.device, steps: int = 3) -> dict:
     """A trainer step's time split and memory on ``ps`` x ``group`` samples (prompt + ``new_tokens`` random completion
     tokens, every completion token trained): ``PolicyModel`` (the trainer's packed forward: the encoder once per
-    prompt) over 8192-token micro-batches, fp32 master weights and AdamW, bf16 autocast on CUDA; medians of ``steps``
-    after one warm-up. Needs the fp32 copy, its grads and two AdamW moments: 16 bytes a parameter."""
+    prompt) over 8192-token micro-batches and AdamW, on a copy of the model in its dtype (bf16 on CUDA: the real
+    trainer computes in bf16 too but keeps fp32 masters, so its optimizer step and memory are larger: 16 bytes a
+    parameter against 8 here); medians of ``steps`` after one warm-up."""
     import copy
 
     from prime_spmd.data.sample import Sample
@@ -118,7 +119,7 @@ def train_steps(model, ps: list, group: int, new_tokens: int, device: torch.devi
     from prime_spmd.trainer.policy import PolicyModel
     from prime_spmd.trainer.sft import sft_loss
 
-    lm = copy.deepcopy(model).float().train()
+    lm = copy.deepcopy(model).train()
     policy = PolicyModel(lm, loss_impl="reference" if device.type == "cpu" else "fused", share_prompts=False)
     opt = torch.optim.AdamW([p for p in lm.parameters() if p.requires_grad], lr=1e-6)
     g = torch.Generator().manual_seed(1)
@@ -138,8 +139,7 @@ def train_steps(model, ps: list, group: int, new_tokens: int, device: torch.devi
         for mb in mbs:
             mb = mb.to(device)
             fields = {**mb.fields, "loss_mask": mb.loss_mask.float()}
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                out = policy(mb.input_ids, mb.position_ids, mb.targets, 1.0, sft_loss, fields, vision=mb.vision or None)
+            out = policy(mb.input_ids, mb.position_ids, mb.targets, 1.0, sft_loss, fields, vision=mb.vision or None)
             out.loss_sum.backward()
         sync()
         t1 = time.perf_counter()
@@ -211,8 +211,6 @@ def main() -> None:
                 "encoder_ms_per_prompt": enc,
             }
         )
-        if args.train:
-            rows[-1]["train"] = train_steps(model, ps, args.group_size, args.new_tokens, device)
     mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(
@@ -225,8 +223,10 @@ def main() -> None:
             f"| {r['images']} | {r['image_tokens_per_prompt']} | {r['prompt_tokens']} | {r['prefill_tokens_per_s']:.0f} "
             f"| {r['decode_tokens_per_s']:.1f} | {r['encoder_ms_per_prompt']:.1f} | {r['images_encoded_per_generate']} |"
         )
-    print(f"peak GPU memory {mem:.1f} GiB")
+    print(f"peak GPU memory {mem:.1f} GiB", flush=True)  # the engine's numbers stand even if a train step fails
     if args.train:
+        for r in rows:
+            r["train"] = train_steps(model, all_prompts[r["images"]], args.group_size, args.new_tokens, device)
         print(
             "| images | micro-batches | tokens | fwd+bwd s | optimizer s | train tok/s | peak GiB (engine + trainer) |"
         )
