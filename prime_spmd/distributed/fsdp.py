@@ -132,17 +132,7 @@ def apply_fsdp(
             fully_shard(block, mesh=axis, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     # The root keeps its parameters gathered after the forward: the backward needs them at once.
     fully_shard(root, mesh=axis, mp_policy=mp, reshard_after_forward=False)
-    settle_parameters(root)
     return root
-
-
-def settle_parameters(root: nn.Module) -> None:
-    """Run FSDP2's lazy init now instead of in the first forward. That init re-reads every parameter from its
-    module, and with torch 2.11 on CUDA the modules then held new Parameter objects: an optimizer built before the
-    first forward kept the old ones, which never got a gradient again, so no step changed the model (seen on an
-    H100: every CUDA RL run up to this fix trained nothing; CPU with torch 2.13 kept the objects). After this
-    call the parameters the optimizer takes are the ones the backward fills."""
-    root._get_fsdp_state()._lazy_init()
 
 
 @torch.no_grad()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 from torch import nn
@@ -64,9 +64,12 @@ class RouterStats:
     tokens_per_expert_LE: torch.Tensor
 
 
-@dataclass(slots=True)
-class PolicyOutput:
-    """What ``PolicyModel.forward`` returns for one micro-batch of T packed tokens."""
+class PolicyOutput(NamedTuple):
+    """What ``PolicyModel.forward`` returns for one micro-batch of T packed tokens.
+
+    A NamedTuple, not a dataclass: FSDP2 hooks the backward through the tensors it finds in the root's output,
+    and torch 2.11's FSDP2 looks with ``tree_flatten``, to which a dataclass is one opaque leaf: no hook, no
+    gradient reduction, and the optimizer's parameters never got a gradient (docs/log.md, 2026-12-06)."""
 
     loss_sum: torch.Tensor
     """The loss summed over tokens (scalar, with grad; MoE: the router term included)."""
@@ -202,7 +205,6 @@ class PolicyModel(nn.Module):
         if aux is not None and self.router_aux_coef > 0:
             # inside the FSDP root's forward, so the router grads take the same hooks as the main loss's
             loss_sum = loss_sum + self.router_aux_coef * fields["loss_mask"].sum() * aux
-        # a dataclass: FSDP2's forward hooks reach the tensors in its fields (torch.distributed.utils._apply_to_tensors)
         return PolicyOutput(loss_sum, lp, ent, router, shared_tokens)
 
 

@@ -126,8 +126,9 @@ def train_step(
         if params and not any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
             raise RuntimeError(
                 f"the backward filled {len(params)} parameter gradients and none of them belongs to the optimizer: "
-                "the model's parameters were replaced after the optimizer was built (distributed/fsdp.py: "
-                "settle_parameters), so this step would change nothing"
+                "the model's parameters were replaced after the optimizer was built or FSDP2 never reduced the "
+                "gradients (its backward hook did not fire: trainer/policy.py PolicyOutput), so this step would change "
+                "nothing"
             )
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -253,3 +253,16 @@ def test_train_step_refuses_an_optimizer_that_holds_none_of_the_trained_paramete
     sched = torch.optim.lr_scheduler.LambdaLR(stale, lambda _: 1.0)
     with pytest.raises(RuntimeError, match="none of them belongs to the optimizer"):
         train_step(policy, stale, sched, pack(samples, 20, 1)[0], loss, device=torch.device("cpu"))
+
+
+def test_the_policy_output_is_a_container_fsdp2_looks_into(tiny_lm) -> None:
+    # torch 2.11's FSDP2 registers its pre-backward hook on the tensors tree_flatten finds in the root module's
+    # output; a dataclass is a leaf there, so the hook, the gradient reduction and the reshard never ran on the GPU
+    from torch.utils._pytree import tree_flatten
+
+    loss = RLLoss(LossConfig(type="dppo"))
+    mb = pack(rl_samples((20, 7)), 20, 1)[0][0]
+    fields = {**mb.fields, "loss_mask": mb.loss_mask.float()}
+    out = PolicyModel(copy.deepcopy(tiny_lm), "reference")(mb.input_ids, mb.position_ids, mb.targets, 1.0, loss, fields)
+    leaves, _ = tree_flatten(out)
+    assert any(t is out.loss_sum for t in leaves) and out.loss_sum.requires_grad
