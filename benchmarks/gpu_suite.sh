@@ -3,7 +3,7 @@
 #   bash scripts/gpu_wheels.sh          # once, on a machine with network: wheels and the Qwen3 tokenizer in .whl/
 #   bash benchmarks/gpu_suite.sh PART OUTDIR [VARIANT]
 # PART: tests | engine | prefill | loss | moe | train_step | weight_sync | env_bridge
-#       | rl_e2e [reverse_text | number_list] | scale [small | large]
+#       | rl_e2e [reverse_text | number_list] | scale [small | large] | fp8 | exact
 # Each step has its own time limit, so that one slow step does not lose the others' results.
 set -uo pipefail
 PART=$1; OUT=${2:-/tmp/gpu_out}; VARIANT=${3:-}; mkdir -p "$OUT"
@@ -113,5 +113,19 @@ case $PART in
         scale scale_4b_no_offload --shape qwen3-4b --micro-batch-tokens 4096  # the memory plan refuses it on 80 GB
       fi
     fi ;;
+  fp8)  # --inference.quantization fp8 beside bf16 (0.6B, 8B; batch 1, 64), the quantize time, mismatch KL, CUDA tests; ~7 min
+    F="python3 benchmarks/engine.py $E06 --engine native --batch-sizes 1,64 --quantization none,fp8"
+    run fp8_engine 150 $F --out "$OUT/fp8_engine.json"
+    run fp8_engine_8b 150 $F --model-shape qwen3-8b --out "$OUT/fp8_engine_8b.json"
+    for q in none fp8; do
+      run "mismatch_$q" 60 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --quantization "$q" --out "$OUT/mismatch_$q.json"
+    done
+    run tests_fp8 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/gpu/test_fp8_real_shapes.py tests/unit/test_fp8_engine.py ;;
+  exact)  # --model.exact: bit-exactness on CUDA first, then its cost (engine tokens/s, trainer step) and mismatch KL; ~6 min
+    run tests_exact 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/gpu/test_exact_mode_gpu.py
+    run engine_exact 120 python3 benchmarks/engine.py $E06 --batch-sizes 1,64 --engine native-custom --exact off,on --out "$OUT/engine_exact.json"
+    run train_step_exact 150 python3 benchmarks/train_step.py --device cuda --shape qwen3-0.6b --tokenizer-files .whl/qwen3-tokenizer \
+      --variants "default:;exact:exact=1" --out "$OUT/train_step_exact"
+    run mismatch_exact 60 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --exact --out "$OUT/mismatch_exact.json" ;;
   *) echo "unknown part $PART (see the header)" >&2; exit 2 ;;
 esac
