@@ -7,8 +7,8 @@ forward, the first token), decode tokens/s (the rest of ``--new-tokens``, no eos
 memory on the same samples (``train_steps``: a bf16 copy with bf16 AdamW, not the fp32 masters of the trainer). Each prompt holds ``--prompt-tokens`` text tokens plus its
 images (``--image-size`` pixels square: (size / 32)^2 LM tokens an image at the 2b shape).
 
-The vision runner (prime_spmd/inference/vision_runner.py) re-runs whole sequences at each decode step (no KV cache
-yet), so decode tokens/s here is what that path costs, not the Llama-style runner's.
+The engine runs Qwen3-VL through prime_spmd/inference/vision_kv_runner.py: the KV cache and the Llama-style submodule
+decode path, eager (no CUDA graphs, no fused decode layer yet), so decode tokens/s is that path's.
 
     python benchmarks/vlm.py --device cuda --shape qwen3-vl-2b --images 0,1 --train --out vlm.json   # H100: < 4 min
     python benchmarks/vlm.py --device cpu --shape qwen3-vl-nano --images 0,1 --prompts 2 --group-size 2 --new-tokens 4

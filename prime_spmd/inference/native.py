@@ -131,6 +131,7 @@ class NativeEngine(InferenceEngine):
         # MoE expert dispatch sizes its buffers on the host (data-dependent shapes): no graphs
         has_moe = any("MoE" in type(m).__name__ for m in self.model.modules())
         self.use_graphs = cuda_graphs and device.type == "cuda" and self.runner.cache is not None and not has_moe
+        self.use_graphs = self.use_graphs and not hasattr(self.runner, "set_vision")  # per-prompt images: eager
         # the torch sampler is ~30 elementwise/reduction passes over [B, V]; compiled (CUDA only) a few
         self.sampler = resolve_sampler(sampler, device)
         self._sample = make_sampler(self.sampler, compile_sampler and device.type == "cuda")
@@ -387,7 +388,7 @@ class NativeEngine(InferenceEngine):
             cache.sync()
         self.num_prefill_tokens += sum(len(q.req.prompt_ids) for q in leaders)
         self.num_prompt_tokens += sum(len(q.req.prompt_ids) for q in seqs)
-        if hasattr(self.runner, "set_vision"):  # vision-language models: each prompt's images (vision_runner.py)
+        if hasattr(self.runner, "set_vision"):  # vision-language models: each prompt's images (vision_kv_runner.py)
             for q in leaders:
                 self.runner.set_vision(q.slot, q.req.vision)
         logits = self._run_prefill(ids, [q.slot for q in leaders], [len(q.req.prompt_ids) - 1 for q in leaders])

@@ -605,10 +605,10 @@ def build_runner(
             f"--inference.quantization {quantization} needs a dense Llama-style decoder (the native engine's fused "
             f"decode layer), not {type(model).__name__}: use --inference.quantization none"
         )
-    if adapter_for(model).family == "vlm":  # images in the prompt: vision_runner.py
-        from prime_spmd.inference.vision_runner import VisionRunner
+    if adapter_for(model).family == "vlm":  # images in the prompt, then the KV-cache decode: vision_kv_runner.py
+        from prime_spmd.inference.vision_kv_runner import VisionKVRunner
 
-        return VisionRunner(model, num_slots, max_len, device)
+        return VisionKVRunner(model, num_slots, max_len, device, attention, kv_cache, kv_block_size, kv_cache_tokens)
     if adapter_for(model).supports_slot_cache():
         return LlamaStyleRunner(
             model,

