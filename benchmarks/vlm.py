@@ -39,11 +39,11 @@ from prime_spmd.models.vlm import (  # noqa: E402
 )
 
 
-def build(shape: str, device: torch.device, dtype: torch.dtype, image_size: int):
+def build(shape: str, device: torch.device, dtype: torch.dtype, image_size: int, tokenizer_files: Path | None = None):
     """(model, tokenizer, processor): random weights of ``shape``, the processor sized for ``image_size`` images."""
     from transformers import Qwen3VLForConditionalGeneration
 
-    tok = build_vl_tokenizer(VLM_BPE_TOKENS.get(shape, 0))
+    tok = build_vl_tokenizer(VLM_BPE_TOKENS.get(shape, 0), tokenizer_files)
     cfg = tiny_vlm_config(shape, tok)
     torch.manual_seed(0)
     with device:
@@ -175,13 +175,14 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128, help="text tokens per prompt (about)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--train", action="store_true", help="also time a trainer step per --images count")
+    ap.add_argument("--tokenizer-files", type=Path, default=None, help="dir with the qwen-3 tokenizer's two files")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(
         args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32
     )
-    model, tok, proc = build(args.shape, device, dtype, args.image_size)
+    model, tok, proc = build(args.shape, device, dtype, args.image_size, args.tokenizer_files)
     counts = [int(x) for x in args.images.split(",")]
     all_prompts = {k: prompts(proc, args.prompts, k, args.prompt_tokens, args.image_size) for k in counts}
     max_len = max(len(ids) for ps in all_prompts.values() for ids, _ in ps) + args.new_tokens + 1

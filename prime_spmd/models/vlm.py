@@ -106,13 +106,13 @@ def _truncate_bpe(tokenizer_json: Path, config_json: Path, num_tokens: int) -> N
     config_json.write_text(json.dumps(cfg))
 
 
-def build_vl_tokenizer(num_bpe_tokens: int = 0):
+def build_vl_tokenizer(num_bpe_tokens: int = 0, src: Path | None = None):
     """The real Qwen3 tokenizer (vision special tokens included) with the Qwen3-VL chat template. ``num_bpe_tokens``
     > 0 keeps only its first BPE tokens (``_truncate_bpe``; the specials follow them): a CPU model's LM head over
     151k entries costs more than the rest of a tiny model."""
     from transformers import AutoTokenizer
 
-    src = qwen3_tokenizer_files()
+    src = src or qwen3_tokenizer_files()  # or a directory with its two files (scripts/gpu_wheels.sh copies them)
     with tempfile.TemporaryDirectory() as d:
         with zipfile.ZipFile(src / "tokenizer.json.zip") as z:
             z.extractall(d)
