@@ -90,6 +90,14 @@ def test_generic_runner_fallback_matches_hf(model_dir, monkeypatch, device):
     reqs = _reqs(tok, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), TEXTS[:3])
     for r, o in zip(reqs, eng.generate(reqs)):
         assert o.token_ids == _hf_greedy(model, r.prompt_ids, 8)
+    # config.json's resolved block reads the runner's paths: the generic runner has none of them
+    from prime_spmd.config.job import RLJobConfig
+    from prime_spmd.config.sections import ModelConfig
+    from prime_spmd.trainer.resolved import resolved_settings
+
+    out = resolved_settings(RLJobConfig(model=ModelConfig(path=str(model_dir))), device, engine=eng)
+    assert out["inference.native.decode_attention"].startswith("unused (generic runner")
+    assert out["inference.native.prefill"] == "modules"
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
