@@ -3,7 +3,7 @@
 #   bash scripts/gpu_wheels.sh          # once, on a machine with network: wheels and the Qwen3 tokenizer in .whl/
 #   bash benchmarks/gpu_suite.sh PART OUTDIR [VARIANT]
 # PART: tests | engine | prefill | loss | moe | train_step | weight_sync | env_bridge
-#       | rl_e2e [reverse_text | number_list] | scale [small | large] | fp8 | exact
+#       | rl_e2e [reverse_text | number_list] | scale [small | large] | fp8 | exact | vlm
 # Each step has its own time limit, so that one slow step does not lose the others' results.
 set -uo pipefail
 PART=$1; OUT=${2:-/tmp/gpu_out}; VARIANT=${3:-}; mkdir -p "$OUT"
@@ -127,5 +127,9 @@ case $PART in
     run train_step_exact 150 python3 benchmarks/train_step.py --device cuda --shape qwen3-0.6b --tokenizer-files .whl/qwen3-tokenizer \
       --variants "default:;exact:exact=1" --out "$OUT/train_step_exact"
     run mismatch_exact 60 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --exact --out "$OUT/mismatch_exact.json" ;;
+  vlm)  # Qwen3-VL 2B shape, random weights: engine prefill / decode tokens/s with one 448x448 image a prompt beside
+    # text-only, the encoder's ms a prompt, then a trainer step's time and memory; ~4 min
+    run vlm 300 python3 benchmarks/vlm.py --device cuda --shape qwen3-vl-2b --images 0,1 --train \
+      --tokenizer-files .whl/qwen3-tokenizer --out "$OUT/vlm.json" ;;
   *) echo "unknown part $PART (see the header)" >&2; exit 2 ;;
 esac
