@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import abc
 import hashlib
-from typing import Literal
+from typing import Any, Literal
 
 from prime_spmd.envs.base import Environment, completion_text
 from prime_spmd.envs.rollout import Rollout
@@ -88,3 +88,35 @@ class BuiltinEnv(Environment):
                 )
             groups.append(group)
         return groups
+
+
+class GeneratedTaskEnv(BuiltinEnv):
+    """A built-in whose examples a seeded generator draws (number_list, visual): ``--env.args`` are the task's
+    fields (``parse_args``) plus ``num_train_examples``; example ``index`` of a split comes from its own RNG
+    (``draw``), so examples do not depend on iteration order."""
+
+    def __init__(self, *, seed: int = 0, num_eval_examples: int = 64, args: dict[str, str] | None = None) -> None:
+        self.task, rest = self.parse_args(args, "--env.args")
+        num_train = rest.pop("num_train_examples", "100000")
+        if rest:
+            raise ValueError(f"--env.args: unknown keys {sorted(rest)} for {self.name}")
+        self.num_train = int(num_train)
+        self.seed, self.num_eval = seed, num_eval_examples
+
+    @staticmethod
+    @abc.abstractmethod
+    def parse_args(args: dict[str, str] | None, flag: str) -> tuple[Any, dict[str, str]]:
+        """(the task, the keys it did not take)."""
+
+    @abc.abstractmethod
+    def draw(self, split: Literal["train", "eval"], index: int) -> tuple[Any, str]:
+        """(prompt messages, answer) of example ``index`` of ``split``."""
+
+    def num_examples(self, split: Literal["train", "eval"]) -> int:
+        return self.num_train if split == "train" else self.num_eval
+
+    def example(self, split: Literal["train", "eval"], index: int) -> dict[str, Any]:
+        if not 0 <= index < self.num_examples(split):
+            raise ValueError(f"{self.name}: {split} example {index} out of range [0, {self.num_examples(split)})")
+        prompt, answer = self.draw(split, index)
+        return {"prompt": prompt, "answer": answer, "example_id": index}
