@@ -487,8 +487,9 @@ class LlamaStyleRunner:
         b = ids_B.shape[0]
         g = self.num_heads // self.num_kv_heads
         x = self.inner.embed_tokens(ids_B)[:, None]  # [B, 1, D]: MoE blocks want 3-D input
-        cos = self.cos_TcDh[pos_B][:, None]  # [B, 1, Dh]
-        sin = self.sin_TcDh[pos_B][:, None]
+        rope_pos_B = self._rope_positions(pos_B)
+        cos = self.cos_TcDh[rope_pos_B][:, None]  # [B, 1, Dh]
+        sin = self.sin_TcDh[rope_pos_B][:, None]
         # attend to positions <= pos; additive mask [B, 1, 1, Tkv] in float32
         visible = torch.arange(kv_len, device=ids_B.device)[None, :] <= pos_B[:, None]
         mask = torch.zeros(visible.shape, device=ids_B.device).masked_fill(~visible, float("-inf"))[:, None, None]
@@ -512,6 +513,10 @@ class LlamaStyleRunner:
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         h = self.inner.norm(x[:, 0])
         return self._lm_head(h) if head else h
+
+    def _rope_positions(self, pos_B: torch.Tensor) -> torch.Tensor:
+        """The rotary position of each decoded row's token: its cache position (vision_kv_runner shifts it)."""
+        return pos_B
 
     def _decode_fused(self, ids_B: torch.Tensor, pos_B: torch.Tensor, kv_len: int, head: bool) -> torch.Tensor:
         if self.glue:  # the embedding / RoPE rows and lengths in one launch (kernels/decode_glue)

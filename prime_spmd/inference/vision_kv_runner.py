@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from prime_spmd.inference.runner import LlamaStyleRunner, attend_triton
+from prime_spmd.inference.runner import LlamaStyleRunner
 from prime_spmd.models.common.rope import rotate
 from prime_spmd.models.vision import VisionInputs
 from prime_spmd.models.vlm import mrope_positions
@@ -130,31 +130,6 @@ class VisionKVRunner(LlamaStyleRunner):
         x_BD = x[torch.arange(b, device=x.device), last_B]
         return self._lm_head(self.inner.norm(x_BD))
 
-    @torch.no_grad()
-    def decode(self, ids_B: torch.Tensor, pos_B: torch.Tensor, kv_len: int, head: bool = True) -> torch.Tensor:
-        """``LlamaStyleRunner.decode``'s submodule path, the rotation taken at ``pos_B + delta`` (module doc)."""
-        b = ids_B.shape[0]
-        g = self.num_heads // self.num_kv_heads
-        x = self.inner.embed_tokens(ids_B)[:, None]  # [B, 1, D]
-        rope_pos_B = pos_B + self.delta_S[:b]
-        cos, sin = self.cos_TcDh[rope_pos_B][:, None], self.sin_TcDh[rope_pos_B][:, None]  # [B, 1, Dh]
-        visible = torch.arange(kv_len, device=ids_B.device)[None, :] <= pos_B[:, None]
-        mask = torch.zeros(visible.shape, device=ids_B.device).masked_fill(~visible, float("-inf"))[:, None, None]
-        lens_B = (pos_B + 1).clamp(max=kv_len)
-        for li, layer in enumerate(self.inner.layers):
-            attn = layer.self_attn
-            q, k, v = self._qkv(attn, layer.input_layernorm(x)[:, 0])  # [B, N, Dh], [B, Nkv, Dh]
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-            self.cache.write_decode(li, pos_B, k, v)
-            if self.attention == "triton":
-                kc, vc, table = self.cache.k[li], self.cache.v[li], self.cache.block_table
-                o = attend_triton(q.contiguous(), kc, vc, table, lens_B, kv_len, self.scale)
-            else:
-                kc, vc = self.cache.read(li, b, kv_len)  # [B, Nkv, Tkv, Dh]
-                q = q.view(b, self.num_kv_heads, g, self.head_dim)
-                scores = torch.matmul(q, kc.transpose(-1, -2)).float() * self.scale + mask
-                o = torch.matmul(torch.softmax(scores, dim=-1).to(vc.dtype), vc)
-            x = x + attn.o_proj(o.reshape(b, 1, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        h = self.inner.norm(x[:, 0])
-        return self._lm_head(h) if head else h
+    def _rope_positions(self, pos_B: torch.Tensor) -> torch.Tensor:
+        """Decode rotates at ``pos_B + delta`` (module doc); ``LlamaStyleRunner.decode``'s submodule path runs."""
+        return pos_B + self.delta_S[: pos_B.shape[0]]
