@@ -2,7 +2,7 @@
 # The GPU runs behind the figures in docs/benchmarks.md, in parts of at most 10 minutes (one device call each).
 #   bash scripts/gpu_wheels.sh          # once, on a machine with network: wheels and the Qwen3 tokenizer in .whl/
 #   bash benchmarks/gpu_suite.sh PART OUTDIR [VARIANT]
-# PART: tests | engine | prefill | loss | moe | train_step | weight_sync | env_bridge
+# PART: tests ["kernels unit" | "gpu exact"] | engine | prefill | loss | moe | train_step | weight_sync | env_bridge
 #       | rl_e2e [reverse_text | number_list] | scale [small | large] | fp8 | exact | vlm
 # Each step has its own time limit, so that one slow step does not lose the others' results.
 set -uo pipefail
@@ -17,8 +17,9 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 git rev-parse --short HEAD 2> /dev/null
 E06="--device cuda --model-shape qwen3-0.6b --prompt-len 128 --new-tokens 256"
 case $PART in
-  tests)  # docs/testing.md; its summary.txt has counts and errors
-    run tests_gpu 570 bash scripts/test_gpu.sh "$OUT/tests" ;;
+  tests)  # docs/testing.md; its summary.txt has counts and errors. VARIANT: the test_gpu.sh steps (default
+    # "kernels unit"; "gpu exact" the other half: the whole suite is longer than one device call)
+    run tests_gpu 570 env STEPS="${VARIANT:-kernels unit}" bash scripts/test_gpu.sh "$OUT/tests" ;;
   engine)  # engine rows at the defaults (0.6B, 8B), transformers baselines, mismatch KL, batch-1 profile; ~9 min
     run engine 150 python3 benchmarks/engine.py $E06 --batch-sizes 1,16,64,256 --engine native --out "$OUT/engine.json"
     run engine_8b 120 python3 benchmarks/engine.py $E06 --model-shape qwen3-8b --batch-sizes 1,64 --engine native --out "$OUT/engine_8b.json"
