@@ -3,7 +3,7 @@
 #   bash scripts/gpu_wheels.sh          # once, on a machine with network: wheels and the Qwen3 tokenizer in .whl/
 #   bash benchmarks/gpu_suite.sh PART OUTDIR [VARIANT]
 # PART: tests ["kernels unit" | "gpu exact"] | engine | prefill | loss | moe | train_step | weight_sync | env_bridge
-#       | rl_e2e [reverse_text | number_list] | scale [small | large] | fp8 | exact | vlm
+#       | rl_e2e [reverse_text | number_list] | scale [small | large | moe | h200] | fp8 | exact | vlm
 # Each step has its own time limit, so that one slow step does not lose the others' results.
 set -uo pipefail
 PART=$1; OUT=${2:-/tmp/gpu_out}; VARIANT=${3:-}; mkdir -p "$OUT"
@@ -83,37 +83,47 @@ case $PART in
     kill "$copier" 2> /dev/null
     cp "$R/results.json" "$R"/*.png "$OUT/rl_e2e/" 2> /dev/null
     for d in "$R"/ours_k*_r0; do cp "$d/metrics.jsonl" "$OUT/rl_e2e/$(basename "$d")_metrics.jsonl" 2> /dev/null; done ;;
-  scale)  # small: 0.6B, 1.7B; large: 4B with offload, 8B LoRA, 30B-A3B LoRA, then 4B without offload (refused on 80 GB) or, on a 141 GB H200, 8B full with offload. Colocated RL at real shapes from random bf16 weights (speed and memory; rewards mean nothing):
+  scale)  # colocated RL at real shapes from random bf16 weights (speed and memory; rewards mean nothing), one device call
+    # a variant: small: 0.6B, 1.7B (+ the memory tests); large: 4B with offload, 8B LoRA, 4B without offload (the memory
+    # plan refuses it on 80 GB); moe: 30B-A3B LoRA; h200: 8B full fine-tuning with offload (a 141 GB card).
     # 8 prompts x 8 samples, 256 new tokens a sample (a random model never stops early), 6 steps, rates from step 2;
     # random weights score 0: benchmarks/speed_advantages.py gives every group nonzero advantages, so every step runs
     # the whole backward and optimizer update
-    S="python3 benchmarks/rl_e2e.py --device cuda --no-sft --sides ours0 --no-eval --tokenizer-files .whl/qwen3-tokenizer
-       --steps 6 --warmup 2 --prompts 8 --group-size 8 --max-tokens 256 --lr 1e-6 --rl-limit-s ${SCALE_LIMIT_S:-240} --budget-s $((${SCALE_LIMIT_S:-240} + 20)) --ours-flag=--rollout.advantage
-       --ours-flag=benchmarks/speed_advantages.py:alternating"
-    scale() { local name=$1; shift; run "$name" $((${SCALE_LIMIT_S:-240} + 30)) $S --out "/tmp/$name" "$@"; cp "/tmp/$name/results.json" "$OUT/$name.json" 2> /dev/null
+    scale() {  # name, rl_e2e flags; the run's limit: SCALE_LIMIT_S (240 s unless the variant or the caller sets it)
+      local name=$1 lim=${SCALE_LIMIT_S:-240}; shift
+      run "$name" $((lim + 30)) python3 benchmarks/rl_e2e.py --device cuda --no-sft --sides ours0 --no-eval \
+        --tokenizer-files .whl/qwen3-tokenizer --steps 6 --warmup 2 --prompts 8 --group-size 8 --max-tokens 256 --lr 1e-6 \
+        --rl-limit-s "$lim" --budget-s $((lim + 20)) --ours-flag=--rollout.advantage \
+        --ours-flag=benchmarks/speed_advantages.py:alternating --out "/tmp/$name" "$@"
+      cp "/tmp/$name/results.json" "$OUT/$name.json" 2> /dev/null
       cp /tmp/"$name"/ours_k0_r0/metrics.jsonl "$OUT/${name}_metrics.jsonl" 2> /dev/null
       cp /tmp/"$name"/*.log "$OUT/" 2> /dev/null; rm -rf "/tmp/$name"; }
-    if [ "${VARIANT:-small}" = small ]; then
-      run tests_memory 150 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/gpu/test_offload_gpu.py \
-        tests/unit/test_offload_optimizer.py tests/unit/test_memory_plan.py tests/unit/test_shared_weights.py \
-        tests/unit/test_native_engine.py -k "offload or plan or shared or released or memory"
-      scale scale_0.6b --shape qwen3-0.6b --micro-batch-tokens 8192
-      scale scale_1.7b --shape qwen3-1.7b --micro-batch-tokens 8192
-    else
-      run tests_offload 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_offload_gpu.py
-      scale scale_4b_offload --shape qwen3-4b --micro-batch-tokens 4096 --ours-flag=--trainer.offload --ours-flag=optimizer
-      scale scale_8b_lora --shape qwen3-8b --micro-batch-tokens 4096 --ours-flag=--model.lora.rank --ours-flag=16
-      # weights drawn at load (--model.random_init: 61 GB of bf16 fit no disk twice); activation checkpointing: the plan
-      # says 71.1 GiB without it (of 72.8 usable), 61.6 GiB with it, and does not count the experts backward's transient
-      # gradients of a layer's frozen expert weights (1.2 GB bf16)
-      scale scale_30b_a3b_lora --shape qwen3-30b-a3b --random-init --micro-batch-tokens 4096 --ours-flag=--model.lora.rank \
-        --ours-flag=16 --ours-flag=--trainer.activation_checkpointing
-      if [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -gt 100000 ]; then
-        scale scale_8b_offload --shape qwen3-8b --micro-batch-tokens 4096 --ours-flag=--trainer.offload --ours-flag=optimizer
-      else
-        scale scale_4b_no_offload --shape qwen3-4b --micro-batch-tokens 4096  # the memory plan refuses it on 80 GB
-      fi
-    fi ;;
+    case "${VARIANT:-small}" in
+      small)
+        run tests_memory 150 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/gpu/test_offload_gpu.py \
+          tests/unit/test_offload_optimizer.py tests/unit/test_memory_plan.py tests/unit/test_shared_weights.py \
+          tests/unit/test_native_engine.py -k "offload or plan or shared or released or memory"
+        scale scale_0.6b --shape qwen3-0.6b --micro-batch-tokens 8192
+        scale scale_1.7b --shape qwen3-1.7b --micro-batch-tokens 8192 ;;
+      large)  # ~8 min on an H100 (2026-12-06: 4B 185 s, 8B LoRA 170 s, the refusal 30 s)
+        SCALE_LIMIT_S=${SCALE_LIMIT_S:-200}
+        scale scale_4b_offload --shape qwen3-4b --micro-batch-tokens 4096 --ours-flag=--trainer.offload --ours-flag=optimizer
+        scale scale_8b_lora --shape qwen3-8b --micro-batch-tokens 4096 --ours-flag=--model.lora.rank --ours-flag=16
+        scale scale_4b_no_offload --shape qwen3-4b --micro-batch-tokens 4096 ;;
+      moe)  # weights drawn at load (--model.random_init: 61 GB of bf16 fit no disk twice); activation checkpointing:
+        # the plan says 71.1 GiB without it (of 72.8 usable), 61.6 GiB with it, and does not count the experts
+        # backward's transient gradients of a layer's frozen expert weights (1.2 GB bf16)
+        SCALE_LIMIT_S=${SCALE_LIMIT_S:-480}
+        scale scale_30b_a3b_lora --shape qwen3-30b-a3b --random-init --micro-batch-tokens 4096 --ours-flag=--model.lora.rank \
+          --ours-flag=16 --ours-flag=--trainer.activation_checkpointing ;;
+      h200)
+        if [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -lt 100000 ]; then
+          echo "scale h200: 8B full fine-tuning needs a 141 GB card (the memory plan would refuse it here)"; exit 2
+        fi
+        SCALE_LIMIT_S=${SCALE_LIMIT_S:-480}
+        scale scale_8b_offload --shape qwen3-8b --micro-batch-tokens 4096 --ours-flag=--trainer.offload --ours-flag=optimizer ;;
+      *) echo "scale: unknown variant ${VARIANT} (small, large, moe, h200)" >&2; exit 2 ;;
+    esac ;;
   fp8)  # --inference.quantization fp8 beside bf16 (0.6B, 8B; batch 1, 64), the quantize time, mismatch KL, CUDA tests; ~7 min
     F="python3 benchmarks/engine.py $E06 --engine native --batch-sizes 1,64 --quantization none,fp8"
     run fp8_engine 150 $F --out "$OUT/fp8_engine.json"
