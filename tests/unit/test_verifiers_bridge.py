@@ -187,7 +187,10 @@ def test_eval_subcommand_runs_test_defined_env(tmp_path):
     proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-    assert {(r["example_id"], r["sample_idx"]) for r in rows} == {(e, s) for e in range(3) for s in range(2)}
+    assert {(r["example_id"], r["sample_idx"]) for r in rows} == {(e, s) for e in range(3) for s in range(2)}, (
+        rows,
+        proc.stderr[-2000:],
+    )
     for r in rows:
         assert r["prompt"].endswith(
             "What is "
@@ -195,8 +198,8 @@ def test_eval_subcommand_runs_test_defined_env(tmp_path):
             + " plus "
             + str(r["example_id"] + 1)
             + "?<|im_end|>\n<|im_start|>assistant\n"
-        )
-        assert r["answer"] == str(2 * r["example_id"] + 1) and 1 <= r["completion_tokens"] <= 6
+        ), r["prompt"][-300:]
+        assert r["answer"] == str(2 * r["example_id"] + 1) and 1 <= r["completion_tokens"] <= 6, r
     assert json.loads((out / "summary.json").read_text())["num_examples"] == 3
 
 
