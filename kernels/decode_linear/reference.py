@@ -31,18 +31,28 @@ def decode_linear_reference(
     act: str = "none",
 ) -> torch.Tensor:
     """out [M, No] in x's dtype (No = N, or N / 2 for "silu_mul"); see the module docstring."""
-    if norm_w_K is not None:
-        xf = x_MK.float()
-        x_MK = norm_w_K * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x_MK.dtype)
+    x_MK = norm_input(x_MK, norm_w_K, eps)
     y = torch.mm(x_MK.float(), w_NK.float().T)
     if bias_N is not None:
         y = y + bias_N.float()
-    y = y.to(x_MK.dtype)
+    return finish_output(y.to(x_MK.dtype), act, residual_MNo)
+
+
+def norm_input(x_MK: torch.Tensor, norm_w_K: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """The folded-in RMSNorm (HF's op order; x as is without ``norm_w_K``)."""
+    if norm_w_K is None:
+        return x_MK
+    xf = x_MK.float()
+    return norm_w_K * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x_MK.dtype)
+
+
+def finish_output(
+    y_MN: torch.Tensor, act: str, residual_MNo: torch.Tensor | None, name: str = "decode_linear"
+) -> torch.Tensor:
+    """The linear's rounded output -> the activation and the residual add (``name``: the op, for the error)."""
     if act == "silu_mul":
-        inter = y.shape[1] // 2
-        y = F.silu(y[:, :inter]) * y[:, inter:]
+        inter = y_MN.shape[1] // 2
+        y_MN = F.silu(y_MN[:, :inter]) * y_MN[:, inter:]
     elif act != "none":
-        raise ValueError(f"decode_linear: act {act!r}; choose one of {ACTS}")
-    if residual_MNo is not None:
-        y = residual_MNo + y
-    return y
+        raise ValueError(f"{name}: act {act!r}; choose one of {ACTS}")
+    return y_MN if residual_MNo is None else residual_MNo + y_MN

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from prime_spmd.kernels.decode_linear.reference import finish_output, norm_input
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -65,15 +66,5 @@ def fp8_decode_linear_reference(
     act: str = "none",
 ) -> torch.Tensor:
     """kernels/decode_linear's ``decode_linear_reference`` with ``w = q * scale``: out [M, No] in x's dtype."""
-    if norm_w_K is not None:
-        xf = x_MK.float()
-        x_MK = norm_w_K * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x_MK.dtype)
-    y = fp8_linear_reference(x_MK, q_NK, scale_N, bias_N)
-    if act == "silu_mul":
-        inter = y.shape[1] // 2
-        y = F.silu(y[:, :inter]) * y[:, inter:]
-    elif act != "none":
-        raise ValueError(f"fp8_decode_linear: act {act!r}; choose none or silu_mul")
-    if residual_MNo is not None:
-        y = residual_MNo + y
-    return y
+    y = fp8_linear_reference(norm_input(x_MK, norm_w_K, eps), q_NK, scale_N, bias_N)
+    return finish_output(y, act, residual_MNo, name="fp8_decode_linear")
