@@ -26,6 +26,8 @@ _BLOCK_PATHS = ("model.layers", "layers", "transformer.h", "gpt_neox.layers")
 
 class HFAdapter(ModelAdapter):
     family = "hf"
+    hf_auto_class = AutoModelForCausalLM
+    """The transformers auto class ``write_hf`` builds the exported model with."""
 
     @property
     def model_type(self) -> str:
@@ -140,7 +142,7 @@ class HFAdapter(ModelAdapter):
 
     def write_hf(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> None:
         with torch.device("meta"):
-            fresh = AutoModelForCausalLM.from_config(self.lm.config)
+            fresh = self.hf_auto_class.from_config(self.lm.config)
         fresh.load_state_dict(state_dict, strict=False, assign=True)
         fresh.tie_weights()
         missing = [n for n, p in fresh.named_parameters() if p.is_meta]

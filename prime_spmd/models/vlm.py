@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import AutoModelForImageTextToText
 
 from prime_spmd.models.adapter import ModelDims, ModelOutput
 from prime_spmd.models.hf_adapter import HFAdapter
@@ -233,6 +234,7 @@ class VLMAdapter(HFAdapter):
     """Qwen3-VL (``Qwen3VLForConditionalGeneration``): see the module doc."""
 
     family = "vlm"
+    hf_auto_class = AutoModelForImageTextToText
 
     @property
     def text_config(self):
@@ -382,15 +384,7 @@ class VLMAdapter(HFAdapter):
         return ModelOutput(self.forward_hidden(input_ids_BT, position_ids_BT))
 
     def write_hf(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> None:
-        from transformers import AutoModelForImageTextToText
-
-        with torch.device("meta"):
-            fresh = AutoModelForImageTextToText.from_config(self.lm.config)
-        fresh.load_state_dict(state_dict, strict=False, assign=True)
-        fresh.tie_weights()
-        missing = [n for n, p in fresh.named_parameters() if p.is_meta]
-        assert not missing, f"HF export: parameters missing from the state dict: {missing[:5]}"
-        fresh.save_pretrained(out_dir)
+        super().write_hf(state_dict, out_dir)  # as image-text-to-text (hf_auto_class)
         # the image processor's settings travel with the weights (the directory the model was loaded from has them)
         src = Path(getattr(self.lm, "name_or_path", "") or ".") / "preprocessor_config.json"
         if src.is_file():
