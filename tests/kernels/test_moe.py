@@ -112,3 +112,84 @@ def test_triton_split_swiglu_backward(monkeypatch, device):
     tol = FP32_TF32_RTOL if device.type == "cuda" else FP32_RTOL
     for name, a, b in zip(["out", "dx", "dweights", "dw13", "dw2"], got, ref):
         assert _rel(a, b) < tol, (name, _rel(a, b))
+
+
+# which of (x, router weights, w13, w2) require grad: all, frozen experts (LoRA), frozen experts and x, only w2
+GRAD_MASKS = [
+    (True, True, True, True),
+    (True, True, False, False),
+    (False, True, False, False),
+    (False, False, False, True),
+]
+# the Triton backward's launches (kernel.py's kernel names) for each mask, in order; forward: gate_up, grouped_gemm
+BWD_LAUNCHES = {
+    (True, True, True, True): ["dz_swiglu_bwd", "grouped_gemm", "grouped_wgrad", "grouped_wgrad"],
+    (True, True, False, False): ["dz_swiglu_bwd", "grouped_gemm"],
+    (False, True, False, False): ["dz_swiglu_bwd"],
+    (False, False, False, True): ["grouped_wgrad"],
+}
+
+
+def _run_masked(impl, ids, tensors, dout, mask):
+    """Forward and backward with only the tensors of ``mask`` requiring grad; their .grad (None for the others)."""
+    leaves = [t.detach().clone().requires_grad_(m) for t, m in zip(tensors, mask)]
+    y = moe_experts(*leaves[:1], ids, *leaves[1:], impl=impl)
+    y.backward(dout)
+    return y, [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("mask", GRAD_MASKS)
+@pytest.mark.parametrize("impl", ["triton", "grouped_mm"])
+def test_frozen_inputs_get_no_grad_and_the_rest_match(impl, mask, device):
+    """Frozen expert weights (LoRA) or a frozen input: those grads are None, the others match the reference."""
+    ids, tensors, dout = _case(70, 4, 40, 8, 20, "skewed", torch.float32, device)
+    ref = _run("reference", ids, tensors, dout)
+    y, grads = _run_masked(impl, ids, tensors, dout, mask)
+    tol = FP32_TF32_RTOL if impl == "triton" and device.type == "cuda" else FP32_RTOL
+    assert _rel(y, ref[0]) < tol
+    for name, g, r, m in zip(["dx", "dweights", "dw13", "dw2"], grads, ref[1:], mask):
+        assert (g is None) == (not m), name
+        if m:
+            assert _rel(g, r) < tol, (name, _rel(g, r))
+
+
+@pytest.mark.parametrize("mask", GRAD_MASKS)
+def test_triton_backward_launches_only_the_asked_grads(monkeypatch, mask, device):
+    """The weight-grad kernel does not run for frozen expert weights (nor the dx GEMM without a grad for x), and
+    the forward saves h [M, I] only for dw2 and x only for dw13."""
+    from prime_spmd.kernels.moe import kernel
+
+    launches: list[str] = []
+    launch = kernel._launch
+    monkeypatch.setattr(kernel, "_launch", lambda name, *a, **kw: (launches.append(name), launch(name, *a, **kw)))
+    T, K, D, E, inter = 37, 2, 48, 6, 24
+    ids, tensors, dout = _case(T, K, D, E, inter, "uniform", torch.float32, device)
+    saved: list[tuple[int, ...]] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(tuple(t.shape)), t)[1], lambda t: t):
+        leaves = [t.detach().clone().requires_grad_(m) for t, m in zip(tensors, mask)]
+        y = moe_experts(*leaves[:1], ids, *leaves[1:], impl="triton")
+    assert launches == ["gate_up", "grouped_gemm"]
+    launches.clear()
+    y.backward(dout)
+    assert launches == BWD_LAUNCHES[mask]
+    assert ((T * K, inter) in saved) == mask[3] and ((T, D) in saved) == mask[2], saved
+
+
+def test_grouped_mm_backward_skips_frozen_weight_grads(device):
+    """torch's autograd runs only the grad GEMMs it needs: 4 ``_grouped_mm`` in the backward, 2 with frozen experts."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountGroupedMm(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func is torch.ops.aten._grouped_mm.default
+            return func(*args, **(kwargs or {}))
+
+    ids, tensors, dout = _case(37, 2, 48, 6, 24, "uniform", torch.float32, device)
+    for mask, expected in [((True, True, True, True), 4), ((True, True, False, False), 2)]:
+        leaves = [t.detach().clone().requires_grad_(m) for t, m in zip(tensors, mask)]
+        y = moe_experts(*leaves[:1], ids, *leaves[1:], impl="grouped_mm")
+        with CountGroupedMm() as mode:
+            y.backward(dout)
+        assert mode.count == expected, mask
