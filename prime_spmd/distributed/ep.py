@@ -55,9 +55,10 @@ def apply_ep(experts: nn.Module, ep_mesh: DeviceMesh, param_names: tuple[str, ..
         raise ValueError(f"--topology.ep={ep} must divide the number of experts ({num_experts})")
     local = num_experts // ep
     for name in param_names:
-        full = getattr(experts, name).detach()
-        shard = full[rank * local : (rank + 1) * local].clone()
-        setattr(experts, name, nn.Parameter(DTensor.from_local(shard, ep_mesh, [Shard(0)], run_check=False)))
+        full = getattr(experts, name)
+        shard = full.detach()[rank * local : (rank + 1) * local].clone()
+        dt = DTensor.from_local(shard, ep_mesh, [Shard(0)], run_check=False)
+        setattr(experts, name, nn.Parameter(dt, requires_grad=full.requires_grad))  # frozen by LoRA stays frozen
     experts.num_experts = local
     experts.ep_group = ep_mesh.get_group()
 

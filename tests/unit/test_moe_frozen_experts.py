@@ -96,3 +96,34 @@ def test_lora_moe_learns_with_frozen_experts(impl: str) -> None:
     for n, p in lm.named_parameters():
         if n in experts:
             assert torch.equal(p, experts[n]), n
+
+
+def test_ep_keeps_experts_frozen_and_skips_their_weight_grads(tmp_path, monkeypatch) -> None:
+    """``apply_ep`` (after ``apply_lora``, as the trainer builds) re-wraps the expert weights as DTensor parameters;
+    they stay frozen and the EP path's backward launches no weight-grad kernel. One rank, in-process gloo group."""
+    import torch.distributed as dist
+    from prime_spmd.kernels.moe import kernel
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from prime_spmd.distributed.ep import apply_ep
+
+    lm = _lora_moe()
+    set_moe_impl(lm, "triton")
+    ids_BT = torch.randint(0, MOE["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(3))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
+        for block in lm.model.layers:
+            apply_ep(block.mlp.experts, mesh)
+        frozen = [n for n, p in lm.named_parameters() if ".experts." in n]
+        assert frozen and not any(p.requires_grad for n, p in lm.named_parameters() if n in frozen)
+        launches: list[str] = []
+        launch = kernel._launch
+        monkeypatch.setattr(kernel, "_launch", lambda name, *a, **kw: (launches.append(name), launch(name, *a, **kw)))
+        loss = _loss(lm, ids_BT)
+        launches.clear()
+        loss.backward()
+    finally:
+        dist.destroy_process_group()
+    assert "grouped_wgrad" not in launches and launches.count("grouped_gemm") == MOE["num_hidden_layers"], launches
+    assert all(p.grad is None for n, p in lm.named_parameters() if n in frozen)
