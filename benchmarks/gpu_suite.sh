@@ -112,8 +112,8 @@ case $PART in
         scale scale_8b_lora --shape qwen3-8b --micro-batch-tokens 4096 --ours-flag=--model.lora.rank --ours-flag=16
         scale scale_4b_no_offload --shape qwen3-4b --micro-batch-tokens 4096 ;;
       moe)  # weights drawn at load (--model.random_init: 61 GB of bf16 fit no disk twice); activation checkpointing:
-        # the plan says 71.1 GiB without it (of 72.8 usable), 61.6 GiB with it, and does not count the experts
-        # backward's transient gradients of a layer's frozen expert weights (1.2 GB bf16)
+        # the plan says 71.1 GiB without it (of 72.8 usable), 61.6 GiB with it; the experts backward computes no
+        # gradients for the frozen expert weights (kernels/moe/op.py), so it has no per-layer transient to add
         SCALE_LIMIT_S=${SCALE_LIMIT_S:-480}
         scale scale_30b_a3b_lora --shape qwen3-30b-a3b --random-init --micro-batch-tokens 4096 --ours-flag=--model.lora.rank \
           --ours-flag=16 --ours-flag=--trainer.activation_checkpointing ;;
