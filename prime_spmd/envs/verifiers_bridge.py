@@ -15,7 +15,9 @@ Failures never stop the run (docs/environments.md): a reward function that raise
 ``reward_timeout_s`` or returns garbage (vf_rewards.py), an environment error (a ``vf.Error`` the
 environment records in ``state["error"]``), a rollout past ``rollout_timeout_s``, or an exception
 escaping ``run_group`` (the whole group) all give reward 0 and ``metrics["failed"] = 1`` plus a
-counter naming the cause; the caller decides whether to drop failed samples.
+counter naming the cause; the caller decides whether to drop failed samples. Bad image input is not
+such a failure: an image the processor cannot read, or an image given to a text-only model, raises a
+``ValueError`` naming the environment (``EngineClient.input_errors``).
 """
 
 from __future__ import annotations
@@ -228,6 +230,8 @@ class VerifiersEnvironment(Environment):
         if aengine.failure is not None:
             raise RuntimeError("the inference engine failed during verifiers rollouts") from aengine.failure
         refuse_sampling_overrides(self.name, client.refused_overrides, sampling)
+        if client.input_errors:  # bad input, not a failed sample (verifiers recorded it as the rollout's error)
+            raise ValueError(f"environment {self.name!r}: {client.input_errors[0]}") from client.input_errors[0]
         return groups
 
     def _input(self, split: str, example_id: int, sample_idx: int, seed: int) -> dict[str, Any]:
@@ -257,8 +261,8 @@ class VerifiersEnvironment(Environment):
         rollouts = []
         for k, out in enumerate(outputs):
             rollouts.append(output_to_rollout(out, example_id, k, client.renderer))
-            vision = client.visions.pop(inputs[k].get(SEED_KEY), None)  # a prompt with images (vision-language)
-            rollouts[-1].vision = None if vision is None else vision.without_images()
+            r = rollouts[-1]  # its images (vision-language models): those of its last turn
+            r.vision = client.pop_vision(inputs[k].get(SEED_KEY), r.prompt_ids + r.completion_ids)
         return rollouts
 
 

@@ -42,8 +42,9 @@ from verifiers.types import (
 
 from prime_spmd.envs.base import completion_text, end_token_ids
 from prime_spmd.envs.chat_render import ChatRenderer, split_tool_calls, turn_seed
+from prime_spmd.envs.image_turns import needs_processor, next_prompt, rollout_vision
 from prime_spmd.inference.engine import AsyncEngine, Completion, SamplingParams
-from prime_spmd.models.vision import VisionInputs, has_images
+from prime_spmd.models.vision import ImageInputError, VisionInputs, has_images
 
 STATS_KEY = "ps_bridge"
 """State key of the per-rollout bridge counters (a JSON-able dict of ints, returned as a state column)."""
@@ -161,9 +162,11 @@ class EngineClient(vf.Client):
         self._end_ids = end_token_ids(self.tokenizer)
         self.tool_parser = tool_parser or parse_hermes_tool_calls
         self.max_model_len: int | None = getattr(engine.engine, "max_model_len", None)
-        self.visions: dict[Any, VisionInputs] = {}
-        """The images of each sample's prompt (key: the sample's seed, ``SEED_KEY``), for its requests and its
-        ``Rollout`` (the bridge pops them; verifiers' state columns must be JSON)."""
+        self.visions: dict[Any, list[tuple[list[int], VisionInputs | None]]] = {}
+        """Each turn's (prompt ids, images) of each sample with images (key: the sample's seed, ``SEED_KEY``), for
+        its requests and its ``Rollout`` (``pop_vision``; verifiers' state columns must be JSON)."""
+        self.input_errors: list[ImageInputError] = []
+        """Bad image input met by requests (the bridge raises the first, naming the environment)."""
 
     def setup_client(self, config: Any) -> Any:
         raise ValueError("EngineClient wraps an in-process engine; it cannot be built from a ClientConfig")
@@ -189,9 +192,20 @@ class EngineClient(vf.Client):
         **kwargs: Any,
     ) -> EngineResponse:
         state = kwargs.get("state")
-        prompt_ids, sampling, turn = self.prepare_request(prompt, sampling_args, tools, state)
-        completion = await self.engine.generate(prompt_ids, sampling, vision=self.visions.get(_sample_key(state)))
+        try:
+            prompt_ids, sampling, turn = self.prepare_request(prompt, sampling_args, tools, state)
+        except ImageInputError as e:  # verifiers turns a client error into the rollout's error: keep it for the run
+            self.input_errors.append(e)
+            raise
+        turns = self.visions.get(_sample_key(state))
+        vision = turns[-1][1] if turns else None
+        completion = await self.engine.generate(prompt_ids, sampling, vision=vision)
         return self.engine_response(prompt_ids, completion, turn)
+
+    def pop_vision(self, key: Any, ids: list[int]) -> VisionInputs | None:
+        """The images of the rollout of sample ``key`` whose ids are ``ids`` (image_turns.py's ``rollout_vision``);
+        forgets the sample's turns."""
+        return rollout_vision(self.visions.pop(key, None) or [], ids)
 
     def prepare_request(
         self, prompt: list[dict], sampling_args: SamplingArgs | None, tools: list[dict] | None, state: Any
@@ -211,28 +225,32 @@ class EngineClient(vf.Client):
         return EngineResponse(prompt_ids=prompt_ids, completion=completion, text=text, turn=turn)
 
     def _prompt_ids(self, prompt: list[dict], tools: list[dict] | None, state: Any, kwargs: dict) -> list[int]:
-        """Stitch onto the previous turn's ids when ``prompt`` extends its messages; else render afresh."""
+        """Stitch onto the previous turn's ids when ``prompt`` extends its messages; else render afresh. Prompts
+        with images (in any turn) go through the engine's image processor (image_turns.py)."""
         step = _last_step_with_tokens(state)
+        key = _sample_key(state)
+        turns = self.visions.get(key)
         if step is None:
-            if has_images(prompt):  # the engine's image processor expands each image's tokens (models/vision.py)
-                ids, vision = self.engine.engine.render_prompt(prompt, tools)
-                self.visions[_sample_key(state)] = vision
+            if has_images(prompt):  # the processor expands each image's tokens (models/vision.py)
+                ids, vision = needs_processor(self.engine.engine, prompt).render(prompt, tools, kwargs)
+                self.visions[key] = [(ids, vision)]
                 return ids
             return self.renderer.render_ids(prompt, tools, kwargs)
         previous = [to_template_message(m) for m in list(step["prompt"]) + list(step["completion"])]
         tokens = step["tokens"]
         prompt_ids, completion_ids = list(tokens["prompt_ids"]), list(tokens["completion_ids"])
-        images = _sample_key(state) in self.visions
-        if images and not (prompt[: len(previous)] == previous and not has_images(prompt[len(previous) :])):
-            raise ValueError(
-                "a later turn of a prompt with images adds images or rewrites the history: only the first turn's "
-                "prompt may hold images (docs/environments.md, 'Image environments')"
+        if turns is not None or has_images(prompt):
+            last = next((v for ids, v in reversed(turns or []) if ids == prompt_ids), None)
+            processor = needs_processor(self.engine.engine, prompt)
+            ids, vision, stat = next_prompt(
+                self.renderer, processor, prompt, tools, kwargs, previous, prompt_ids, completion_ids, last,
+                self.check_rerender,
+            )  # fmt: skip
+            self.visions.setdefault(key, []).append((ids, vision))
+        else:
+            ids, stat = self.renderer.stitch_ids(
+                prompt, tools, kwargs, previous, prompt_ids, completion_ids, self.check_rerender
             )
-        ids, stat = self.renderer.stitch_ids(
-            prompt, tools, kwargs, previous, prompt_ids, completion_ids, self.check_rerender and not images
-        )
-        if images and stat is not None:  # a fresh text render would drop the images' tokens
-            raise ValueError(f"a later turn of a prompt with images could not be stitched ({stat})")
         if stat is not None:
             bump_stat(state, stat)
         return ids

@@ -25,6 +25,12 @@ a ``.py`` file holding one (its folder goes on ``sys.path``), or ``module:functi
 runtime (the host) on one ``server`` interception. Splits: v1 tasksets have one task list;
 ``train`` is all of it, ``eval`` its first ``--env.num_eval_examples`` tasks.
 
+Images: user, system and tool messages may hold ``image_url`` content parts (v1's ``ImageUrlContentPart``, e.g.
+``data:image/png;base64,...`` URLs; in the task's prompt or in any later turn). They are rendered token-exact by the
+model's image processor (image_turns.py); each engine request and the rollout carry every image of the conversation
+so far, in order, each at its own tokens. An image the processor cannot read, or images for a text-only model,
+raise a ``ValueError`` naming the environment.
+
 Failures never stop the run: an episode error (harness exit, a raising reward, a timeout) gives the
 rollout reward 0, ``metrics["failed"] = 1`` and a counter (``reward_errors`` when a reward is
 unscored, ``env_timeouts``, else ``env_errors``), as in the classic bridge.
@@ -52,9 +58,11 @@ from verifiers.v1.interception import InterceptionServer
 from prime_spmd.config.sections import EnvConfig
 from prime_spmd.envs.base import Environment, completion_text
 from prime_spmd.envs.chat_render import ChatRenderer, split_tool_calls, turn_seed
+from prime_spmd.envs.image_turns import needs_processor, next_prompt
 from prime_spmd.envs.rollout import Rollout
 from prime_spmd.envs.trajectory import COUNTERS, failed_rollout, stitch_turns
 from prime_spmd.inference.engine import AsyncEngine, InferenceEngine, SamplingParams
+from prime_spmd.models.vision import ImageInputError, VisionInputs, has_images
 
 logger = logging.getLogger("prime_spmd")
 MODEL_NAME = "prime-spmd"
@@ -67,8 +75,10 @@ its URL is never contacted, the server's client for it is ``V1EngineClient``."""
 def wire_to_template(message: dict) -> dict[str, Any]:
     """An OpenAI chat wire message (``message_to_wire``) as the plain dict HF chat templates expect."""
     content = message.get("content")
-    if isinstance(content, list):  # text parts only: templates here take strings
+    if isinstance(content, list) and not has_images([message]):  # text parts: templates here take strings
         content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    elif isinstance(content, list):  # text and image parts: the model's image processor (image_turns.py)
+        content = [p for p in content if isinstance(p, dict)]
     out: dict[str, Any] = {"role": message["role"], "content": content if content is not None else ""}
     if message.get("reasoning_content") is not None:
         out["reasoning_content"] = message["reasoning_content"]
@@ -121,6 +131,8 @@ class V1EngineClient(vf.Client):
         self.turns: dict[str, list[dict]] = {}
         self.stats: dict[str, dict[str, int]] = {}
         self.seeds: dict[str, int] = {}
+        self.input_errors: list[ImageInputError] = []
+        """Bad image input met by requests (the environment raises the first after its episodes)."""
 
     async def get_response(
         self,
@@ -144,7 +156,13 @@ class V1EngineClient(vf.Client):
         template_kwargs = dict(extra.get("chat_template_kwargs") or {})
         key = session_id or ""
         history = self.turns.setdefault(key, [])
-        prompt_ids = self._prompt_ids(messages, tools, history, self.stats.setdefault(key, {}), template_kwargs)
+        try:
+            prompt_ids, vision = self._prompt_ids(
+                messages, tools, history, self.stats.setdefault(key, {}), template_kwargs
+            )
+        except ImageInputError as e:  # bad input, not a failed episode: the environment raises it after the episodes
+            self.input_errors.append(e)
+            raise ProviderError(str(e), status_code=400) from e
         if self.max_model_len is not None and len(prompt_ids) >= self.max_model_len:
             _bump(self.stats[key], "overlong_prompts")
             # A clean stop, as the classic bridge's prompt_too_long: a stopped trace's harness may exit non-zero.
@@ -154,7 +172,7 @@ class V1EngineClient(vf.Client):
                 f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len}", status_code=400
             )
         sp = self.sampling_for(body, key, len(history), len(prompt_ids))
-        c = await self.engine.generate(prompt_ids, sp)
+        c = await self.engine.generate(prompt_ids, sp, vision=vision)
         # Content ends at the first end-of-turn token, as the built-in envs score it (the ids keep all).
         content, calls = split_tool_calls(completion_text(self.tokenizer, c.token_ids))
         tool_calls = [vf.ToolCall(id=f"call_{len(history)}_{i}", name=n, arguments=a) for i, (n, a) in enumerate(calls)]
@@ -168,6 +186,7 @@ class V1EngineClient(vf.Client):
                 "messages": messages,
                 "reply": wire_to_template(message_to_wire(message)),
                 "finish_reason": c.finish_reason,
+                "vision": vision,
             }
         )
         response = vf.Response(
@@ -189,23 +208,34 @@ class V1EngineClient(vf.Client):
 
     def _prompt_ids(
         self, messages: list[dict], tools: list[dict] | None, history: list[dict], stats: dict, kwargs: dict
-    ) -> list[int]:
-        """Stitch onto the previous turn's ids when ``messages`` extend its messages; else render afresh."""
-        if not history:
-            return self.renderer.render_ids(messages, tools, kwargs)
-        prev = history[-1]
-        ids, stat = self.renderer.stitch_ids(
-            messages,
-            tools,
-            kwargs,
-            prev["messages"] + [prev["reply"]],
-            prev["prompt_ids"],
-            prev["completion_ids"],
-            self.check_rerender,
-        )
+    ) -> tuple[list[int], VisionInputs | None]:
+        """Stitch onto the previous turn's ids when ``messages`` extend its messages; else render afresh. Returns the
+        ids and the conversation's images so far (image_turns.py; None without images)."""
+        prev = history[-1] if history else None
+        if (prev is not None and prev["vision"] is not None) or has_images(messages):
+            processor = needs_processor(self.engine.engine, messages)
+            if prev is None:
+                return processor.render(messages, tools, kwargs)
+            ids, vision, stat = next_prompt(
+                self.renderer, processor, messages, tools, kwargs, prev["messages"] + [prev["reply"]],
+                prev["prompt_ids"], prev["completion_ids"], prev["vision"], self.check_rerender,
+            )  # fmt: skip
+        elif prev is None:
+            return self.renderer.render_ids(messages, tools, kwargs), None
+        else:
+            vision = None
+            ids, stat = self.renderer.stitch_ids(
+                messages,
+                tools,
+                kwargs,
+                prev["messages"] + [prev["reply"]],
+                prev["prompt_ids"],
+                prev["completion_ids"],
+                self.check_rerender,
+            )
         if stat is not None:
             _bump(stats, stat)
-        return ids
+        return ids, vision
 
     def sampling_for(self, body: dict, key: str, turn: int, prompt_len: int) -> SamplingParams:
         """``base`` with the request's ``max_tokens`` (if lower), clipped to the context; seed per sample and turn."""
@@ -410,6 +440,8 @@ class V1Environment(Environment):
             await aengine.aclose()
         if aengine.failure is not None:
             raise RuntimeError("the inference engine failed during verifiers rollouts") from aengine.failure
+        if client.input_errors:  # bad image input fails the run, naming the environment (module doc)
+            raise ValueError(f"--env.name {self.name!r}: {client.input_errors[0]}") from client.input_errors[0]
         return [list(g) for g in groups]
 
     async def _episode(self, task: Any, ctx: Any, client: V1EngineClient, eid: int, k: int, seed: int) -> Rollout:
@@ -491,6 +523,7 @@ def trace_to_rollout(
     ids = st.prompt_ids + st.completion_ids
     mask = [0] * len(st.prompt_ids) + st.completion_mask
     graph_match = branch is not None and branch.token_ids == ids and [int(m) for m in branch.sampled_mask] == mask
+    vision = turns[st.used - 1].get("vision")  # the images of the rollout's last turn (every image, in order)
     return Rollout(
         example_id=example_id,
         sample_idx=sample_idx,
@@ -499,6 +532,7 @@ def trace_to_rollout(
         completion_mask=st.completion_mask,
         inference_logprobs=st.logprobs,
         reward=0.0 if failed else reward,
+        vision=None if vision is None else vision.without_images(),
         metrics=metrics,
         info={
             "answer": str(getattr(trace.task.data, "answer", "")),

@@ -85,6 +85,11 @@ class VisionKVRunner(LlamaStyleRunner):
                 f"request {request.request_id!r}: the prompt holds {n} image tokens (id {image_id}) but its images "
                 f"make {want}: render prompts with images through the engine's render_prompt"
             )
+        if request.vision is not None and request.vision.image_starts is not None:
+            try:  # images at explicit starts (later turns of a conversation): they must be image tokens there
+                request.vision.image_token_mask(torch.tensor(request.prompt_ids))
+            except ValueError as e:
+                raise ValueError(f"request {request.request_id!r}: {e}") from e
 
     def set_vision(self, slot: int, vision: VisionInputs | None) -> None:
         self._next_vision[slot] = vision

@@ -26,6 +26,11 @@ import torch
 IMAGE_PART_TYPES = ("image", "image_url")
 
 
+class ImageInputError(ValueError):
+    """Bad image input: an image that cannot be read, or an image given to a text-only model. The environment bridges
+    re-raise it naming the environment (an environment's other errors fail only its rollouts)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class VisionInputs:
     """The images of one prompt, as the model's vision encoder takes them."""
@@ -42,6 +47,9 @@ class VisionInputs:
     """The placeholder token the image features replace."""
     images: list | None = None
     """The decoded PIL images (engines that process images themselves: vLLM); None once past the engine."""
+    image_starts: tuple[int, ...] | None = None
+    """Where each image's tokens start in the document (prompt + completion ids), when images follow sampled tokens
+    (a multi-turn conversation's later turns: ``join_vision``); None: the document's first image tokens, in order."""
 
     @property
     def num_images(self) -> int:
@@ -50,6 +58,38 @@ class VisionInputs:
     def tokens_per_image(self) -> list[int]:
         """LM tokens of each image: its patches / merge_size**2."""
         return (self.image_grid_thw_I3.prod(-1) // self.merge_size**2).tolist()
+
+    def image_token_mask(self, ids_T: torch.Tensor) -> torch.Tensor:
+        """[T] bool: the tokens of one document (ids [T], its start at index 0) that take these images' features, in
+        order: the spans at ``image_starts``, or else the first ``sum(tokens_per_image())`` image tokens (the
+        prompt's). Any other image token is text the policy sampled (its own embedding, text positions).
+        ``ValueError`` when the document does not hold the images' tokens there."""
+        is_image = ids_T == self.image_token_id
+        counts = self.tokens_per_image()
+        if self.image_starts is None:
+            n = sum(counts)
+            if int(is_image.sum()) < n:
+                raise ValueError(f"a document has {int(is_image.sum())} image tokens but its images make {n}")
+            return is_image & (is_image.cumsum(0) <= n)
+        mask = torch.zeros_like(is_image)
+        for i, (start, n) in enumerate(zip(self.image_starts, counts)):
+            if start + n > ids_T.numel() or not bool(is_image[start : start + n].all()):
+                raise ValueError(
+                    f"image {i} of a document of {ids_T.numel()} tokens should fill its {n} image tokens from "
+                    f"index {start}, but the ids there are not all image tokens (id {self.image_token_id})"
+                )
+            mask[start : start + n] = True
+        return mask
+
+    def starts_in(self, ids: list[int]) -> list[int]:
+        """Index of each image's first token in the document ``ids`` (``image_token_mask``'s spans)."""
+        if self.image_starts is not None:
+            return list(self.image_starts)
+        where = self.image_token_mask(torch.tensor(ids)).nonzero()[:, 0].tolist()
+        offsets = [0]
+        for n in self.tokens_per_image()[:-1]:
+            offsets.append(offsets[-1] + n)
+        return [where[k] for k in offsets]
 
     def without_images(self) -> VisionInputs:
         """The same inputs without the PIL images (what rollouts and samples carry)."""
@@ -62,6 +102,36 @@ class VisionInputs:
             image_grid_thw_I3=self.image_grid_thw_I3.to(device),
             images=None,
         )
+
+
+def vision_key(pixels_NC: torch.Tensor, grid_I3: torch.Tensor, starts: tuple[int, ...] | None = None) -> str:
+    """``VisionInputs.key``: a hash of the pixels, the grids and the explicit image starts (if any)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(grid_I3.numpy().tobytes())
+    h.update(pixels_NC.numpy().tobytes())
+    if starts is not None:
+        h.update(repr(tuple(starts)).encode())
+    return h.hexdigest()
+
+
+def join_vision(first: VisionInputs | None, new: VisionInputs, starts: list[int]) -> VisionInputs:
+    """The images of a conversation: ``first``'s (None: no earlier images), then ``new``'s, with every image's start
+    in the document (``starts``: one per image of both, in order). PIL images kept where both have them."""
+    parts = [new] if first is None else [first, new]
+    pixels = torch.cat([v.pixel_values_NC for v in parts])
+    grid = torch.cat([v.image_grid_thw_I3 for v in parts])
+    if len(starts) != grid.shape[0]:
+        raise ValueError(f"{len(starts)} image starts for {grid.shape[0]} images")
+    images = None if any(v.images is None for v in parts) else [im for v in parts for im in v.images]
+    return VisionInputs(
+        pixel_values_NC=pixels,
+        image_grid_thw_I3=grid,
+        key=vision_key(pixels, grid, tuple(starts)),
+        merge_size=new.merge_size,
+        image_token_id=new.image_token_id,
+        images=images,
+        image_starts=tuple(starts),
+    )
 
 
 def image_parts(messages: list[dict]) -> list[tuple[int, int, Any]]:
@@ -111,7 +181,7 @@ def load_image(value: Any, where: str):
             raise ValueError("expected a PIL image, bytes, a data:image/...;base64 URL or an image file path")
         img.load()
     except (OSError, UnidentifiedImageError, ValueError, base64.binascii.Error) as e:
-        raise ValueError(f"{where}: cannot read the image {_short(value)}: {e}") from e
+        raise ImageInputError(f"{where}: cannot read the image {_short(value)}: {e}") from e
     return img.convert("RGB")
 
 
@@ -135,13 +205,10 @@ class VisionProcessor:
         out = self.image_processor(images=images, return_tensors="pt")
         pixels = out["pixel_values"].float().contiguous()
         grid = out["image_grid_thw"].long().contiguous()
-        h = hashlib.blake2b(digest_size=16)
-        h.update(grid.numpy().tobytes())
-        h.update(pixels.numpy().tobytes())
         return VisionInputs(
             pixel_values_NC=pixels,
             image_grid_thw_I3=grid,
-            key=h.hexdigest(),
+            key=vision_key(pixels, grid),
             merge_size=self.merge_size,
             image_token_id=self.image_token_id,
             images=list(images),
@@ -167,26 +234,31 @@ class VisionProcessor:
                 out.append(t)
         return out
 
-    def render(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], VisionInputs | None]:
-        """Prompt ids (generation prompt added, image tokens expanded) and the vision inputs (None without
-        images). ``ValueError`` naming the message and part of an image that cannot be read."""
+    def images_of(self, messages: list[dict], first_message: int = 0) -> VisionInputs | None:
+        """The vision inputs of the image parts of ``messages`` (None without any); ``ImageInputError`` naming the
+        message (``first_message`` + its index) and part of an image that cannot be read."""
         parts = image_parts(messages)
-        images = [load_image(v, f"message {i} content part {j}") for i, j, v in parts]
+        images = [load_image(v, f"message {first_message + i} content part {j}") for i, j, v in parts]
+        return self.process_images(images) if images else None
+
+    def render(
+        self, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None
+    ) -> tuple[list[int], VisionInputs | None]:
+        """Prompt ids (generation prompt added, image tokens expanded) and the vision inputs (None without
+        images). ``ImageInputError`` naming the message and part of an image that cannot be read."""
+        vision = self.images_of(messages)
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("the tokenizer has no chat_template; chat prompts with images need one")
         text = self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=True, tokenize=False
+            messages, tools=tools or None, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
         )
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))
-        if not images:
-            return ids, None
-        vision = self.process_images(images)
-        return self.expand(ids, vision), vision
+        return (ids, None) if vision is None else (self.expand(ids, vision), vision)
 
 
-def no_image_support(where: str, model: str) -> ValueError:
+def no_image_support(where: str, model: str) -> ImageInputError:
     """The error for an image given to a model without vision inputs."""
-    return ValueError(
+    return ImageInputError(
         f"{where}: the prompt holds an image but the model {model!r} takes text only (no vision tower and no "
         "preprocessor_config.json); use a vision-language model (e.g. Qwen3-VL) or drop the image parts"
     )

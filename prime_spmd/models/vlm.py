@@ -211,14 +211,8 @@ def build_tiny_vlm(path: str | Path, preset: str = "qwen3-vl-nano", seed: int = 
 
 
 def image_token_mask(ids_T: torch.Tensor, vision: VisionInputs) -> torch.Tensor:
-    """[T] bool: the tokens of one document that take its images' features: the first ``sum(tokens_per_image())``
-    image tokens (the prompt's). A later image token is text the policy sampled (its own embedding, text positions).
-    ``ValueError`` when the document holds fewer image tokens than its images make."""
-    is_image = ids_T == vision.image_token_id
-    n = sum(vision.tokens_per_image())
-    if int(is_image.sum()) < n:
-        raise ValueError(f"a document has {int(is_image.sum())} image tokens but its images make {n}")
-    return is_image & (is_image.cumsum(0) <= n)
+    """[T] bool: the tokens of one document that take its images' features (``VisionInputs.image_token_mask``)."""
+    return vision.image_token_mask(ids_T)
 
 
 def mrope_positions(model: nn.Module, ids_T: torch.Tensor, vision: VisionInputs | None) -> torch.Tensor:

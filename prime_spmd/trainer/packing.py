@@ -64,12 +64,10 @@ def _collate(docs: list[Sample], field_names: list[str]) -> MicroBatch:
         pos += list(range(n))
         tgt += d.input_ids[1:] + [0]
         trained = [bool(m) for m in d.loss_mask[1:]] + [False]
-        if d.vision is not None:  # the images' tokens (the prompt's first ones) are inputs, never targets
+        if d.vision is not None:  # the images' tokens are inputs, never targets
             vision.append((i, d.vision.without_images()))
-            left = sum(d.vision.tokens_per_image()) - (d.input_ids[0] == d.vision.image_token_id)
-            for t, tok in enumerate(d.input_ids[1:]):
-                if left > 0 and tok == d.vision.image_token_id:
-                    trained[t], left = False, left - 1
+            takes_image = d.vision.image_token_mask(torch.tensor(d.input_ids)).tolist()
+            trained = [m and not f for m, f in zip(trained, takes_image[1:] + [False])]
         mask += trained
         for k in field_names:
             vals = d.fields[k]
