@@ -4,7 +4,8 @@
 instance counts the parameters): the trainer's weights, gradients and AdamW moments (host-resident under
 ``--trainer.offload optimizer``), the engine's copy of the weights (its fused QKV / gate-up tensors re-point the
 modules' weights, no second copy) and, with ``--inference.quantization fp8``, its FP8 copies of the layer linears
-(never shared with the trainer: ``fp8_weight_bytes``), the KV cache, and the trainer's activations. ``check_fits`` compares the plan with the device's memory and refuses a run
+(never shared with the trainer: ``fp8_weight_bytes``), the KV cache (``inference/kv_cache.kv_bytes_per_token``: half
+the bytes, plus fp32 scales, under ``--inference.kv_cache_dtype fp8``), and the trainer's activations. ``check_fits`` compares the plan with the device's memory and refuses a run
 that cannot fit, printing the parts and the flags that would make it fit. ``phase`` names the phase (generate,
 train, sync) of an out-of-memory error raised inside it, with the same flags, instead of a bare CUDA trace.
 
@@ -21,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+
+from prime_spmd.inference.kv_cache import kv_bytes_per_token
 
 if TYPE_CHECKING:  # annotation only
     from prime_spmd.config import RLJobConfig
@@ -114,6 +117,7 @@ def estimate(
     release_kv_cache: bool = False,
     param_bytes: int = 2,
     quantization: str = "none",
+    kv_cache_dtype: str = "auto",
 ) -> MemoryPlan:
     """Peak device bytes of a colocated run, by part.
 
@@ -124,6 +128,7 @@ def estimate(
     holds; ``release_kv_cache``: it is freed while the trainer steps (else it stays through both phases).
     Gradients exist only in the train phase (``zero_grad(set_to_none=True)`` after each step). ``quantization`` "fp8":
     the native engine also holds FP8 copies of the layer linears (``fp8_weight_bytes``), beside its bf16 weights.
+    ``kv_cache_dtype`` "fp8": the KV cache holds one byte an element plus an fp32 scale per position and kv head.
     """
     plan = MemoryPlan()
     n, t = shape.num_params, num_trainable
@@ -138,7 +143,8 @@ def estimate(
         plan.parts["engine weights"] = n * param_bytes
     if quantization == "fp8":
         plan.parts["engine FP8 weights"] = fp8_weight_bytes(shape)
-    kv = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * kv_cache_tokens * param_bytes
+    kv = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, param_bytes, kv_cache_dtype)
+    kv *= kv_cache_tokens
     (plan.generate if release_kv_cache else plan.parts)["KV cache"] = kv
     per_token = shape.num_layers * shape.hidden_size * param_bytes  # each layer's input, kept for backward
     if activation_checkpointing:
@@ -204,6 +210,7 @@ def plan_colocated_run(
     activation_checkpointing: bool,
     release_kv_cache: bool,
     quantization: str = "none",
+    kv_cache_dtype: str = "auto",
 ) -> MemoryPlan:
     """The plan of a colocated RL run from its settings (``estimate`` with the model's counts). With LoRA, the
     adapted linears are those of ``lora_targets`` among q/k/v/o and the dense MLP's gate/up/down (stacked MoE experts
@@ -230,6 +237,7 @@ def plan_colocated_run(
         activation_checkpointing=activation_checkpointing,
         release_kv_cache=release_kv_cache,
         quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 
@@ -250,4 +258,5 @@ def plan_rl_job(cfg: RLJobConfig, num_trainer_ranks: int) -> MemoryPlan:
         activation_checkpointing=cfg.trainer.activation_checkpointing,
         release_kv_cache=nat.release_kv_cache,
         quantization=inf.quantization if inf.engine == "native" else "none",
+        kv_cache_dtype=inf.kv_cache_dtype,
     )

@@ -20,6 +20,13 @@ Two K/V layouts, picked by the constexpr ``SB`` of the split kernel (the reduce 
   not divide the tile. The slot launch passes the table pointer as None and its stride as 1, which Triton turns
   into constexprs: the slot kernel's parameters and code are those it had before the paged form existed.
 
+FP8 K/V (constexpr ``KV_FP8``; slot and paged forms, not the fused one): k/v are float8 e4m3 with fp32 scales per
+(position, kv head) at ``ks_ptr``/``vs_ptr`` (the cache's layout without Dh; strides ``ss_*``). A tile's k and v
+are converted to q's dtype (exact: e4m3 fits in bf16/fp16/fp32), the scores ``q . k`` (fp32 accumulation) multiplied
+by each position's k scale, and the probabilities by each position's v scale before ``p @ v`` (the softmax sum
+uses the unscaled ones). Without FP8 the scale pointers are None and their strides 1: constexprs, so the model-dtype
+kernels compile as before.
+
 Interpreter (CPU, TRITON_INTERPRET=1): K/V/q tiles are upcast to fp32 before ``tl.dot`` (bf16
 dots give garbage there); fp32 inputs use IEEE fp32 dots on GPU too (no TF32).
 
@@ -73,10 +80,11 @@ def _split_kernel(
     sq_b, sq_n, sk_bc, sk_nkv, sk_tc, sv_bc, sv_nkv, sv_tc, so_b, so_n,
     max_len, qk_scale, table_ptr, st_b,
     qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, s_cs, eps, cnt_ptr,
+    ks_ptr, vs_ptr, ss_bc, ss_nkv, ss_tc,
     NKV: tl.constexpr, G: tl.constexpr, DH: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_TC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     SB: tl.constexpr, FUSE: tl.constexpr, QK_NORM: tl.constexpr, USE_PDL: tl.constexpr,
-    PRELOAD_TILE: tl.constexpr = False,
+    PRELOAD_TILE: tl.constexpr = False, KV_FP8: tl.constexpr = False,
 ):  # fmt: skip
     """Program (length split, row x kv head) of the split kernel (the module docstring)."""
     pdl_enter(USE_PDL)  # kernels/pdl (the fused form only): a no-op unless launched with programmatic dependent launch
@@ -145,6 +153,8 @@ def _split_kernel(
     if SB == 0:
         k_base = k_ptr + b.to(tl.int64) * sk_bc + kv * sk_nkv
         v_base = v_ptr + b.to(tl.int64) * sv_bc + kv * sv_nkv
+        if KV_FP8:
+            s_base = b.to(tl.int64) * ss_bc + kv * ss_nkv
     else:  # pool: sk_bc / sv_bc step blocks, sk_tc / sv_tc positions in a block
         k_base = k_ptr + kv * sk_nkv
         v_base = v_ptr + kv * sv_nkv
@@ -167,17 +177,29 @@ def _split_kernel(
             v_rows = blk * sv_bc + in_blk * sv_tc
             k = tl.load(k_base + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_base + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:  # the tile's per-position scales; e4m3 -> q's dtype is exact
+            if SB == 0:
+                s_rows = s_base + offs_t * ss_tc
+            else:
+                s_rows = blk * ss_bc + in_blk * ss_tc + kv * ss_nkv
+            k_sc = tl.load(ks_ptr + s_rows, mask=mask_t, other=0.0)
+            v_sc = tl.load(vs_ptr + s_rows, mask=mask_t, other=0.0)
+            k, v = k.to(q.dtype), v.to(q.dtype)
         if UPCAST:
             k, v = k.to(tl.float32), v.to(tl.float32)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
+        if KV_FP8:
+            s = s * k_sc[None, :]
         s = tl.where(mask_t[None, :], s * qk_scale, float("-inf"))  # [BLOCK_G, BLOCK_TC], log2 units
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         s_sum = s_sum * alpha + tl.sum(p, 1)
+        if KV_FP8:  # v's scale moves onto p (constant along Dh), after the softmax sum took p
+            p = p * v_sc[None, :]
         if IEEE:
             pv = tl.dot(p, v, input_precision="ieee")
         else:
@@ -292,10 +314,13 @@ def decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     tile: int = 0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """o [B, N, Dh] like q (see reference.py); ``num_splits`` 0 picks by shape (``pick_num_splits``),
     ``tile`` 0 by ``default_block_tc`` (benchmarks/decode_attention.py sweeps tile, warps and stages).
-    q, k, v: the same float dtype, last dim contiguous; lens_B int32/int64 on the same device."""
+    q, k, v: the same float dtype (or float8 e4m3 k, v with fp32 ``k_scale``/``v_scale`` [Bc, Nkv, Tc] of one
+    stride), last dim contiguous; lens_B int32/int64 on the same device."""
     if q_BNDh.stride(-1) != 1 or k_BcNkvTcDh.stride(-1) != 1 or v_BcNkvTcDh.stride(-1) != 1:
         raise ValueError(
             f"decode_attention: the head dim must be contiguous (strides q {q_BNDh.stride()}, "
@@ -303,7 +328,7 @@ def decode_attention(
         )
     # table None and stride 1 specialize to constexprs: the slot kernel's parameter list has no table
     return _launch(q_BNDh, q_BNDh.shape, q_BNDh.stride()[:2], k_BcNkvTcDh, v_BcNkvTcDh, lens_B, max_len, scale,
-                   num_splits, num_warps, num_stages, tile, None, 1, 0, None)  # fmt: skip
+                   num_splits, num_warps, num_stages, tile, None, 1, 0, None, k_scale, v_scale)  # fmt: skip
 
 
 def paged_decode_attention(
@@ -318,6 +343,8 @@ def paged_decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     tile: int = 0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``decode_attention`` over a paged cache: ``k/v_pool`` [Nb, Nkv, Sb, Dh] (any strides, head dim contiguous),
     ``block_table`` int32 [Bc, Mb] (last dim contiguous) on q's device; row b's position t is
@@ -330,7 +357,8 @@ def paged_decode_attention(
             f"{q_BNDh.stride()}, k_pool {k_pool.stride()}, v_pool {v_pool.stride()}, block_table {block_table.stride()})"
         )
     return _launch(q_BNDh, q_BNDh.shape, q_BNDh.stride()[:2], k_pool, v_pool, lens_B, max_len, scale, num_splits,
-                   num_warps, num_stages, tile, block_table, block_table.stride(0), k_pool.shape[2], None)  # fmt: skip
+                   num_warps, num_stages, tile, block_table, block_table.stride(0), k_pool.shape[2], None, k_scale,
+                   v_scale)  # fmt: skip
 
 
 def fused_decode_attention(
@@ -379,10 +407,12 @@ def fused_decode_attention(
 UNFUSED = dict(qn_ptr=None, kn_ptr=None, cos_ptr=None, sin_ptr=None, pos_ptr=None, s_cs=None, eps=None, cnt_ptr=None,
                FUSE=False, QK_NORM=False, USE_PDL=False, PRELOAD_TILE=False)  # fmt: skip
 """The fused form's arguments when it is off: None constexprs, so the unfused kernels compile as they did."""
+NO_FP8 = dict(ks_ptr=None, vs_ptr=None, KV_FP8=False)
+"""FP8 K/V's arguments when the cache is in the model dtype: None constexprs."""
 
 
 def _launch(q, q_shape, q_strides, k, v, lens_B, max_len, scale, num_splits, num_warps, num_stages, tile, table, st_b,
-            sb, fused):  # fmt: skip
+            sb, fused, k_scale=None, v_scale=None):  # fmt: skip
     """The split kernel (and the reduce kernel for several splits); k/v a slot cache (``sb`` 0, ``table`` None)
     or a pool of blocks of ``sb`` positions (dims: [Bc or Nb, Nkv, Tc or Sb, Dh]); ``q`` [B, N, Dh] (``q_shape``,
     row and head strides ``q_strides``) or, with ``fused``, the QKV projection."""
@@ -412,6 +442,10 @@ def _launch(q, q_shape, q_strides, k, v, lens_B, max_len, scale, num_splits, num
     if fused is not None:  # the split kernel combines the splits itself (an atomic counter per row and kv head)
         fused = {**fused, "cnt_ptr": zeroed_counters(q.device, B * Nkv, "decode_attention"), "USE_PDL": pdl.enabled()}
         fused["PRELOAD_TILE"] = PRELOAD_TILE and sb == 0 and split_len == block_tc
+    assert (k_scale is None) == (k.dtype != torch.float8_e4m3fn) and not (fused and k_scale is not None)
+    # scales None with strides 1 (constexprs) leave the model-dtype kernels as they were
+    fp8 = {} if k_scale is None else dict(ks_ptr=k_scale, vs_ptr=v_scale, KV_FP8=True)
+    ss = (1, 1, 1) if k_scale is None else k_scale.stride()
     _split_kernel[(num_splits, B * Nkv)](
         q, k, v, lens_B, o_BNDh, acc, ml,
         q_strides[0], q_strides[1],
@@ -419,8 +453,9 @@ def _launch(q, q_shape, q_strides, k, v, lens_B, max_len, scale, num_splits, num
         v.stride(0), v.stride(1), v.stride(2),
         o_BNDh.stride(0), o_BNDh.stride(1),
         max_len, scale * LOG2E, table, st_b,
+        ss_bc=ss[0], ss_nkv=ss[1], ss_tc=ss[2],
         BLOCK_TC=block_tc, UPCAST=INTERPRET, IEEE=q.dtype == torch.float32 and not INTERPRET, SB=sb,
-        num_warps=num_warps, num_stages=num_stages, **meta, **(fused or UNFUSED),
+        num_warps=num_warps, num_stages=num_stages, **meta, **(fused or UNFUSED), **(fp8 or NO_FP8),
         **(pdl.launch_options() if fused else {}),
     )  # fmt: skip
     if num_splits > 1 and fused is None:

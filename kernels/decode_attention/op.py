@@ -6,6 +6,10 @@
 ``prime_spmd::paged_decode_attention``, with fake impls so they sit inside ``torch.compile(fullgraph=True)``
 and CUDA-graph capture. Inference only: no backward is registered, so a backward through a triton op raises.
 
+FP8 K/V (``--inference.kv_cache_dtype fp8``): the slot and paged forms take float8 e4m3 k/v with their fp32 scales
+``k_scale``/``v_scale`` (the cache's shape without Dh; reference.quantize_kv) and dequantize in the kernel; the fused
+form takes the model dtype only.
+
 Legend: see reference.py (B rows, N query heads, Nkv kv heads, Dh head dim, Bc cache slots, Tc cache length,
 Nb pool blocks, Sb positions per block, Mb table entries per row).
 """
@@ -16,6 +20,7 @@ from typing import Literal
 
 import torch
 from prime_spmd.kernels.decode_attention.reference import (
+    FP8_DTYPE,
     decode_attention_reference,
     fused_decode_attention_reference,
     paged_decode_attention_reference,
@@ -42,15 +47,42 @@ def _check_common(
         raise ValueError(f"{name}: max_len={max_len} must be >= 1")
     if lens_B.shape != (B,) or lens_B.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{name}: lens_B must be int32/int64 [{B}], got {lens_B.dtype} {tuple(lens_B.shape)}")
-    if not (q_BNDh.dtype == k.dtype == v.dtype):
-        raise ValueError(f"{name}: dtypes differ: q {q_BNDh.dtype}, k {k.dtype}, v {v.dtype}")
+    if k.dtype != v.dtype or (k.dtype != q_BNDh.dtype and k.dtype != FP8_DTYPE):
+        raise ValueError(f"{name}: dtypes differ: q {q_BNDh.dtype}, k {k.dtype}, v {v.dtype} (k/v: q's or float8 e4m3)")
+
+
+def check_scales(name: str, k: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    """FP8 k/v need fp32 scales ``k_scale``, ``v_scale`` of k's shape without Dh, one set of strides for both (the
+    kernel indexes them alike), on k's device; other k/v take none. ValueError naming what is wrong."""
+    if k.dtype != FP8_DTYPE:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"{name}: k_scale / v_scale are for float8 k/v, not {k.dtype}")
+        return
+    if k_scale is None or v_scale is None:
+        raise ValueError(f"{name}: float8 k/v need k_scale and v_scale")
+    want = tuple(k.shape[:-1])
+    for s in (k_scale, v_scale):
+        if tuple(s.shape) != want or s.dtype != torch.float32 or s.device != k.device:
+            raise ValueError(
+                f"{name}: scales must be float32 {list(want)} on {k.device}, got {s.dtype} {tuple(s.shape)} on "
+                f"{s.device}"
+            )
+    if k_scale.stride() != v_scale.stride():
+        raise ValueError(f"{name}: k_scale and v_scale strides differ ({k_scale.stride()}, {v_scale.stride()})")
 
 
 def check_inputs(
-    q_BNDh: torch.Tensor, k_BcNkvTcDh: torch.Tensor, v_BcNkvTcDh: torch.Tensor, lens_B: torch.Tensor, max_len: int
+    q_BNDh: torch.Tensor,
+    k_BcNkvTcDh: torch.Tensor,
+    v_BcNkvTcDh: torch.Tensor,
+    lens_B: torch.Tensor,
+    max_len: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ):
     """ValueError naming the bad shape, dtype or size (host-side metadata only: no device sync)."""
     _check_common("decode_attention", q_BNDh, k_BcNkvTcDh, v_BcNkvTcDh, lens_B, max_len, "[Bc, Nkv, Tc, Dh]")
+    check_scales("decode_attention", k_BcNkvTcDh, k_scale, v_scale)
     B, (Bc, _, Tc, _) = q_BNDh.shape[0], k_BcNkvTcDh.shape
     if B > Bc:
         raise ValueError(f"decode_attention: {B} rows, more than the cache's {Bc} slots")
@@ -67,19 +99,22 @@ def decode_attention(
     scale: float,
     impl: DecodeAttentionImpl = "reference",
     num_splits: int = 0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [B, N, Dh] over positions [0, min(lens_B[b], max_len)) of cache slot b; [B, N, Dh].
 
-    ``k/v_BcNkvTcDh`` [Bc, Nkv, Tc, Dh], N = G Nkv; ``lens_B`` int [B] on q's device, each >= 1; ``max_len`` a
-    static bound (the triton grid is sized by it; a longer length is clamped to it). ``num_splits``
-    (triton): length splits per (row, kv head), 0 = chosen by shape. No side effects.
+    ``k/v_BcNkvTcDh`` [Bc, Nkv, Tc, Dh], N = G Nkv, q's dtype or float8 e4m3 with ``k_scale``/``v_scale`` fp32
+    [Bc, Nkv, Tc]; ``lens_B`` int [B] on q's device, each >= 1; ``max_len`` a static bound (the triton grid is
+    sized by it; a longer length is clamped to it). ``num_splits`` (triton): length splits per (row, kv head), 0 =
+    chosen by shape. No side effects.
     """
-    check_inputs(q_BNDh, k_BcNkvTcDh, v_BcNkvTcDh, lens_B, max_len)
+    check_inputs(q_BNDh, k_BcNkvTcDh, v_BcNkvTcDh, lens_B, max_len, k_scale, v_scale)
     if impl == "reference":
-        return decode_attention_reference(q_BNDh, k_BcNkvTcDh, v_BcNkvTcDh, lens_B, max_len, scale)
+        return decode_attention_reference(q_BNDh, k_BcNkvTcDh, v_BcNkvTcDh, lens_B, max_len, scale, k_scale, v_scale)
     if impl == "triton":
         return torch.ops.prime_spmd.decode_attention(
-            q_BNDh, k_BcNkvTcDh, v_BcNkvTcDh, lens_B, max_len, scale, num_splits
+            q_BNDh, k_BcNkvTcDh, v_BcNkvTcDh, lens_B, max_len, scale, num_splits, k_scale, v_scale
         )
     raise ValueError(f"unknown decode attention impl {impl!r}; choose reference or triton")
 
@@ -93,15 +128,18 @@ def decode_attention_op(
     max_len: int,
     scale: float,
     num_splits: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Triton kernels (kernel.decode_attention); inputs as ``decode_attention`` above."""
     from prime_spmd.kernels.decode_attention import kernel
 
-    return kernel.decode_attention(q_BNDh, k_BcNkvTcDh, v_BcNkvTcDh, lens_B, max_len, scale, num_splits)
+    return kernel.decode_attention(q_BNDh, k_BcNkvTcDh, v_BcNkvTcDh, lens_B, max_len, scale, num_splits,
+                                   k_scale=k_scale, v_scale=v_scale)  # fmt: skip
 
 
 @decode_attention_op.register_fake
-def _(q_BNDh, k_BcNkvTcDh, v_BcNkvTcDh, lens_B, max_len, scale, num_splits):
+def _(q_BNDh, k_BcNkvTcDh, v_BcNkvTcDh, lens_B, max_len, scale, num_splits, k_scale=None, v_scale=None):
     return torch.empty_like(q_BNDh)
 
 
@@ -112,10 +150,13 @@ def check_paged_inputs(
     block_table: torch.Tensor,
     lens_B: torch.Tensor,
     max_len: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ):
     """ValueError naming the bad shape, dtype, device or size (host-side metadata only: no device sync, so the
     block ids themselves are not checked)."""
     _check_common("paged_decode_attention", q_BNDh, k_pool, v_pool, lens_B, max_len, "[Nb, Nkv, Sb, Dh]")
+    check_scales("paged_decode_attention", k_pool, k_scale, v_scale)
     B, Sb = q_BNDh.shape[0], k_pool.shape[2]
     if block_table.ndim != 2 or block_table.dtype != torch.int32 or block_table.shape[0] < B:
         raise ValueError(
@@ -145,6 +186,8 @@ def paged_decode_attention(
     scale: float,
     impl: DecodeAttentionImpl = "reference",
     num_splits: int = 0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``decode_attention`` over a paged cache: q [B, N, Dh] attends positions [0, min(lens_B[b], max_len)) of row
     b, whose position t is ``pool[block_table[b, t // Sb], :, t % Sb]``; [B, N, Dh].
@@ -153,14 +196,15 @@ def paged_decode_attention(
     contiguous for triton); ``block_table`` int32 [Bc, Mb] on q's device, Bc >= B, rows may share blocks, no block
     id is special; the entries a row reads (its first ceil(min(lens_B[b], max_len) / Sb)) must be in [0, Nb),
     which is not checked (it would sync). ``lens_B``, ``max_len`` (<= Mb * Sb), ``num_splits`` as
-    ``decode_attention``. No side effects.
+    ``decode_attention``; float8 pools come with ``k_scale``/``v_scale`` fp32 [Nb, Nkv, Sb]. No side effects.
     """
-    check_paged_inputs(q_BNDh, k_pool, v_pool, block_table, lens_B, max_len)
+    check_paged_inputs(q_BNDh, k_pool, v_pool, block_table, lens_B, max_len, k_scale, v_scale)
     if impl == "reference":
-        return paged_decode_attention_reference(q_BNDh, k_pool, v_pool, block_table, lens_B, max_len, scale)
+        return paged_decode_attention_reference(q_BNDh, k_pool, v_pool, block_table, lens_B, max_len, scale,
+                                                k_scale, v_scale)  # fmt: skip
     if impl == "triton":
         return torch.ops.prime_spmd.paged_decode_attention(
-            q_BNDh, k_pool, v_pool, block_table, lens_B, max_len, scale, num_splits
+            q_BNDh, k_pool, v_pool, block_table, lens_B, max_len, scale, num_splits, k_scale, v_scale
         )
     raise ValueError(f"unknown decode attention impl {impl!r}; choose reference or triton")
 
@@ -175,15 +219,18 @@ def paged_decode_attention_op(
     max_len: int,
     scale: float,
     num_splits: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Triton kernels (kernel.paged_decode_attention); inputs as ``paged_decode_attention`` above."""
     from prime_spmd.kernels.decode_attention import kernel
 
-    return kernel.paged_decode_attention(q_BNDh, k_pool, v_pool, block_table, lens_B, max_len, scale, num_splits)
+    return kernel.paged_decode_attention(q_BNDh, k_pool, v_pool, block_table, lens_B, max_len, scale, num_splits,
+                                         k_scale=k_scale, v_scale=v_scale)  # fmt: skip
 
 
 @paged_decode_attention_op.register_fake
-def _(q_BNDh, k_pool, v_pool, block_table, lens_B, max_len, scale, num_splits):
+def _(q_BNDh, k_pool, v_pool, block_table, lens_B, max_len, scale, num_splits, k_scale=None, v_scale=None):
     return torch.empty_like(q_BNDh)
 
 
@@ -203,6 +250,11 @@ def check_fused_inputs(
 ) -> None:
     """ValueError naming the bad shape or dtype (host metadata only): the cache as ``check_inputs`` /
     ``check_paged_inputs`` check it, then the QKV row width, the norm weights, cos/sin and positions."""
+    if k_cache.dtype == FP8_DTYPE:
+        raise ValueError(
+            "fused_decode_attention: float8 caches are not taken (the new token's quantized write is not in the "
+            "kernel); --inference.kv_cache_dtype fp8 runs the triton attention with the write before it"
+        )
     B, Nkv, Dh = qkv_BP.shape[0], k_cache.shape[1], k_cache.shape[-1]
     q_view = qkv_BP.new_empty(()).expand(B, num_heads, Dh)  # shape-only stand-in for q: the checks read metadata
     if block_table is None:

@@ -7,6 +7,11 @@ The paged form reads the same positions from a pool of blocks through a block ta
 ``pool[block_table[b, t // Sb], :, t % Sb]``; its spec gathers each row into the slot layout and applies the slot
 spec.
 
+FP8 KV (``--inference.kv_cache_dtype fp8``): K and V are float8 e4m3 with one fp32 scale per (position, kv head),
+the amax of that position's Dh values over 448 (``quantize_kv``: kernels/fp8/reference.py's rounding, each (position,
+kv head) a row); the scales ``k/v_scale`` have the cache's shape without Dh. Attention reads ``k * k_scale`` and
+``v * v_scale`` (``dequantize_kv``); the rest of the spec is unchanged.
+
 Legend (docs/conventions.md): B rows (= slots 0..B-1), N query heads, Nkv kv heads, G = N / Nkv, Dh head
 dim, Bc cache slots (>= B), Tc cache length per slot, Nb pool blocks, Sb positions per block, Mb table entries per
 row; local letters of this file: Tb = ``max_len`` (the positions read), Mr = ceil(Tb / Sb) (the blocks read).
@@ -15,6 +20,28 @@ row; local letters of this file: Tb = ``max_len`` (the positions read), Mr = cei
 from __future__ import annotations
 
 import torch
+from prime_spmd.kernels.fp8.reference import FP8_DTYPE, quantize_fp8_reference
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x8 float8_e4m3fn, scale fp32) of K or V ``x`` [..., Dh]: one scale per leading index (a position of a kv
+    head), amax(|x|) / 448 over its Dh values (AMAX_FLOOR for a zero vector), x8 = round(x / scale). Why per
+    (position, kv head): the kernel multiplies a tile's scores (and its probabilities, for V) by one scale per
+    position, no rescale inside the Dh dot; a token's scale is set once when it is written, never revised (a
+    per-block scale would change as the block fills, re-quantizing what is stored); 4 bytes beside Dh."""
+    x8, scale = quantize_fp8_reference(x.reshape(-1, x.shape[-1]))
+    return x8.view(x.shape), scale.view(x.shape[:-1])
+
+
+def dequantize_kv(x8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x8 * scale`` [..., Dh] in ``dtype`` (one rounding from fp32); ``scale`` [...] (``quantize_kv``)."""
+    return (x8.float() * scale.float()[..., None]).to(dtype)
+
+
+def _kv_float(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """K or V in fp32: dequantized with ``scale`` when fp8, else upcast."""
+    assert (x.dtype == FP8_DTYPE) == (scale is not None), "fp8 K/V come with their scales, others without"
+    return x.float() if scale is None else dequantize_kv(x, scale, torch.float32)
 
 
 def decode_attention_reference(
@@ -24,13 +51,18 @@ def decode_attention_reference(
     lens_B: torch.Tensor,
     max_len: int,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """o [B, N, Dh] in q's dtype. ``k/v_BcNkvTcDh`` [Bc, Nkv, Tc, Dh] (any strides), ``lens_B`` int [B], each
-    >= 1 (a row of length 0 gives NaN); lengths above ``max_len`` (<= Tc) are clamped to it."""
+    >= 1 (a row of length 0 gives NaN); lengths above ``max_len`` (<= Tc) are clamped to it. FP8 K/V come with
+    ``k_scale``/``v_scale`` fp32 [Bc, Nkv, Tc] (``quantize_kv``)."""
     B, N, Dh = q_BNDh.shape
     Nkv = k_BcNkvTcDh.shape[1]
-    k_BNkvTbDh = k_BcNkvTcDh[:B, :, :max_len].float()
-    v_BNkvTbDh = v_BcNkvTcDh[:B, :, :max_len].float()
+    ks = None if k_scale is None else k_scale[:B, :, :max_len]
+    vs = None if v_scale is None else v_scale[:B, :, :max_len]
+    k_BNkvTbDh = _kv_float(k_BcNkvTcDh[:B, :, :max_len], ks)
+    v_BNkvTbDh = _kv_float(v_BcNkvTcDh[:B, :, :max_len], vs)
     q_BNkvGDh = q_BNDh.float().view(B, Nkv, N // Nkv, Dh)
     scores_BNkvGTb = torch.matmul(q_BNkvGDh, k_BNkvTbDh.transpose(-1, -2)) * scale
     visible_BTb = torch.arange(max_len, device=q_BNDh.device)[None, :] < lens_B[:, None].clamp(max=max_len)
@@ -47,11 +79,14 @@ def paged_decode_attention_reference(
     lens_B: torch.Tensor,
     max_len: int,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """o [B, N, Dh] in q's dtype, as ``decode_attention_reference`` on the slot layout the table describes.
     ``k/v_pool`` [Nb, Nkv, Sb, Dh] (any strides), ``block_table`` int [Bc, Mb] (Bc >= B, Mb * Sb >= ``max_len``):
     row b's position t is ``pool[block_table[b, t // Sb], :, t % Sb]``. Rows may share blocks. Only the entries of
-    row b's first ceil(min(lens_B[b], max_len) / Sb) blocks are read; they must be in [0, Nb)."""
+    row b's first ceil(min(lens_B[b], max_len) / Sb) blocks are read; they must be in [0, Nb). FP8 pools come with
+    ``k_scale``/``v_scale`` fp32 [Nb, Nkv, Sb]."""
     B = q_BNDh.shape[0]
     _, Nkv, Sb, Dh = k_pool.shape
     Mr = -(-max_len // Sb)
@@ -59,11 +94,19 @@ def paged_decode_attention_reference(
     # an entry past the row's length may hold anything: block 0 is gathered in its place, then zeroed
     blocks_BMr = torch.where(live_BMr, block_table[:B, :Mr].long(), 0)
 
-    def to_slots(pool_NbNkvSbDh: torch.Tensor) -> torch.Tensor:  # [B, Nkv, Mr * Sb, Dh], a copy
-        x_BMrNkvSbDh = pool_NbNkvSbDh[blocks_BMr].masked_fill(~live_BMr[:, :, None, None, None], 0)
-        return x_BMrNkvSbDh.transpose(1, 2).reshape(B, Nkv, Mr * Sb, Dh)
+    def to_slots(pool: torch.Tensor | None) -> torch.Tensor | None:  # [B, Nkv, Mr * Sb, (Dh)], a copy
+        if pool is None:
+            return None
+        x = pool[blocks_BMr]  # [B, Mr, Nkv, Sb, (Dh)]
+        dead = ~live_BMr.view(B, Mr, *[1] * (x.ndim - 2))
+        if x.dtype == FP8_DTYPE:  # masked_fill has no float8 kernel (torch 2.13); 0x00 is +0.0 in e4m3
+            x = x.view(torch.uint8).masked_fill(dead, 0).view(FP8_DTYPE)
+        else:
+            x = x.masked_fill(dead, 0)
+        return x.transpose(1, 2).reshape(B, Nkv, Mr * Sb, *x.shape[4:])
 
-    return decode_attention_reference(q_BNDh, to_slots(k_pool), to_slots(v_pool), lens_B, max_len, scale)
+    return decode_attention_reference(q_BNDh, to_slots(k_pool), to_slots(v_pool), lens_B, max_len, scale,
+                                      to_slots(k_scale), to_slots(v_scale))  # fmt: skip
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

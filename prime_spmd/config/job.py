@@ -157,6 +157,7 @@ class RLJobConfig:
             (self.model.lora.rank > 0, "--model.lora.rank 0 (LoRA is not covered)"),
             (native.kv_cache != "slot", "--inference.native.kv_cache slot"),
             (getattr(self.inference, "quantization", "none") != "none", "--inference.quantization none"),
+            (getattr(self.inference, "kv_cache_dtype", "auto") != "auto", "--inference.kv_cache_dtype auto"),
             (self.model.impl == "hf", "--model.impl custom"),
         ):
             if bad:

@@ -94,6 +94,7 @@ def build_engine(
         quantization=inference_cfg.quantization,
         lora_base=lora_base,
         exact=model_cfg.exact,
+        kv_cache_dtype=inference_cfg.kv_cache_dtype,
     )
     engine.processor = load_vision_processor(model_cfg.path, tokenizer)
     warm = native.warmup

@@ -63,7 +63,9 @@ class NativeEngine(InferenceEngine):
     the triton_qkv attention) with programmatic dependent launch (kernels/pdl; CUDA, process-wide; ``self.pdl`` says
     whether it is on). ``prefill_layer_fn``: prefill through one pure layer function (packed QKV / gate-up weights, compiled
     on CUDA) instead of the model's modules (dense Llama-style models; None: on CUDA). ``quantization``: "fp8" decodes and
-    prefills from FP8 copies of the layer weights, quantized again by each ``load_weights`` (quant.py). ``exact``
+    prefills from FP8 copies of the layer weights, quantized again by each ``load_weights`` (quant.py).
+    ``kv_cache_dtype``: "fp8" stores K/V in float8 e4m3 with a scale per (position, kv head) (kv_cache.py), "auto" in
+    the model dtype. ``exact``
     (``--model.exact``): prefill, decode and the sampled tokens' logprobs run the batch-invariant kernels the trainer
     runs (inference/exact.py), bit-equal to its logprobs; unfiltered sampling only. Call every method from one thread.
     """
@@ -94,6 +96,7 @@ class NativeEngine(InferenceEngine):
         quantization: str = "none",
         lora_base: dict[str, torch.Tensor] | None = None,
         exact: bool = False,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         device = torch.device(device) if device is not None else next(model.parameters()).device
         if decode_steps_per_launch < 0:
@@ -123,6 +126,7 @@ class NativeEngine(InferenceEngine):
             prefill_layer_fn=prefill_layer_fn,
             quantization=quantization,
             exact=exact,
+            kv_cache_dtype=kv_cache_dtype,
         )
         self.exact = exact
         self.vocab_size = self.runner.vocab_size
@@ -194,8 +198,8 @@ class NativeEngine(InferenceEngine):
         """LoRA weight updates: the base weights and pending adapters (``load_lora_weights``)."""
         self._lora_base = lora_base or {}
         """Colocated: the trainer's frozen W0 of each adapted weight, merged into in place of a clone of ours."""
-        self._released: tuple[torch.Size, torch.dtype] | None = None
-        """The KV tensors' shape and dtype while their memory is released (``release_memory``), else None."""
+        self._released = False
+        """Whether the KV tensors' memory is released (``release_memory``) until the next ``step``."""
 
     # ---- interface -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -205,7 +209,9 @@ class NativeEngine(InferenceEngine):
         if n == 0:
             raise ValueError(f"request {request.request_id!r}: empty prompt_ids")
         if n >= self.max_model_len:
-            images = "" if request.vision is None else f", {sum(request.vision.tokens_per_image())} of them image tokens"
+            images = (
+                "" if request.vision is None else f", {sum(request.vision.tokens_per_image())} of them image tokens"
+            )
             raise ValueError(
                 f"request {request.request_id!r}: prompt of {n} tokens{images} does not fit --inference.max_model_len="
                 f"{self.max_model_len} (need at least one free position to generate)"
@@ -246,12 +252,12 @@ class NativeEngine(InferenceEngine):
         running). The cache's tensors are dropped with the CUDA graphs that hold their addresses; the next ``step``
         allocates them anew, zeroed, and graphs are recaptured as buckets come up. Returns the bytes released."""
         cache = self.runner.cache
-        if cache is None or self._released is not None:
+        if cache is None or self._released:
             return 0
         assert not self.has_unfinished(), "release_memory with requests in flight"
         freed = cache.nbytes_allocated()
-        self._released = (cache.k.shape, cache.k.dtype)
-        cache.k = cache.v = None
+        self._released = True
+        cache.free()
         self._graphs.clear()
         self._prefill_graphs = PrefillGraphs(
             self._graph_pool, self.runner.prefill, self.max_batch_size, self.vocab_size
@@ -259,15 +265,12 @@ class NativeEngine(InferenceEngine):
         return freed
 
     def _restore_memory(self) -> None:
-        shape, dtype = self._released
-        cache = self.runner.cache
         # zeroed as built: positions past a row's length are read (and masked) by the bucketed attention
-        cache.k = torch.zeros(shape, dtype=dtype, device=self.device)
-        cache.v = torch.zeros(shape, dtype=dtype, device=self.device)
-        self._released = None
+        self.runner.cache.allocate()
+        self._released = False
 
     def step(self) -> list[Completion]:
-        if self._released is not None:
+        if self._released:
             self._restore_memory()
         done: list[Completion] = []
         self._admit(done)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from prime_spmd.inference import exact as exact_mode
 from prime_spmd.inference import quant
-from prime_spmd.inference.kv_cache import PagedKVCache, SlotKVCache, read_positions, write_token
+from prime_spmd.inference.kv_cache import KVCacheDtype, PagedKVCache, SlotKVCache, read_positions, write_token
 from prime_spmd.models.common.norm import rms_norm
 from prime_spmd.models.common.rope import rotate
 from prime_spmd.models.registry import adapter_for
@@ -135,7 +135,10 @@ def make_decode_layer(
     ``cos_BDh``/``sin_BDh`` at ``pos_B``, then what ``attention`` reads: "bmm": ``mask_BTkv`` additive float32 [B, Tkv] (the two
     matmuls read all Tkv positions of every row); "triton": ``lens_B`` int [B] (row b attends
     positions [0, lens_B[b])) and ``kv_len`` = Tkv, a static bound sizing the kernel's grid
-    (kernels/decode_attention). ``linear``: "torch" (F.linear, separate norms, SiLU and residual adds) or
+    (kernels/decode_attention); last, for a float8 cache (``--inference.kv_cache_dtype fp8``), the layer's scales
+    ``k_scale``/``v_scale`` (the cache's layout without Dh): the new k/v are quantized as they are written, bmm reads
+    the positions dequantized, triton dequantizes in the kernel ("triton_qkv" takes no float8 cache).
+    ``linear``: "torch" (F.linear, separate norms, SiLU and residual adds) or
     "triton" (fused kernels of kernels/decode_linear: norm+QKV and norm+gate/up+SiLU-gate for steps of
     B <= ``DECODE_LINEAR_MAX_ROWS`` rows, O+residual and down+residual for B <= ``DECODE_LINEAR_MAX_ROWS_RESIDUAL``;
     same rounding as the torch ops).
@@ -145,7 +148,7 @@ def make_decode_layer(
     nq, nk = num_heads * head_dim, num_kv_heads * head_dim
 
     def attend(qkv, q_norm_w, k_norm_w, k_cache, v_cache, table_BcMb, cos_BDh, sin_BDh, pos_B, mask_BTkv, lens_B,
-               kv_len):  # fmt: skip
+               kv_len, k_scale, v_scale):  # fmt: skip
         """Split the QKV projection, q/k norm, RoPE, write the new k/v, attend ("bmm" or "triton"): o [B, N Dh]."""
         b = qkv.shape[0]
         q = qkv[:, :nq].view(b, num_heads, head_dim)
@@ -154,19 +157,22 @@ def make_decode_layer(
         if q_norm_w is not None:
             q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
         q, k = rotate(q, cos_BDh[:, None], sin_BDh[:, None]), rotate(k, cos_BDh[:, None], sin_BDh[:, None])
-        write_token(k_cache, table_BcMb, pos_B, k)  # [B, Nkv, Dh] at (slot b, position pos_B[b])
-        write_token(v_cache, table_BcMb, pos_B, v)
+        write_token(k_cache, table_BcMb, pos_B, k, k_scale)  # [B, Nkv, Dh] at (slot b, position pos_B[b])
+        write_token(v_cache, table_BcMb, pos_B, v, v_scale)
         if attention == "triton":
-            return attend_triton(q.contiguous(), k_cache, v_cache, table_BcMb, lens_B, kv_len, scale).reshape(b, nq)
+            o = attend_triton(q.contiguous(), k_cache, v_cache, table_BcMb, lens_B, kv_len, scale, k_scale, v_scale)
+            return o.reshape(b, nq)
         tkv = mask_BTkv.shape[1]
-        kc = read_positions(k_cache, table_BcMb, b, tkv)  # [B, Nkv, Tkv, Dh]: views of slots, gathered blocks
-        vc = read_positions(v_cache, table_BcMb, b, tkv)
+        # [B, Nkv, Tkv, Dh]: views of slots, gathered blocks (dequantized copies of a float8 cache)
+        kc = read_positions(k_cache, table_BcMb, b, tkv, k_scale, q.dtype)
+        vc = read_positions(v_cache, table_BcMb, b, tkv, v_scale, q.dtype)
         scores = torch.matmul(q.view(b, num_kv_heads, g, head_dim), kc.transpose(-1, -2)).float() * scale
         p = torch.softmax(scores + mask_BTkv[:, None, None], dim=-1).to(vc.dtype)
         return torch.matmul(p, vc).reshape(b, nq)  # [B, Nkv, G, Dh] -> [B, N Dh]
 
     def layer(x_BD, ln1_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, o_b, ln2_w, gate_up_w, down_w,
-              k_BcNkvTcDh, v_BcNkvTcDh, table_BcMb, cos_BDh, sin_BDh, pos_B, mask_BTkv, lens_B, kv_len):  # fmt: skip
+              k_BcNkvTcDh, v_BcNkvTcDh, table_BcMb, cos_BDh, sin_BDh, pos_B, mask_BTkv, lens_B, kv_len,
+              k_scale=None, v_scale=None):  # fmt: skip
         b = x_BD.shape[0]
         # guards when compiled: one graph per side of each bound
         fused = linear == "triton" and b <= DECODE_LINEAR_MAX_ROWS
@@ -182,7 +188,7 @@ def make_decode_layer(
             ).reshape(b, nq)  # fmt: skip
         else:
             o = attend(qkv, q_norm_w, k_norm_w, k_BcNkvTcDh, v_BcNkvTcDh, table_BcMb, cos_BDh, sin_BDh, pos_B,
-                       mask_BTkv, lens_B, kv_len)  # fmt: skip
+                       mask_BTkv, lens_B, kv_len, k_scale, v_scale)  # fmt: skip
         if fused_res:
             x_BD = quant.fused_linear(o, o_w, o_b, None, eps, x_BD, False)
         else:
@@ -229,11 +235,14 @@ def make_prefill_layer(num_heads: int, num_kv_heads: int, head_dim: int, eps: fl
     return layer
 
 
-def attend_triton(q_BNDh, k_cache, v_cache, table_BcMb, lens_B, kv_len: int, scale: float) -> torch.Tensor:
+def attend_triton(q_BNDh, k_cache, v_cache, table_BcMb, lens_B, kv_len: int, scale: float, k_scale=None,
+                  v_scale=None) -> torch.Tensor:  # fmt: skip
     """The Triton decode attention over either cache layout (``make_decode_layer``'s cache arguments)."""
     if table_BcMb is None:
-        return torch.ops.prime_spmd.decode_attention(q_BNDh, k_cache, v_cache, lens_B, kv_len, scale, 0)
-    return torch.ops.prime_spmd.paged_decode_attention(q_BNDh, k_cache, v_cache, table_BcMb, lens_B, kv_len, scale, 0)
+        return torch.ops.prime_spmd.decode_attention(q_BNDh, k_cache, v_cache, lens_B, kv_len, scale, 0, k_scale,
+                                                     v_scale)  # fmt: skip
+    return torch.ops.prime_spmd.paged_decode_attention(q_BNDh, k_cache, v_cache, table_BcMb, lens_B, kv_len, scale, 0,
+                                                       k_scale, v_scale)  # fmt: skip
 
 
 def fuse_linears(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -275,7 +284,11 @@ class LlamaStyleRunner:
     cache, dense models); ``attention``, ``linear``, ``prefill_layer_fn`` and compiling are then unused.
     ``quantization`` "fp8" (``--inference.quantization``, quant.py): the layer functions read FP8 copies of the layer
     weights (``self.fp8``, refreshed by ``NativeEngine.load_weights``); dense Llama-style models only, prefill through
-    the layer function, decode linears "auto" -> "triton" on CUDA at any hidden size.
+    the layer function, decode linears "auto" -> "triton" on CUDA at any hidden size. ``kv_cache_dtype``
+    (``--inference.kv_cache_dtype``): "auto" keeps K/V in the model dtype; "fp8" stores them in float8 e4m3 with a
+    scale per (position, kv head) (kv_cache.py), quantized as they are written (prefill and decode); prefill attends
+    its fresh K/V in the model dtype, decode reads the cache (bmm dequantizes, triton dequantizes in the kernel;
+    "triton_qkv", whose cache write is in the kernel, becomes "triton"). Not with ``exact``.
     """
 
     def __init__(
@@ -293,8 +306,16 @@ class LlamaStyleRunner:
         prefill_layer_fn: bool | None = None,
         quantization: quant.Quantization = "none",
         exact: bool = False,
+        kv_cache_dtype: KVCacheDtype = "auto",
     ) -> None:
+        if exact and kv_cache_dtype != "auto":
+            raise ValueError(
+                f"--inference.kv_cache_dtype {kv_cache_dtype} with --model.exact: exact mode needs the trainer's K/V "
+                "bit for bit; use --inference.kv_cache_dtype auto"
+            )
         attention = resolve_decode_attention(attention, device)
+        if kv_cache_dtype == "fp8" and attention == "triton_qkv":
+            attention = "triton"  # the fused kernel writes the new k/v itself, in the model dtype only
         if attention in ("triton", "triton_qkv"):
             import prime_spmd.kernels.decode_attention.op  # noqa: F401  registers torch.ops.prime_spmd.*decode_attention
         self.attention = attention
@@ -325,6 +346,7 @@ class LlamaStyleRunner:
             device=device,
             block_size=kv_block_size,
             num_tokens=kv_cache_tokens,
+            kv_dtype=kv_cache_dtype,
         )
         self.rebuild_rope()
         self.exact = exact
@@ -502,7 +524,7 @@ class LlamaStyleRunner:
             self.cache.write_decode(li, pos_B, k, v)
             if self.attention == "triton":
                 kc, vc, table = self.cache.k[li], self.cache.v[li], self.cache.block_table
-                o = attend_triton(q.contiguous(), kc, vc, table, lens_B, kv_len, self.scale)
+                o = attend_triton(q.contiguous(), kc, vc, table, lens_B, kv_len, self.scale, *self.cache.scales(li))
             else:
                 kc, vc = self.cache.read(li, b, kv_len)  # [B, Nkv, Tkv, Dh]
                 q = q.view(b, self.num_kv_heads, g, self.head_dim)
@@ -535,7 +557,8 @@ class LlamaStyleRunner:
                 lens_B, tkv = None, 0  # a constant: the bmm path reads Tkv from the mask's shape
         k, v, table = self.cache.k, self.cache.v, self.cache.block_table
         for li, args in enumerate(self.layer_args):
-            x = self.decode_layer(x, *args, k[li], v[li], table, cos, sin, pos_B, mask_BTkv, lens_B, tkv)
+            x = self.decode_layer(x, *args, k[li], v[li], table, cos, sin, pos_B, mask_BTkv, lens_B, tkv,
+                                  *self.cache.scales(li))  # fmt: skip
         h = self.final_norm(x, *self.final_norm_args)
         return self._lm_head(h) if head else h
 
@@ -576,8 +599,9 @@ class GenericRunner:
 
 
 def build_kv_cache(kind: KVCacheKind, *, block_size: int, num_tokens: int, **dims) -> SlotKVCache | PagedKVCache:
-    """The ``kind`` KV cache (``dims``: the keyword arguments of ``SlotKVCache``). ``block_size`` and ``num_tokens``
-    (pool capacity in tokens, 0: slots x max length) size the paged cache; the slot cache takes neither."""
+    """The ``kind`` KV cache (``dims``: the keyword arguments of ``SlotKVCache``, ``kv_dtype`` among them).
+    ``block_size`` and ``num_tokens`` (pool capacity in tokens, 0: slots x max length) size the paged cache; the slot
+    cache takes neither."""
     if kind == "slot":
         if num_tokens:
             raise ValueError(f"--inference.native.kv_cache_tokens={num_tokens} needs --inference.native.kv_cache=paged")
@@ -601,10 +625,19 @@ def build_runner(
     prefill_layer_fn: bool | None = None,
     quantization: quant.Quantization = "none",
     exact: bool = False,
+    kv_cache_dtype: KVCacheDtype = "auto",
 ):
     """The fastest runner that supports ``model`` (``attention``, ``linear``, ``kv_cache``,
-    ``prefill_layer_fn``, ``quantization``: see ``LlamaStyleRunner``; the generic runner keeps token ids, no KV cache,
-    and ignores the first three; ``prefill_layer_fn`` None is off there; ``quantization`` must be "none" there)."""
+    ``prefill_layer_fn``, ``quantization``, ``kv_cache_dtype``: see ``LlamaStyleRunner``; the generic runner keeps
+    token ids, no KV cache, and ignores the first three; ``prefill_layer_fn`` None is off there; ``quantization`` and
+    ``kv_cache_dtype`` must be "none" / "auto" there and for vision-language models)."""
+    if kv_cache_dtype != "auto" and (
+        adapter_for(model).family == "vlm" or not adapter_for(model).supports_slot_cache()
+    ):
+        raise ValueError(
+            f"--inference.kv_cache_dtype {kv_cache_dtype} needs a text decoder with the native KV cache (Llama-style), "
+            f"not {type(model).__name__}: use --inference.kv_cache_dtype auto"
+        )
     if quantization != "none" and not adapter_for(model).supports_fused_decode():
         raise ValueError(
             f"--inference.quantization {quantization} needs a dense Llama-style decoder (the native engine's fused "
@@ -629,6 +662,7 @@ def build_runner(
             prefill_layer_fn,
             quantization=quantization,
             exact=exact,
+            kv_cache_dtype=kv_cache_dtype,
         )
     if exact:
         raise ValueError(f"--model.exact needs a Llama-style decoder with a KV cache, not {type(model).__name__}")

@@ -224,10 +224,12 @@ def build_llm_kwargs(
     enable_sleep_mode: bool = False,
     trust_remote_code: bool = False,
     quantization: str = "none",
+    kv_cache_dtype: str = "auto",
 ) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` (vLLM 0.32 names). ``max_model_len`` 0: the model's limit. ``quantization``
     (``--inference.quantization``) other than "none" is vLLM's own ``quantization=`` (fp8: vLLM quantizes the bf16
-    checkpoint at load; that its weight reload re-quantizes synced weights is vLLM's behaviour, not tested here)."""
+    checkpoint at load; that its weight reload re-quantizes synced weights is vLLM's behaviour, not tested here).
+    ``kv_cache_dtype`` (``--inference.kv_cache_dtype``) other than "auto" is vLLM's own ``kv_cache_dtype=``."""
     kw: dict[str, Any] = dict(
         model=model_path,
         tokenizer=tokenizer_path or model_path,
@@ -248,6 +250,8 @@ def build_llm_kwargs(
         kw["max_model_len"] = max_model_len
     if quantization != "none":
         kw["quantization"] = quantization
+    if kv_cache_dtype != "auto":
+        kw["kv_cache_dtype"] = kv_cache_dtype
     if external_launcher:
         kw["distributed_executor_backend"] = "external_launcher"
         if dp > 1:
@@ -544,6 +548,7 @@ def build_vllm_engine(
         enable_sleep_mode=enable_sleep_mode,
         trust_remote_code=model_cfg.trust_remote_code,
         quantization=inference_cfg.quantization,
+        kv_cache_dtype=inference_cfg.kv_cache_dtype,
     )
     if model_cfg.lora.rank > 0:
         kwargs.update(lora_llm_kwargs(model_cfg.lora))
