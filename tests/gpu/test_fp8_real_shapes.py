@@ -100,3 +100,74 @@ def test_engine_with_cuda_graphs_follows_a_weight_sync():
     after = gen(eng)
     fresh = gen(NativeEngine(model(1), None, max_batch_size=4, max_model_len=128, quantization="fp8"))
     assert after == fresh and after != before
+
+
+# ---- FP8 KV cache (--inference.kv_cache_dtype fp8) --------------------------------------------------------------
+# Qwen3-8B's attention: 32 query heads, 8 kv heads, Dh 128; bf16 q, e4m3 K/V with a scale per (position, kv head).
+# Not yet run on a GPU; the CPU interpreter measured 5.1e-3 / 6.4e-3 of max |ref| (tests/kernels/test_decode_attention_fp8.py)
+KV_BF16_RTOL = 2e-2
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+@pytest.mark.parametrize("paged", [False, True])
+def test_fp8_kv_decode_attention_8b_shape(batch, paged, record_property):
+    from prime_spmd.kernels.decode_attention.op import decode_attention, paged_decode_attention
+    from prime_spmd.kernels.decode_attention.reference import quantize_kv
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n, nkv, dh, tc, sb = 32, 8, 128, 2048, 16
+    q = torch.randn(batch, n, dh, device="cuda", generator=gen).to(torch.bfloat16)
+    k = torch.randn(batch, nkv, tc, dh, device="cuda", generator=gen).to(torch.bfloat16)
+    v = torch.randn(batch, nkv, tc, dh, device="cuda", generator=gen).to(torch.bfloat16)
+    (k8, ks), (v8, vs) = quantize_kv(k), quantize_kv(v)
+    lens = torch.randint(1, tc + 1, (batch,), device="cuda", generator=gen)
+    lens[0] = tc
+    if paged:  # slot b's block m at a scrambled pool index
+        mb = tc // sb
+        perm = torch.randperm(batch * mb, device="cuda", generator=gen)
+        table = perm.view(batch, mb).to(torch.int32)
+
+        def pool(x):
+            blocks = x.unflatten(2, (mb, sb)).transpose(1, 2).flatten(0, 1)
+            out = torch.empty_like(blocks)
+            out[perm] = blocks
+            return out
+
+        args = (q, pool(k8), pool(v8), table, lens, tc, dh**-0.5)
+        ref = paged_decode_attention(*args, "reference", k_scale=pool(ks), v_scale=pool(vs))
+        got = paged_decode_attention(*args, "triton", k_scale=pool(ks), v_scale=pool(vs))
+    else:
+        ref = decode_attention(q, k8, v8, lens, tc, dh**-0.5, "reference", k_scale=ks, v_scale=vs)
+        got = decode_attention(q, k8, v8, lens, tc, dh**-0.5, "triton", k_scale=ks, v_scale=vs)
+    rel = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+    record_property("max_rel_err", rel)
+    assert rel < KV_BF16_RTOL, rel
+
+
+@pytest.mark.parametrize("kv_cache", ["slot", "paged"])
+def test_engine_with_an_fp8_kv_cache_and_cuda_graphs(kv_cache, record_property):
+    """bf16 engine (compiled, CUDA graphs) decoding from an FP8 cache: the triton attention (triton_qkv takes no
+    float8 cache), sampled logprobs near the trainer's teacher-forced ones; with FP8 weights too."""
+    from transformers import AutoModelForCausalLM
+
+    from prime_spmd.inference.engine import Request, SamplingParams
+    from prime_spmd.inference.logprobs import mismatch_stats, teacher_forced_logprobs
+    from prime_spmd.inference.native import NativeEngine
+    from prime_spmd.models.tiny import tiny_qwen3_config
+
+    torch.manual_seed(0)
+    cfg = tiny_qwen3_config("qwen3-1m", vocab_size=512, initializer_range=0.1)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().eval()
+    reqs = [Request(prompt_ids=list(range(5 + i, 40 + 3 * i)), request_id=i,
+                    sampling=SamplingParams(temperature=1.0, max_tokens=48, ignore_eos=True, seed=i)) for i in range(4)]  # fmt: skip
+    for quantization in ("none", "fp8"):
+        torch._dynamo.reset()
+        eng = NativeEngine(model, None, max_batch_size=4, max_model_len=128, kv_cache=kv_cache,
+                           kv_cache_dtype="fp8", quantization=quantization)  # fmt: skip
+        assert eng.use_graphs and eng.runner.attention == "triton" and eng.runner.cache.k.dtype == FP8_DTYPE
+        outs = sorted(eng.generate(reqs), key=lambda o: o.request_id)
+        trainer = torch.cat([teacher_forced_logprobs(model, r.prompt_ids, o.token_ids) for r, o in zip(reqs, outs)])
+        stats = mismatch_stats(trainer.float().cpu(), torch.cat([torch.tensor(o.logprobs) for o in outs]))
+        record_property(f"mismatch_{quantization}", stats)
+        # the CPU test's bounds (fp32 tiny model, initializer 0.3: 0.0715 / 5.2e-3 measured); not yet run on a GPU
+        assert stats["mean_abs_diff"] < 0.1 and stats["mismatch_kl"] < 1e-2, stats

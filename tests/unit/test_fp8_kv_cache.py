@@ -4,7 +4,8 @@ engine's slot and paged caches (prime_spmd/inference/kv_cache.py, kernels/decode
 The KV writes' round-trip error bound, prefix copies carrying the scales, the bytes (cache and memory plan: about
 twice the tokens in the same memory), an engine generating from an FP8 cache against the trainer's teacher-forced
 logprobs (bmm and the Triton kernel, slot and paged; a deliberately wrong scale fails the same bound), release /
-restore, and the refusals. CPU; the Triton kernel under the interpreter. The kernel alone:
+restore, and the refusals. CPU, the Triton kernel under the interpreter (the engine tests run on CUDA where there is
+one: benchmarks/gpu_suite.sh fp8). The kernel alone:
 tests/kernels/test_decode_attention_fp8.py.
 """
 
@@ -21,6 +22,7 @@ from prime_spmd.inference.logprobs import mismatch_stats, teacher_forced_logprob
 from prime_spmd.inference.native import NativeEngine
 from prime_spmd.models.tiny import tiny_qwen3_config
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the engine tests; the cache tests: CPU
 L, BC, NKV, TC, DH = 2, 3, 2, 40, 16
 # e4m3 keeps 3 mantissa bits: a normal value is off by at most half a step, 2^-4 of itself; values below the
 # smallest normal (2^-6 of the scale's unit) by at most half a subnormal step, 2^-10 units
@@ -29,6 +31,14 @@ REL_BOUND, SUBNORMAL_BOUND = 2.0**-4, 2.0**-10
 # trainer's teacher-forced logprobs: measured mean |diff| 0.0715, mismatch KL 5.2e-3 (bmm / slot and triton / paged
 # alike); with the stored scales 10% low, 0.175 and 2.8e-2; the KV cache in fp32: 1.1e-6 and 1.3e-12
 MEAN_ABS_BOUND, KL_BOUND = 0.1, 1e-2
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """CUDA: each engine compiles its own decode layer; a fresh Dynamo keeps them under the recompile limit."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
 
 
 def _caches(kind: str, kv_dtype: str):
@@ -161,12 +171,12 @@ def _requests() -> list[Request]:
 def _generate(attention: str, kind: str, kv_dtype: str = "fp8"):
     """(engine, outputs by request, mismatch stats vs the trainer's teacher-forced logprobs)."""
     model = _model()
-    eng = NativeEngine(model, None, max_batch_size=3, max_model_len=48, device="cpu", decode_attention=attention,
+    eng = NativeEngine(model, None, max_batch_size=3, max_model_len=48, device=DEVICE, decode_attention=attention,
                        kv_cache=kind, kv_cache_dtype=kv_dtype)  # fmt: skip
     reqs = _requests()
     outs = sorted(eng.generate(reqs), key=lambda o: o.request_id)
     trainer = torch.cat([teacher_forced_logprobs(model, r.prompt_ids, o.token_ids) for r, o in zip(reqs, outs)])
-    return eng, outs, mismatch_stats(trainer, torch.cat([torch.tensor(o.logprobs) for o in outs]))
+    return eng, outs, mismatch_stats(trainer.cpu(), torch.cat([torch.tensor(o.logprobs) for o in outs]))
 
 
 def test_engine_generates_from_an_fp8_cache_near_the_trainer(monkeypatch, record_property):
