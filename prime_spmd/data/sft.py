@@ -24,7 +24,7 @@ from prime_spmd.data import number_list, visual
 from prime_spmd.data.reverse_text import example_rng, reverse_text_example
 from prime_spmd.data.sample import Sample
 from prime_spmd.log import logger
-from prime_spmd.models.vision import has_images, no_image_support
+from prime_spmd.models.vision import ImageInputError, has_images, no_image_support
 
 _SHOWN_BAD_ROWS = 3
 
@@ -210,7 +210,10 @@ class SFTDataset:
             except ValueError as e:
                 self._bad(idx, e)
                 continue
-            sample = self.tokenize(prompt, completion)
+            try:
+                sample = self.tokenize(prompt, completion)
+            except ImageInputError as e:  # an unreadable image, or images for a text-only model: stop, naming the row
+                raise ValueError(f"--data.path={self.cfg.path!r}: row {idx}: {e}") from e
             if len(sample.input_ids) > self.seq_len:
                 self.num_too_long += 1
                 n_prompt = sample.loss_mask.count(0)

@@ -265,3 +265,46 @@ def test_classic_verifiers_env_with_images_is_token_exact(vlm):
             assert r.prompt_ids == b.prompt_ids and r.prompt_ids.count(model.config.image_token_id) == 16
             assert r.metrics["failed"] == 0.0 and len(r.completion_ids) == len(r.inference_logprobs) > 0
     assert eng.runner.num_encoded_images >= 2
+
+
+def test_sft_rows_with_bad_images_name_the_row(vlm, tmp_path):
+    """An unreadable image in an SFT row, and image rows for a text-only model, stop the run naming the file and row
+    (and the model directory): bad input, not a skipped row."""
+    import json
+
+    from prime_spmd.config.sections import DataConfig
+    from prime_spmd.data.sft import SFTDataset
+    from prime_spmd.models.tiny import build_tiny_model
+
+    path, model, tok, proc = vlm
+    good = {"type": "image_url", "image_url": {"url": image_data_url(_img((5, 5, 5)))}}
+    bad = {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}
+    file = tmp_path / "rows.jsonl"
+    file.write_text(
+        "\n".join(
+            json.dumps(
+                {"prompt": [{"role": "user", "content": [img, {"type": "text", "text": "?"}]}], "completion": "a"}
+            )
+            for img in (good, bad)
+        )
+    )
+    cfg = DataConfig(source="jsonl", path=str(file))
+    data = SFTDataset(cfg, tok, seed=0, seq_len=64, processor=proc)
+    assert data.tokenize(*data.example("train", 0)).vision.num_images == 1
+    with pytest.raises(
+        ValueError, match=rf"--data.path='{file}': row 1: message 0 content part 0: cannot read the image"
+    ):
+        data.batch(0, 2)
+    text_dir = build_tiny_model(tmp_path / "text")
+    from transformers import AutoTokenizer
+
+    text = SFTDataset(cfg, AutoTokenizer.from_pretrained(text_dir), seed=0, seq_len=64, processor=None)
+    with pytest.raises(ValueError, match=rf"--data.path='{file}': row \d: SFT prompt: .* the model '{text_dir}' takes"):
+        text.batch(0, 2)
+    one = tmp_path / "one.jsonl"
+    one.write_text(file.read_text().splitlines()[0])
+    short = SFTDataset(
+        DataConfig(source="jsonl", path=str(one), bad_rows="error"), tok, seed=0, seq_len=8, processor=proc
+    )
+    with pytest.raises(ValueError, match=r"row 0: prompt alone has \d+ tokens \(16 of them image tokens\) .* > --trainer.seq_len=8"):  # fmt: skip
+        short.batch(0, 1)
