@@ -308,7 +308,10 @@ class VLMAdapter(HFAdapter):
         pixels = torch.cat([v.pixel_values_NC for v in vs])
         grid = torch.cat([v.image_grid_thw_I3 for v in vs])
         out = self.lm.model.get_image_features(pixels, grid, return_dict=True)
-        feats, deep = list(out.pooler_output), [list(d) for d in out.deepstack_features]
+        # per-image tensors; transformers < 5.20 gives each DeepStack layer as one tensor over all images: split it
+        sizes = (grid.prod(-1) // self.lm.model.visual.spatial_merge_size**2).tolist()
+        feats = list(out.pooler_output)
+        deep = [list(d.split(sizes)) if torch.is_tensor(d) else list(d) for d in out.deepstack_features]
         result, k = {}, 0
         for v in vs:
             n = v.num_images
