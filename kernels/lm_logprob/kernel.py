@@ -85,6 +85,7 @@ def _fwd_kernel(
     T,
     D,
     V,
+    T_BUCKET,
     stride_ht,
     stride_wv,
     v_per_split,
@@ -159,6 +160,7 @@ def _grad_logits_kernel(
     T,
     D,
     V,
+    T_BUCKET,
     stride_ht,
     stride_wv,
     stride_gt,
@@ -247,7 +249,9 @@ def _cuda_configs() -> list[triton.Config]:
     ]
 
 
-_KEY = ["T", "D", "V"]
+# keyed on a power-of-two bucket of T (T_BUCKET, unused in the kernels), not on T: RL micro-batches vary T every
+# step, and each new key would re-run the tuner (exact mode's LM-head backward retuned every step: 10x a step)
+_KEY = ["T_BUCKET", "D", "V"]
 _EVEN_D = triton.heuristics({"EVEN_D": lambda args: args["D"] % args["BLOCK_D"] == 0})
 _fwd_tuned = triton.autotune(_cuda_configs(), key=_KEY)(_EVEN_D(_fwd_kernel))
 _grad_tuned = triton.autotune(_cuda_configs(), key=_KEY)(_EVEN_D(_grad_logits_kernel))
@@ -298,6 +302,7 @@ def forward(hidden_TD: Tensor, weight_VD: Tensor, targets_T: Tensor, temperature
         num_tokens,
         hidden_size,
         vocab,
+        triton.next_power_of_2(num_tokens),
         hidden_TD.stride(0),
         weight_VD.stride(0),
         per_split,
@@ -362,6 +367,7 @@ def backward(
             rows,
             hidden_size,
             vocab,
+            triton.next_power_of_2(rows),
             hidden_TD.stride(0),
             weight_VD.stride(0),
             grad_cv.stride(0),

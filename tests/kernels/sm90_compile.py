@@ -200,8 +200,8 @@ def variants():
             f"lm_logprob fwd config {i}",
             lm._fwd_kernel,
             sig(
-                "h_ptr w_ptr tgt_ptr temp_ptr m_ptr s_ptr a_ptr zt_ptr T D V stride_ht stride_wv v_per_split",
-                "*bf16 *bf16 *i64 *fp32 *fp32 *fp32 *fp32 *fp32 " + "i32 " * 6,
+                "h_ptr w_ptr tgt_ptr temp_ptr m_ptr s_ptr a_ptr zt_ptr T D V T_BUCKET stride_ht stride_wv v_per_split",
+                "*bf16 *bf16 *i64 *fp32 *fp32 *fp32 *fp32 *fp32 " + "i32 " * 7,
             ),
             {**cfg.kwargs, "EVEN_D": True, "UPCAST": False, "PRECISION": "tf32"},
             opts,
@@ -210,9 +210,9 @@ def variants():
             f"lm_logprob grad config {i}",
             lm._grad_logits_kernel,
             sig(
-                "h_ptr w_ptr tgt_ptr temp_ptr lse_ptr ent_ptr glp_ptr gent_ptr g_ptr T D V stride_ht stride_wv "
+                "h_ptr w_ptr tgt_ptr temp_ptr lse_ptr ent_ptr glp_ptr gent_ptr g_ptr T D V T_BUCKET stride_ht stride_wv "
                 "stride_gt",
-                "*bf16 *bf16 *i64 *fp32 *fp32 *fp32 *fp32 *fp32 *bf16 " + "i32 " * 6,
+                "*bf16 *bf16 *i64 *fp32 *fp32 *fp32 *fp32 *fp32 *bf16 " + "i32 " * 7,
             ),
             {
                 **cfg.kwargs,

@@ -152,6 +152,19 @@ def test_unfit_configs_are_out_of_resources(monkeypatch, record_property):
         )
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter runs one fixed config, no tuner")
+def test_token_counts_of_one_bucket_tune_once():
+    """RL micro-batches change the token count every step: counts in one power-of-two bucket share the tuner's
+    choice (the key holds T_BUCKET, not T); keyed on T the tuner re-ran every step (exact mode: 10x a step)."""
+    for tuner in (kernel._fwd_tuned, kernel._grad_tuned):
+        tuner.cache.clear()
+    for num_tokens in (70, 100, 128):
+        run_impl("triton", *make_inputs(num_tokens, 64, 257, torch.bfloat16, 1.0, "cuda"))
+    assert len(kernel._fwd_tuned.cache) == 1 and len(kernel._grad_tuned.cache) == 1
+    run_impl("triton", *make_inputs(129, 64, 257, torch.bfloat16, 1.0, "cuda"))
+    assert len(kernel._fwd_tuned.cache) == 2 and len(kernel._grad_tuned.cache) == 2
+
+
 def test_bad_inputs_raise(device):
     hidden, weight, targets, *_ = make_inputs(4, 32, 50, torch.float32, 1.0, device)
     with pytest.raises(ValueError, match="share a dtype"):
