@@ -109,8 +109,14 @@ def task_config(kind: str, args: argparse.Namespace, out: Path) -> Path:
     t = args.task
     cfg = tomllib.loads((ROOT / f"configs/{t['name']}/{kind}.toml").read_text())
     strs = {k: str(v) for k, v in t["args"].items()}
+    if kind == "sft":
+        for kv in args.sft_task_arg:
+            key, sep, value = kv.partition("=")
+            if not sep or key not in strs and key != "sep":
+                raise SystemExit(f"--sft-task-arg {kv!r}: KEY=VALUE with KEY among {sorted(strs)}")
+            strs[key] = value
     if kind == "sft" and t["name"] == "reverse_text":
-        cfg.setdefault("data", {}).update(t["args"])
+        cfg.setdefault("data", {}).update({k: type(v)(strs[k]) for k, v in t["args"].items()})
     elif kind == "sft":
         cfg.setdefault("data", {})["args"] = strs
     else:
@@ -397,6 +403,13 @@ def parse_args() -> argparse.Namespace:
                    "(--model.random_init; no weights on disk, no final HF export); TRL is refused")  # fmt: skip
     p.add_argument("--task", choices=sorted(TASKS), default="reverse_text")
     p.add_argument("--task-arg", action="append", default=[], help="KEY=VALUE: override one of the task's env args")
+    p.add_argument(
+        "--sft-task-arg",
+        action="append",
+        default=[],
+        help="KEY=VALUE: override one of the task's args in the SFT data only (e.g. min_items=1: SFT also sees short "
+        "lists, whose reversal a model from scratch learns first; RL and evals keep the --task-arg distribution)",
+    )
     p.add_argument("--sft-steps", type=int, default=400)
     p.add_argument("--sft-batch", type=int, default=128)
     p.add_argument(
