@@ -41,6 +41,10 @@ def sig(names: str, types: str) -> dict[str, str]:
     return dict(zip(names.split(), types.split(), strict=True))
 
 
+# the model-dtype launch: scale pointers None and their strides 1 are constexprs (kernel.decode_attention)
+NO_FP8 = {**attention.NO_FP8, "ss_bc": 1, "ss_nkv": 1, "ss_tc": 1}
+
+
 def variants():
     """(name, jit function, runtime-argument signature, constexprs, compile options), as the launchers call them."""
 
@@ -148,9 +152,25 @@ def variants():
             "table_ptr": None,
             "st_b": 1,
             **attention.UNFUSED,
+            **NO_FP8,
         },  # fmt: skip
         {"num_warps": 4, "num_stages": 2},
     )
+    # FP8 K/V (--inference.kv_cache_dtype fp8): e4m3 k/v, fp32 scales per (position, kv head), slot and paged
+    for sb in (0, 16):
+        table = {"table_ptr": None, "st_b": 1} if sb == 0 else {}
+        yield (
+            f"decode_attention split fp8 kv{' paged Sb 16' if sb else ''}",
+            attention._split_kernel,
+            sig(
+                split_args + "max_len qk_scale" + ("" if sb == 0 else " table_ptr st_b") + " ks_ptr vs_ptr ss_bc ss_nkv ss_tc",
+                "*bf16 *fp8e4nv *fp8e4nv *i64 *bf16 *fp32 *fp32 " + "i32 " * 10 + "i32 fp32"
+                + ("" if sb == 0 else " *i32 i32") + " *fp32 *fp32 i32 i32 i32",
+            ),
+            {**heads, "BLOCK_TC": 64, "UPCAST": False, "IEEE": False, "SB": sb, **table, **attention.UNFUSED,
+             "KV_FP8": True},
+            {"num_warps": 4, "num_stages": 2},
+        )  # fmt: skip
     # Sb 16: the engine's default block size; 48: neither divides nor is divided by the 64-position tile. Compiled,
     # as every variant here, without the 16-divisibility a launch's pointers and strides get, so the printed
     # registers are not a launch's: with it the slot split takes 85 registers and these 86 and 87, no spills
@@ -160,7 +180,7 @@ def variants():
             f"decode_attention split paged Sb {sb}",
             attention._split_kernel,
             sig(split_args + "max_len qk_scale table_ptr st_b", split_types + "i32 fp32 *i32 i32"),
-            {**heads, "BLOCK_TC": 64, "UPCAST": False, "IEEE": False, "SB": sb, **attention.UNFUSED},
+            {**heads, "BLOCK_TC": 64, "UPCAST": False, "IEEE": False, "SB": sb, **attention.UNFUSED, **NO_FP8},
             {"num_warps": 4, "num_stages": 2},
         )
     # the fused form (q/k norm, RoPE and the new token's cache write in the kernel), slot and paged cache
@@ -189,6 +209,7 @@ def variants():
                 "QK_NORM": True,
                 "USE_PDL": use_pdl,
                 "PRELOAD_TILE": preload,
+                **NO_FP8,
                 **({"SPLIT_LEN": 64} if preload else {}),
             },  # fmt: skip
             {"num_warps": 4, "num_stages": 2},
