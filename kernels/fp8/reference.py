@@ -35,7 +35,10 @@ AMAX_FLOOR = 1e-12
 def quantize_fp8_reference(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_NK float8_e4m3fn, scale_N fp32) of ``w_NK`` (any float dtype); see the module docstring."""
     wf = w_NK.float()
-    scale_N = wf.abs().amax(dim=1).clamp(min=AMAX_FLOOR) / FP8_MAX
+    amax_N = wf.abs().amax(dim=1).clamp(min=AMAX_FLOOR)
+    # a tensor divisor: torch divides a CUDA tensor by a Python scalar as a multiply by its reciprocal (not correctly
+    # rounded: scales 1 ulp off the kernel's div_rn on the H100); tensor / tensor is IEEE division on CPU and CUDA
+    scale_N = amax_N / torch.full_like(amax_N, FP8_MAX)
     q_NK = (wf / scale_N[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q_NK, scale_N
 

@@ -160,14 +160,19 @@ def test_engine_with_an_fp8_kv_cache_and_cuda_graphs(kv_cache, record_property):
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().eval()
     reqs = [Request(prompt_ids=list(range(5 + i, 40 + 3 * i)), request_id=i,
                     sampling=SamplingParams(temperature=1.0, max_tokens=48, ignore_eos=True, seed=i)) for i in range(4)]  # fmt: skip
-    for quantization in ("none", "fp8"):
+    control = None
+    for kv_dtype, quantization in (("auto", "none"), ("fp8", "none"), ("fp8", "fp8")):
         torch._dynamo.reset()
         eng = NativeEngine(model, None, max_batch_size=4, max_model_len=128, kv_cache=kv_cache,
-                           kv_cache_dtype="fp8", quantization=quantization)  # fmt: skip
-        assert eng.use_graphs and eng.runner.attention == "triton" and eng.runner.cache.k.dtype == FP8_DTYPE
+                           kv_cache_dtype=kv_dtype, quantization=quantization)  # fmt: skip
         outs = sorted(eng.generate(reqs), key=lambda o: o.request_id)
         trainer = torch.cat([teacher_forced_logprobs(model, r.prompt_ids, o.token_ids) for r, o in zip(reqs, outs)])
         stats = mismatch_stats(trainer.float().cpu(), torch.cat([torch.tensor(o.logprobs) for o in outs]))
-        record_property(f"mismatch_{quantization}", stats)
-        # the CPU test's bounds (fp32 tiny model, initializer 0.3: 0.0715 / 5.2e-3 measured); not yet run on a GPU
-        assert stats["mean_abs_diff"] < 0.1 and stats["mismatch_kl"] < 1e-2, stats
+        record_property(f"mismatch_kv_{kv_dtype}_weights_{quantization}", stats)
+        if kv_dtype == "auto":  # the bf16 cache's mismatch on this model: what the FP8 cache adds to
+            control = stats
+            continue
+        assert eng.use_graphs and eng.runner.attention == "triton" and eng.runner.cache.k.dtype == FP8_DTYPE
+        # the CPU test's bounds (fp32 tiny model, initializer 0.3: 0.0715 / 5.2e-3 measured). On the H100 (4e1f824,
+        # this bf16 model, slot) the FP8 cache gave 0.148 / 1.9e-2, over them, before the bf16 control was recorded
+        assert stats["mean_abs_diff"] < 0.1 and stats["mismatch_kl"] < 1e-2, (stats, "bf16 cache", control)
