@@ -135,7 +135,9 @@ class NativeEngine(InferenceEngine):
         # MoE expert dispatch sizes its buffers on the host (data-dependent shapes): no graphs
         has_moe = any("MoE" in type(m).__name__ for m in self.model.modules())
         self.use_graphs = cuda_graphs and device.type == "cuda" and self.runner.cache is not None and not has_moe
-        self.use_graphs = self.use_graphs and not hasattr(self.runner, "set_vision")  # per-prompt images: eager
+        self._vision = hasattr(self.runner, "set_vision")  # images in prompts: eager prefill (vision_kv_runner.py)
+        if self._vision:  # decode graphs where decode is the fused text layer (dense Qwen3-VL), not transformers' MoE
+            self.use_graphs = self.use_graphs and self.runner.layer_args is not None
         # the torch sampler is ~30 elementwise/reduction passes over [B, V]; compiled (CUDA only) a few
         self.sampler = resolve_sampler(sampler, device)
         self._sample = make_sampler(self.sampler, compile_sampler and device.type == "cuda")
@@ -216,7 +218,7 @@ class NativeEngine(InferenceEngine):
                 f"request {request.request_id!r}: prompt of {n} tokens{images} does not fit --inference.max_model_len="
                 f"{self.max_model_len} (need at least one free position to generate)"
             )
-        if hasattr(self.runner, "set_vision"):  # vision-language models: image tokens and images must agree
+        if self._vision:  # vision-language models: image tokens and images must agree
             self.runner.check_request(request)
         elif request.vision is not None:
             raise no_image_support(f"request {request.request_id!r}", type(self.model).__name__)
@@ -391,7 +393,7 @@ class NativeEngine(InferenceEngine):
             cache.sync()
         self.num_prefill_tokens += sum(len(q.req.prompt_ids) for q in leaders)
         self.num_prompt_tokens += sum(len(q.req.prompt_ids) for q in seqs)
-        if hasattr(self.runner, "set_vision"):  # vision-language models: each prompt's images (vision_kv_runner.py)
+        if self._vision:  # vision-language models: each prompt's images (vision_kv_runner.py)
             for q in leaders:
                 self.runner.set_vision(q.slot, q.req.vision)
         logits = self._run_prefill(ids, [q.slot for q in leaders], [len(q.req.prompt_ids) - 1 for q in leaders])
@@ -414,11 +416,11 @@ class NativeEngine(InferenceEngine):
 
     def _run_prefill(self, ids_BT: torch.Tensor, slots: list[int], last: list[int]) -> torch.Tensor:
         """``runner.prefill`` of CPU ids [B, T] into ``slots``: logits [B, V] at ``last``. On CUDA with graphs (slot
-        cache: the paged cache's prefill graphs have not run on a GPU yet), a batch of up to
+        cache: the paged cache's prefill graphs have not run on a GPU yet; not with images), a batch of up to
         ``PREFILL_GRAPH_MAX_TOKENS`` padded tokens replays the graph of its (row, length) bucket (``PrefillGraphs``);
         the logits are then valid until the next prefill (the caller samples from them at once)."""
         b, t = ids_BT.shape
-        if self.use_graphs and not self._paged:
+        if self.use_graphs and not self._paged and not self._vision:
             rows, length = pick_bucket(self.batch_buckets, b), pick_bucket(self.prefill_len_buckets, t)
             if rows * length <= PREFILL_GRAPH_MAX_TOKENS:
                 return self._prefill_graphs.run(ids_BT, slots, last, rows, length)

@@ -547,7 +547,8 @@ class LlamaStyleRunner:
             mask_BTkv, tkv = None, kv_len
         else:
             x = self.inner.embed_tokens(ids_B)  # [B, D]
-            cos, sin = self.cos_TcDh[pos_B], self.sin_TcDh[pos_B]  # [B, Dh]
+            rope_pos_B = self._rope_positions(pos_B)
+            cos, sin = self.cos_TcDh[rope_pos_B], self.sin_TcDh[rope_pos_B]  # [B, Dh]
             if self.attention in ("triton", "triton_qkv"):
                 # row b attends positions <= pos_B[b]; rows past the bucket (free slots) are clamped to it
                 mask_BTkv, lens_B, tkv = None, (pos_B + 1).clamp(max=kv_len), kv_len
@@ -646,7 +647,9 @@ def build_runner(
     if adapter_for(model).family == "vlm":  # images in the prompt, then the KV-cache decode: vision_kv_runner.py
         from prime_spmd.inference.vision_kv_runner import VisionKVRunner
 
-        return VisionKVRunner(model, num_slots, max_len, device, attention, kv_cache, kv_block_size, kv_cache_tokens)
+        return VisionKVRunner(
+            model, num_slots, max_len, device, compile_decode, attention, linear, kv_cache, kv_block_size, kv_cache_tokens
+        )
     if adapter_for(model).supports_slot_cache():
         return LlamaStyleRunner(
             model,

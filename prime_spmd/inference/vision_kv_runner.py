@@ -4,20 +4,35 @@ Prefill (the prompts the engine admits: a group's shared prompt once, the others
 tokens, scatters each prompt's image features into its image tokens (the encoder once per distinct ``key``, cached
 while a slot of that prompt may still be admitted), rotates q/k by the prompt's MRoPE positions (``get_rope_index``:
 [B, T, Dh] tables from the model's own rotary module), adds the DeepStack features after the first layers as
-transformers does, and writes the rotated K/V. Decode is the Llama-style submodule path over the cache, with one
-change: the rotation of a completion token at cache index t is the text rotation of t + delta (delta: its prompt's
-MRoPE offset, ``delta_S`` per slot, copied with a shared prompt), as transformers' generation does. No CUDA graphs
-(the engine leaves them off for runners with ``set_vision``).
+transformers does, and writes the rotated K/V. Prefill stays eager (no prefill graphs: images, per-prompt positions).
+
+Decode is text only: the completion token at cache index t rotates at text position t + delta (delta: its prompt's
+MRoPE offset, max position + 1 - length, as transformers' generation does). Text positions have all three MRoPE axes
+equal, so that rotation is the ordinary 1-D RoPE with the model's (interleaved-MRoPE) frequencies, the tables
+``rope_tables`` builds. So the dense model decodes through ``LlamaStyleRunner``'s fused decode layer (compiled on CUDA;
+decode linears, decode attention and the decode glue kernels as for Qwen3), its RoPE rows gathered at t + delta; MoE
+(``qwen3_vl_moe``) through the submodule path. ``delta_S`` (per slot, int64) is one device buffer for the runner's
+life, written in place by prefill and by a shared prompt's copy, read by every decode step: a captured CUDA graph
+sees each new prompt's offset.
 
 Legend (docs/conventions.md): B batch (rows), T tokens, D hidden, V vocab, N heads, Dh head dim; local: S slots.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
 
-from prime_spmd.inference.runner import LlamaStyleRunner
+from prime_spmd.inference.runner import (
+    DecodeAttention,
+    DecodeLinear,
+    KVCacheKind,
+    LlamaStyleRunner,
+    resolve_decode_attention,
+)
+from prime_spmd.models.adapter import plain_projections
 from prime_spmd.models.common.rope import rotate
 from prime_spmd.models.vision import VisionInputs
 from prime_spmd.models.vlm import mrope_positions
@@ -25,7 +40,9 @@ from prime_spmd.models.vlm import mrope_positions
 
 class VisionKVRunner(LlamaStyleRunner):
     """``NativeEngine``'s runner for Qwen3-VL with a KV cache (module doc). The engine calls ``set_vision(slot,
-    vision)`` for each prompt it prefills, then ``prefill``."""
+    vision)`` for each prompt it prefills, then ``prefill``. ``compile_decode``, ``attention``, ``linear`` and the
+    cache arguments as ``LlamaStyleRunner``'s; the fused decode layer (``self.layer_args`` set) for dense models whose
+    language model has the plain Qwen3 layer shape (``fused_decode_ok``)."""
 
     def __init__(
         self,
@@ -33,11 +50,15 @@ class VisionKVRunner(LlamaStyleRunner):
         num_slots: int,
         max_len: int,
         device: torch.device,
-        attention: str = "auto",
-        kv_cache: str = "slot",
+        compile_decode: bool = True,
+        attention: DecodeAttention = "auto",
+        linear: DecodeLinear = "auto",
+        kv_cache: KVCacheKind = "slot",
         kv_block_size: int = 16,
         kv_cache_tokens: int = 0,
     ) -> None:
+        # the adapter answers supports_fused_decode False (no ``model.model.layers``): the base builds the cache,
+        # the RoPE tables and the submodule path; the fused decode layer is set up below over the language model
         super().__init__(
             model,
             num_slots,
@@ -45,13 +66,26 @@ class VisionKVRunner(LlamaStyleRunner):
             device,
             compile_decode=False,
             attention=attention,
+            linear=linear,
             kv_cache=kv_cache,
             kv_block_size=kv_block_size,
             kv_cache_tokens=kv_cache_tokens,
             prefill_layer_fn=False,
         )
-        assert self.layer_args is None, "the fused decode layer reads model.model.layers: not a Qwen3-VL path"
         self.inner = model.model.language_model
+        if fused_decode_ok(model):
+            self.attention = resolve_decode_attention(attention, device)  # the base took triton_qkv back to triton
+            # _setup_fused_decode reads ``.model.layers`` and ``.model.norm``: the language model's
+            self._setup_fused_decode(SimpleNamespace(model=self.inner), compile_decode and device.type == "cuda")
+            self.glue = (
+                self.linear == "triton"
+                and self.attention in ("triton", "triton_qkv")
+                and type(self.inner.embed_tokens) is torch.nn.Embedding
+            )
+            if self.glue:
+                from prime_spmd.kernels.decode_glue.kernel import step_inputs
+
+                self.step_inputs = self._shifted_step_inputs(step_inputs)
         self.delta_S = torch.zeros(num_slots, dtype=torch.long, device=device)
         self.slot_keys: list[str | None] = [None] * num_slots
         self._next_vision: dict[int, VisionInputs | None] = {}
@@ -61,12 +95,22 @@ class VisionKVRunner(LlamaStyleRunner):
         copy_prefix = self.cache.copy_prefix
 
         def copy_prefix_and_delta(src: list[int], dst: list[int], num_tokens: int) -> None:
-            copy_prefix(src, dst, num_tokens)  # a shared prompt's K/V, then its MRoPE offset
+            copy_prefix(src, dst, num_tokens)  # a shared prompt's K/V, then its MRoPE offset (in place: graphs read it)
             self.delta_S[torch.tensor(dst, device=device)] = self.delta_S[torch.tensor(src, device=device)]
             for s, d in zip(src, dst):
                 self.slot_keys[d] = self.slot_keys[s]
 
         self.cache.copy_prefix = copy_prefix_and_delta
+
+    def _shifted_step_inputs(self, step_inputs):
+        """The decode glue's ``step_inputs`` with the RoPE rows at ``pos + delta`` and the attended lengths from the
+        cache positions (the kernel reads both from one position)."""
+
+        def shifted(ids_B, pos_B, embed_VD, cos_TcDh, sin_TcDh, kv_len: int):
+            x, cos, sin, _ = step_inputs(ids_B, self._rope_positions(pos_B), embed_VD, cos_TcDh, sin_TcDh, kv_len)
+            return x, cos, sin, (pos_B + 1).clamp(max=kv_len)
+
+        return shifted
 
     def rebuild_rope(self) -> None:
         """Text rotation tables (the engine calls this after a weight load, between generations: the cached image
@@ -136,5 +180,26 @@ class VisionKVRunner(LlamaStyleRunner):
         return self._lm_head(self.inner.norm(x_BD))
 
     def _rope_positions(self, pos_B: torch.Tensor) -> torch.Tensor:
-        """Decode rotates at ``pos_B + delta`` (module doc); ``LlamaStyleRunner.decode``'s submodule path runs."""
+        """Decode rotates at ``pos_B + delta`` (module doc), read from ``delta_S`` at every step (graph replays too).
+        delta <= 0 (an image's MRoPE span is its grid's longest side, fewer positions than its tokens), so the rows
+        stay inside the tables."""
         return pos_B + self.delta_S[: pos_B.shape[0]]
+
+
+def fused_decode_ok(model: torch.nn.Module) -> bool:
+    """Whether Qwen3-VL ``model``'s language model has the layer shape ``make_decode_layer`` reads (the test of
+    ``HFAdapter.supports_fused_decode`` on ``model.model.language_model``): dense (no experts), SiLU, plain linears,
+    RMSNorms of one epsilon."""
+    cfg = model.config.text_config
+    if getattr(cfg, "num_experts", 0) or getattr(cfg, "hidden_act", None) != "silu":
+        return False
+    eps = float(cfg.rms_norm_eps)
+    for layer in model.model.language_model.layers:
+        if not plain_projections(layer):
+            return False
+        attn = layer.self_attn
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        norms += [getattr(attn, n) for n in ("q_norm", "k_norm") if hasattr(attn, n)]
+        if not all(type(n).__name__.endswith("RMSNorm") and getattr(n, "variance_epsilon", None) == eps for n in norms):
+            return False
+    return True
