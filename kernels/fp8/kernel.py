@@ -8,8 +8,10 @@ its scale (IEEE ``div_rn``, as torch divides) and cast to e4m3 (round to nearest
 read as FP8 (half of bf16's bytes: the decode step is bound by reading the weights) and converted in registers, fp32
 accumulation, and each output column scaled once before the shared epilogue (``decode_linear.kernel._epilogue``:
 bias, rounding, SiLU-gate, residual). The prologue (RMSNorm) and epilogue are the bf16 kernels' own jit functions,
-so the FP8 path rounds as they do. The GEMV's PDL weight preload is ported (PRELOAD); the tile kernel's L2 prefetch
-is not.
+so the FP8 path rounds as they do. The GEMV has its own config (``gemv_config``: twice bf16's columns a program, for
+the same bytes) and K bound (``op.GEMV_MAX_K``, 16,384); its PDL weight preload is ported (PRELOAD, up to
+``PRELOAD_MAX_K``); the tile kernel's L2 prefetch is not. w loads are 16 bytes a thread (16 e4m3) where the launch's
+row stride is a multiple of 16, as ``check_fp8_supported`` makes it.
 
 Interpreter (TRITON_INTERPRET=1): its fp32 -> fp8 cast does not round to nearest even, so the quantize rounds in the
 fp32 bits first (keep 3 mantissa bits; exact for normal e4m3 values, subnormals may differ by one step), and tiles
@@ -25,6 +27,7 @@ import triton
 import triton.language as tl
 from prime_spmd.kernels.decode_linear import kernel as dl
 from prime_spmd.kernels.decode_linear.kernel import _cast, _epilogue, _gemv_w, _rms_scaled, _round
+from prime_spmd.kernels.fp8.op import uses_gemv
 from prime_spmd.kernels.fp8.reference import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
 from prime_spmd.kernels.pdl import launch as pdl
 from prime_spmd.kernels.pdl.launch import pdl_enter
@@ -140,6 +143,26 @@ def _fp8_gemv_kernel(
               offs_m, offs_n, mask_n, mask_mn, NO, 0, 0, HAS_BIAS, HAS_RES, SILU_MUL, RNE_EMU)  # fmt: skip
 
 
+PRELOAD_MAX_K = 4096
+"""The GEMV's PRELOAD form (whole slab in registers before PDL's wait) up to this K; longer rows (Qwen3-8B's down,
+12,288) run the chunked form: sm_90 compile at K 12,288, 4 columns, 4 warps: 249 registers preloaded (one program an
+SM), 56 chunked with 8 warps (4 programs an SM)."""
+
+
+def gemv_config(no: int, k: int, silu_mul: bool) -> tuple:
+    """("gemv", BLOCK_N, BLOCK_K, num_warps) of the FP8 GEMV for one row of No columns and K inputs. GPU: 4 columns a
+    program, twice the bf16 GEMV's 2 (decode_linear.kernel.gemv_config, the H200 sweep's best at the Qwen3-0.6B
+    shapes), so a program streams the same weight bytes as the measured bf16 one and re-reads x (and the norm weight)
+    from L2 once per 4 rows, not 2. Bytes in flight an SM, from the sm_90 compile's registers (preloaded, K 4,096,
+    norm, 4 warps): bf16 at 2 columns 82 registers, 6 programs x 16 KB = 96 KB; FP8 at 2 columns 72, 7 x 8 KB = 56 KB
+    (and as many bytes of x and norm weight read from L2 as of w from HBM); FP8 at 4 columns 95, 5 x 16 KB = 80 KB.
+    8 warps past ``PRELOAD_MAX_K`` (the chunked form's registers). Not measured on a GPU yet:
+    benchmarks/fp8_linear.py sweeps it. Interpreter: decode_linear's small chunks."""
+    if INTERPRET:
+        return dl.gemv_config(no, k, silu_mul)
+    return ("gemv", 4, min(1024, max(64, triton.next_power_of_2(k))), 4 if k <= PRELOAD_MAX_K else 8)
+
+
 @triton.jit
 def _fp8_slab_dot(acc, h, w_ptr, offs_n, mask_n, offs_k, mask_k, swn, IEEE: tl.constexpr):
     w = tl.load(w_ptr + offs_n[:, None] * swn + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
@@ -209,11 +232,12 @@ def fp8_decode_linear(
     silu_mul: bool,
     config: tuple | None = None,
 ) -> torch.Tensor:
-    """out [M, No] (reference.fp8_decode_linear_reference). One row of K <= ``decode_linear.kernel.GEMV_MAX_K`` takes
-    the GEMV, else the tile kernel; ``config`` overrides the tiles as in ``decode_linear.kernel.decode_linear``."""
+    """out [M, No] (reference.fp8_decode_linear_reference). One row of K <= ``op.GEMV_MAX_K`` takes the GEMV
+    (``gemv_config``), else the tile kernel; ``config`` overrides the tiles as in
+    ``decode_linear.kernel.decode_linear``, or the GEMV's as ("gemv", BLOCK_N, BLOCK_K, warps[, preload])."""
     M, K = x_MK.shape
     no = q_NK.shape[0] // 2 if silu_mul else q_NK.shape[0]
-    cfg = tuple(config) if config else (dl.gemv_config(no, K, silu_mul) if dl.uses_gemv(M, K) else None)
+    cfg = tuple(config) if config else (gemv_config(no, K, silu_mul) if uses_gemv(M, K) else None)
     if cfg is None:
         cfg = dl.default_config(M, no, K, silu_mul, x_MK.element_size())
     out = torch.empty(M, no, device=x_MK.device, dtype=x_MK.dtype)
@@ -228,7 +252,8 @@ def fp8_decode_linear(
     )  # fmt: skip
     if cfg[0] == "gemv":
         _, block_n, block_k, num_warps = cfg[:4]
-        preload = pdl.prefetch_enabled() if len(cfg) < 5 else bool(cfg[4])  # as decode_linear's GEMV; tests force it
+        # as decode_linear's GEMV, up to PRELOAD_MAX_K; tests and benchmarks/fp8_linear.py force it
+        preload = pdl.prefetch_enabled() and K <= PRELOAD_MAX_K if len(cfg) < 5 else bool(cfg[4])
         if M != 1:
             raise ValueError(f"fp8_decode_linear: the GEMV config {cfg} takes one row, got {M}")
         _fp8_gemv_kernel[(triton.cdiv(no, block_n),)](

@@ -1,5 +1,6 @@
-"""Entry points: ``quantize_fp8_`` (in place), ``fp8_decode_linear`` (decode steps) and ``fp8_linear`` (prefill and
-decode steps past the fused kernels' row bounds).
+"""Entry points: ``quantize_fp8_`` (in place), ``fp8_fused_linear`` (decode steps within the runner's fused row bounds:
+the GEMV, or for more rows the tile kernel or ``_scaled_mm`` by ``TILE_ROWS_IMPL``), ``fp8_decode_linear`` (the
+Triton kernels) and ``fp8_linear`` (prefill and decode steps past the fused kernels' row bounds).
 
 ``prime_spmd::fp8_decode_linear`` is a ``torch.library`` op with a fake impl, so it sits inside
 ``torch.compile(fullgraph=True)`` and CUDA-graph capture, as ``prime_spmd::decode_linear`` does. Inference only: no
@@ -10,21 +11,35 @@ Legend: see reference.py (M rows, K in, N out features of w, No output columns).
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from prime_spmd.kernels.decode_linear.reference import finish_output, norm_input
 from prime_spmd.kernels.fp8.reference import (
-    AMAX_FLOOR,
     FP8_DTYPE,
-    FP8_MAX,
     fp8_decode_linear_reference,
     fp8_linear_reference,
     quantize_fp8_reference,
+    quantize_rows_fp8_reference,
 )
 
 Fp8Impl = Literal["reference", "triton"]
 Fp8LinearImpl = Literal["reference", "dequant", "scaled_mm"]
+TILE_ROWS_IMPLS = ("triton", "scaled_mm")
+TILE_ROWS_IMPL: str = os.environ.get("PRIME_SPMD_FP8_TILE_ROWS", "triton")
+"""What ``fp8_fused_linear`` runs for bf16 steps the GEMV does not take (more than ``GEMV_MAX_ROWS`` rows, or K past
+``GEMV_MAX_K``): "triton" (the FP8 tile kernel: bf16 activations times e4m3 weights, norm / SiLU-gate / residual
+fused) or "scaled_mm" (``fp8_linear``'s ``torch._scaled_mm``: activations quantized per row to e4m3, FP8 tensor
+cores; the norm, the quantize, SiLU-gate and residual are torch ops that torch.compile fuses around the GEMM). A
+benchmark setting, not a user flag: ``benchmarks/engine.py --fp8-tile-rows`` sets it (or the environment variable
+PRIME_SPMD_FP8_TILE_ROWS); it is read when the decode layer is traced (a compiled graph guards on it). H100, commit
+4e05028: the tile kernel reached 47% of its roofline at the Qwen3-8B shape, batch 64 (docs/benchmarks.md)."""
+GEMV_MAX_ROWS = 1
+GEMV_MAX_K = 16384
+"""The FP8 GEMV (kernel.py) takes one row of K up to this: Qwen3-8B's down projection (K 12,288) included, which
+otherwise ran the tile kernel with 15 padding rows of 16. K past ``kernel.PRELOAD_MAX_K`` runs its chunked form."""
 
 
 def quantize_fp8_(w_NK: torch.Tensor, q_NK: torch.Tensor, scale_N: torch.Tensor, impl: Fp8Impl = "reference") -> None:
@@ -121,11 +136,44 @@ def _(x_MK, q_NK, scale_N, bias_N, norm_w_K, eps, residual_MNo, silu_mul):
     return x_MK.new_empty(x_MK.shape[0], no)
 
 
-def quantize_rows_fp8(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-row activation quantize for ``torch._scaled_mm``: (xq [M, K] e4m3, scale [M, 1] fp32)."""
-    xf = x_MK.float()
-    s = xf.abs().amax(dim=-1, keepdim=True).clamp(min=AMAX_FLOOR) / FP8_MAX
-    return (xf / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), s
+def uses_gemv(m: int, k: int) -> bool:
+    """Whether a decode step of M rows and K inputs runs the FP8 GEMV kernel (else the tile kernel or _scaled_mm)."""
+    return m <= GEMV_MAX_ROWS and k <= GEMV_MAX_K
+
+
+def tile_rows_impl(m: int, k: int, dtype: torch.dtype) -> str:
+    """``fp8_fused_linear``'s path for M rows of K inputs in ``dtype``: "gemv", "triton" (the tile kernel) or
+    "scaled_mm" (``TILE_ROWS_IMPL`` for bf16; row-wise ``_scaled_mm`` writes bf16 only). ValueError naming
+    PRIME_SPMD_FP8_TILE_ROWS for an unknown ``TILE_ROWS_IMPL``."""
+    if TILE_ROWS_IMPL not in TILE_ROWS_IMPLS:
+        raise ValueError(
+            f"PRIME_SPMD_FP8_TILE_ROWS / fp8 TILE_ROWS_IMPL {TILE_ROWS_IMPL!r}: choose triton or scaled_mm"
+        )
+    if uses_gemv(m, k):
+        return "gemv"
+    return TILE_ROWS_IMPL if dtype == torch.bfloat16 else "triton"
+
+
+def fp8_fused_linear(
+    x_MK: torch.Tensor,
+    q_NK: torch.Tensor,
+    scale_N: torch.Tensor,
+    bias_N: torch.Tensor | None,
+    norm_w_K: torch.Tensor | None,
+    eps: float,
+    residual_MNo: torch.Tensor | None,
+    silu_mul: bool,
+) -> torch.Tensor:
+    """A decode step's fused linear over FP8 weights (arguments as the op ``prime_spmd::fp8_decode_linear``): the
+    Triton op, or where ``tile_rows_impl`` says "scaled_mm", RMSNorm, ``fp8_linear(impl="scaled_mm")``, SiLU-gate
+    and residual as torch ops (rounded as decode_linear/reference.py; the GEMM also rounds x to e4m3 per row:
+    ``fp8_scaled_mm_reference``). Traceable: the choice is made on shapes and module state at trace time."""
+    if tile_rows_impl(x_MK.shape[0], x_MK.shape[1], x_MK.dtype) != "scaled_mm":
+        return torch.ops.prime_spmd.fp8_decode_linear(
+            x_MK, q_NK, scale_N, bias_N, norm_w_K, eps, residual_MNo, silu_mul
+        )
+    y = fp8_linear(norm_input(x_MK, norm_w_K, eps), q_NK, scale_N, bias_N, impl="scaled_mm")
+    return finish_output(y, "silu_mul" if silu_mul else "none", residual_MNo, name="fp8_fused_linear")
 
 
 def fp8_linear(
@@ -146,6 +194,6 @@ def fp8_linear(
     if impl != "scaled_mm":
         raise ValueError(f"unknown fp8 linear impl {impl!r}; choose reference, dequant or scaled_mm")
     lead, k = x.shape[:-1], x.shape[-1]
-    xq, sx = quantize_rows_fp8(x.reshape(-1, k))
+    xq, sx = quantize_rows_fp8_reference(x.reshape(-1, k))  # torch ops: torch.compile fuses them with x's producer
     y = torch._scaled_mm(xq, q_NK.T, sx, scale_N[None, :], bias=bias_N, out_dtype=x.dtype)
     return y.reshape(*lead, q_NK.shape[0])

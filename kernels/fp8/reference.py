@@ -43,6 +43,27 @@ def quantize_fp8_reference(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q_NK, scale_N
 
 
+def quantize_rows_fp8_reference(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-row activation quantize, as ``torch._scaled_mm`` takes it: (xq [M, K] float8_e4m3fn, scale [M, 1]
+    fp32) with ``x ~= xq * scale``; the scale is the row's amax / FP8_MAX (floored as the weights' are)."""
+    xf = x_MK.float()
+    s = xf.abs().amax(dim=-1, keepdim=True).clamp(min=AMAX_FLOOR) / FP8_MAX
+    return (xf / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), s
+
+
+def fp8_scaled_mm_reference(
+    x_MK: torch.Tensor, q_NK: torch.Tensor, scale_N: torch.Tensor, bias_N: torch.Tensor | None = None
+) -> torch.Tensor:
+    """What ``torch._scaled_mm`` with row-wise scales computes (``op.fp8_linear(impl="scaled_mm")``): x quantized per
+    row (``quantize_rows_fp8_reference``), the e4m3 products summed in fp32, each row times its scale and each
+    column times its own, plus bias, rounded once to x's dtype. x [M, K]."""
+    xq, sx = quantize_rows_fp8_reference(x_MK)
+    y = F.linear(xq.float(), q_NK.float()) * sx * scale_N.float()
+    if bias_N is not None:
+        y = y + bias_N.float()
+    return y.to(x_MK.dtype)
+
+
 def dequantize_fp8_reference(q_NK: torch.Tensor, scale_N: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``q_NK * scale_N`` in ``dtype`` (one rounding from fp32)."""
     return (q_NK.float() * scale_N.float()[:, None]).to(dtype)

@@ -8,11 +8,12 @@ graphs read these buffers). The model keeps its bf16 weights: they are what a we
 a LoRA merge and the colocated sharing write or read, so FP8 adds half the linears' bytes (``memory.estimate``).
 Embeddings, norms and the LM head stay bf16.
 
-Which GEMM reads the copy: decode steps within the fused kernels' row bounds the FP8 Triton kernels
-(``prime_spmd::fp8_decode_linear``, weight-only: fp32 accumulation of bf16 activations times e4m3 weights); prefill and
-larger decode steps ``fp8_linear`` (``linear_impl``: ``torch._scaled_mm`` with row-wise scales on CUDA, activations
-quantized per row; dequantize + GEMM where ``_scaled_mm`` fails its probe; an fp32 upcast matmul on CPU and for fp32
-models).
+Which GEMM reads the copy: decode steps within the fused kernels' row bounds ``fp8_fused_linear``: one row the FP8
+Triton GEMV (``prime_spmd::fp8_decode_linear``, weight-only: fp32 accumulation of bf16 activations times e4m3
+weights), more rows the FP8 tile kernel or ``torch._scaled_mm`` as ``kernels.fp8.op.TILE_ROWS_IMPL`` says (a benchmark
+setting); prefill and larger decode steps ``fp8_linear`` (``linear_impl``: ``torch._scaled_mm`` with row-wise scales on
+CUDA for bf16, activations quantized per row; dequantize + GEMM where ``_scaled_mm`` fails its probe and for fp16;
+an fp32 upcast matmul on CPU and for fp32 models).
 
 Layer functions of ``runner.py`` call ``linear`` / ``fused_linear`` with either a bf16 weight or a ``(q, scale)``
 pair; the pair is resolved at trace time, so one compiled graph serves the layers of one kind.
@@ -25,7 +26,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from prime_spmd.kernels.fp8.op import fp8_linear, quantize_fp8_
+from prime_spmd.kernels.fp8.op import fp8_fused_linear, fp8_linear, quantize_fp8_
 from prime_spmd.kernels.fp8.reference import FP8_DTYPE
 from prime_spmd.log import logger
 
@@ -79,19 +80,22 @@ def linear_impl(device: torch.device) -> str:
 
 
 def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, w, b)``, or for an FP8 ``w = (q, scale)`` the FP8 GEMM: ``linear_impl``'s for bf16 / fp16 x, the
-    fp32 reference for fp32 x (fp32 models, tests: rounding x to e4m3 would dwarf their precision)."""
+    """``F.linear(x, w, b)``, or for an FP8 ``w = (q, scale)`` the FP8 GEMM: ``linear_impl``'s for bf16 x ("dequant"
+    for fp16 x where that is "scaled_mm": row-wise ``_scaled_mm`` writes bf16 only), the fp32 reference for fp32 x
+    (fp32 models, tests: rounding x to e4m3 would dwarf their precision)."""
     if isinstance(w, tuple):
         impl = "reference" if x.dtype == torch.float32 else _LINEAR_IMPL.get(w[0].device.type, "reference")
+        if impl == "scaled_mm" and x.dtype != torch.bfloat16:
+            impl = "dequant"
         return fp8_linear(x, w[0], w[1], b, impl=impl)
     return F.linear(x, w, b)
 
 
 def fused_linear(x, w, b, norm_w, eps: float, residual, silu_mul: bool) -> torch.Tensor:
-    """``prime_spmd::decode_linear`` (kernels/decode_linear), or for an FP8 ``w = (q, scale)``
-    ``prime_spmd::fp8_decode_linear`` (kernels/fp8); arguments as the op's."""
+    """``prime_spmd::decode_linear`` (kernels/decode_linear), or for an FP8 ``w = (q, scale)`` kernels/fp8's
+    ``fp8_fused_linear`` (the FP8 GEMV, tile kernel or ``_scaled_mm`` by rows); arguments as the op's."""
     if isinstance(w, tuple):
-        return torch.ops.prime_spmd.fp8_decode_linear(x, w[0], w[1], b, norm_w, eps, residual, silu_mul)
+        return fp8_fused_linear(x, w[0], w[1], b, norm_w, eps, residual, silu_mul)
     return torch.ops.prime_spmd.decode_linear(x, w, b, norm_w, eps, residual, silu_mul)
 
 

@@ -11,12 +11,16 @@ import itertools
 
 import pytest
 import torch
-from prime_spmd.kernels.fp8.op import fp8_decode_linear, fp8_linear, quantize_fp8_
+from prime_spmd.kernels.fp8 import op
+from prime_spmd.kernels.fp8.op import fp8_decode_linear, fp8_fused_linear, fp8_linear, quantize_fp8_
 from prime_spmd.kernels.fp8.reference import (
     FP8_DTYPE,
+    FP8_MAX,
     dequantize_fp8_reference,
     fp8_decode_linear_reference,
+    fp8_scaled_mm_reference,
     quantize_fp8_reference,
+    quantize_rows_fp8_reference,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -166,6 +170,81 @@ def test_fp8_linear_impls_near_the_reference(impl):
     assert got.shape == (2, 5, 48) and got.dtype == torch.float32
     tol = 2**-7 if impl == "dequant" else 2**-3
     assert (got - ref).abs().max() <= tol * ref.abs().max(), (got - ref).abs().max()
+
+
+def test_activation_quantize_round_trips_per_row():
+    """``quantize_rows_fp8_reference`` (the ``_scaled_mm`` path's x): each row's amax maps to 448, the rest within half
+    an e4m3 step (relative 2^-4) plus the subnormal step, a zero row to zeros."""
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(5, 96, generator=gen) * torch.tensor([1e-3, 1.0, 30.0, 1.0, 1.0])[:, None]).to(DEVICE)
+    x[3] = 0.0
+    xq, s = quantize_rows_fp8_reference(x.bfloat16())
+    assert xq.dtype == FP8_DTYPE and s.shape == (5, 1) and s.dtype == torch.float32
+    assert (xq.float().abs().amax(1)[[0, 1, 2, 4]] == FP8_MAX).all() and (xq[3].float() == 0).all()
+    back = xq.float() * s
+    xb = x.bfloat16().float()
+    assert ((back - xb).abs() <= xb.abs() * 2.0**-4 + s * SUBNORMAL_STEP).all()
+
+
+@pytest.mark.parametrize("impl", ["triton", "scaled_mm"])
+def test_tile_rows_dispatch(impl, monkeypatch):
+    """One row of K <= GEMV_MAX_K takes the GEMV whatever TILE_ROWS_IMPL says; more rows (or a longer K) take the tile
+    kernel or, for bf16, _scaled_mm; an unknown setting is a ValueError naming the environment variable."""
+    monkeypatch.setattr(op, "TILE_ROWS_IMPL", impl)
+    assert op.tile_rows_impl(1, 4096, torch.bfloat16) == "gemv"
+    assert op.tile_rows_impl(1, op.GEMV_MAX_K, torch.bfloat16) == "gemv"
+    assert op.tile_rows_impl(1, 2 * op.GEMV_MAX_K, torch.bfloat16) == impl
+    assert op.tile_rows_impl(2, 1024, torch.bfloat16) == impl
+    assert op.tile_rows_impl(64, 1024, torch.float32) == "triton"  # row-wise _scaled_mm writes bf16 only
+    monkeypatch.setattr(op, "TILE_ROWS_IMPL", "cublas")
+    with pytest.raises(ValueError, match="PRIME_SPMD_FP8_TILE_ROWS.*'cublas'"):
+        op.tile_rows_impl(2, 1024, torch.bfloat16)
+
+
+# bf16 outputs of the same e4m3 products: on CPU (torch 2.13 _scaled_mm) bit-equal to the reference (max error 0); on
+# CUDA another summation order may flip one rounding (2^-8 relative) that the SiLU-gate and residual carry
+SCALED_MM_RTOL = 2**-7
+
+
+@pytest.mark.parametrize("m", [1, 5, 17])
+@pytest.mark.parametrize("flags", [(False, False, False), (True, True, True), (False, False, True)])
+@pytest.mark.parametrize("act", ["none", "silu_mul"])
+def test_fused_linear_scaled_mm_path_matches_its_reference(m, flags, act, monkeypatch):
+    """TILE_ROWS_IMPL "scaled_mm": the norm, ``torch._scaled_mm`` (runs on CPU since torch 2.6) and the epilogue
+    against decode_linear's norm / epilogue around ``fp8_scaled_mm_reference``; one row takes the GEMV (weight-only,
+    the Triton op), so it equals fp8_decode_linear's reference, not the activation-rounding one."""
+    from prime_spmd.kernels.decode_linear.reference import finish_output, norm_input
+
+    monkeypatch.setattr(op, "TILE_ROWS_IMPL", "scaled_mm")
+    bias, norm, res = flags
+    case = _decode_case(m, 96, 64, act, torch.bfloat16, seed=4, bias=bias, norm=norm, residual=res)
+    args = [case[k] for k in ("x_MK", "q_NK", "scale_N", "bias_N", "norm_w_K")]
+    got = fp8_fused_linear(*args, 1e-6, case["residual_MNo"], act == "silu_mul").float()
+    if m == 1:
+        ref = fp8_decode_linear_reference(**case).float()
+    else:
+        y = fp8_scaled_mm_reference(norm_input(case["x_MK"], case["norm_w_K"], 1e-6), *args[1:4])
+        ref = finish_output(y, act, case["residual_MNo"]).float()
+        # and not the weight-only result: the activations were rounded to e4m3
+        assert not torch.equal(got, fp8_decode_linear_reference(**case).float())
+    torch.testing.assert_close(got, ref, rtol=SCALED_MM_RTOL, atol=SCALED_MM_RTOL * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("k", [96, 200])
+def test_fp8_gemv_default_config_matches_reference(k, monkeypatch):
+    """The GEMV at its own GPU config (4 columns, ``gemv_config`` with the interpreter's guard lifted) and both forms
+    (chunked, preloaded) over a ragged K."""
+    from prime_spmd.kernels.fp8 import kernel
+
+    monkeypatch.setattr(kernel, "INTERPRET", False)
+    cfg = kernel.gemv_config(34, k, False)
+    monkeypatch.undo()
+    assert cfg[:2] == ("gemv", 4)
+    case = _decode_case(1, k, 34, "none", torch.float32, seed=5, bias=True, norm=True, residual=False)
+    args = [case[n] for n in ("x_MK", "q_NK", "scale_N", "bias_N", "norm_w_K")]
+    for preload in (False, True):
+        got = kernel.fp8_decode_linear(*args, 1e-6, None, False, (*cfg[:2], 64, 1, preload))
+        torch.testing.assert_close(got, fp8_decode_linear_reference(**case), rtol=FP32_RTOL, atol=FP32_RTOL)
 
 
 AOT_SCRIPT = """
