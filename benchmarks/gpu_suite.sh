@@ -3,7 +3,7 @@
 #   bash scripts/gpu_wheels.sh          # once, on a machine with network: wheels and the Qwen3 tokenizer in .whl/
 #   bash benchmarks/gpu_suite.sh PART OUTDIR [VARIANT]
 # PART: tests ["kernels unit" | "gpu exact"] | engine | prefill | loss | moe | train_step | weight_sync | env_bridge
-#       | rl_e2e [reverse_text | number_list] | scale [small | large | moe | h200] | fp8 | exact | vlm
+#       | rl_e2e [reverse_text | number_list] | scale [small | large | moe | h200] | fp8 [ops] | exact | vlm
 # Each step has its own time limit, so that one slow step does not lose the others' results.
 set -uo pipefail
 PART=$1; OUT=${2:-/tmp/gpu_out}; VARIANT=${3:-}; mkdir -p "$OUT"
@@ -128,15 +128,23 @@ case $PART in
         scale scale_8b_offload --shape qwen3-8b --micro-batch-tokens 4096 --ours-flag=--trainer.offload --ours-flag=optimizer ;;
       *) echo "scale: unknown variant ${VARIANT} (small, large, moe, h200)" >&2; exit 2 ;;
     esac ;;
-  fp8)  # --inference.quantization fp8 beside bf16 (0.6B, 8B; batch 1, 64), the quantize time, mismatch KL, the FP8 KV cache (8B), CUDA tests; ~9 min
-    F="python3 benchmarks/engine.py $E06 --engine native --batch-sizes 1,64 --quantization none,fp8"
-    run fp8_engine 150 $F --out "$OUT/fp8_engine.json"
-    run fp8_engine_8b 150 $F --model-shape qwen3-8b --out "$OUT/fp8_engine_8b.json"
+  fp8)  # --inference.quantization fp8 beside bf16 (0.6B, 8B; batch 1, 64; decode steps past the FP8 GEMV on the Triton
+    # tile kernel and on torch._scaled_mm: --fp8-tile-rows), the quantize time, mismatch KL, the FP8 KV cache (8B), CUDA
+    # tests; ~10 min. VARIANT ops: benchmarks/fp8_linear.py, each linear alone on every FP8 path (GEMV config grid at one
+    # row, tile kernel, _scaled_mm) beside bf16, 8B and 0.6B; ~5 min
+    if [ "$VARIANT" = ops ]; then
+      run fp8_linear_8b 240 python3 benchmarks/fp8_linear.py --model-shape qwen3-8b --rows 1,16,64 --gemv --out "$OUT/fp8_linear_8b.json"
+      run fp8_linear_06b 180 python3 benchmarks/fp8_linear.py --model-shape qwen3-0.6b --rows 1,16,64 --gemv --out "$OUT/fp8_linear_06b.json"
+      exit 0
+    fi
+    F="python3 benchmarks/engine.py $E06 --engine native --batch-sizes 1,64 --quantization none,fp8 --fp8-tile-rows triton,scaled_mm"
+    run fp8_engine 180 $F --out "$OUT/fp8_engine.json"
+    run fp8_engine_8b 210 $F --model-shape qwen3-8b --out "$OUT/fp8_engine_8b.json"
     run fp8_kv_engine_8b 150 python3 benchmarks/engine.py $E06 --engine native --batch-sizes 1,64 --model-shape qwen3-8b --kv-cache-dtype auto,fp8 --out "$OUT/fp8_kv_engine_8b.json"
     for q in none fp8; do
       run "mismatch_$q" 60 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --quantization "$q" --out "$OUT/mismatch_$q.json"
     done
-    run tests_fp8 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/gpu/test_fp8_real_shapes.py tests/unit/test_fp8_engine.py tests/unit/test_fp8_kv_cache.py tests/kernels/test_decode_attention_fp8.py ;;
+    run tests_fp8 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/gpu/test_fp8_real_shapes.py tests/kernels/test_fp8.py tests/unit/test_fp8_engine.py tests/unit/test_fp8_kv_cache.py tests/kernels/test_decode_attention_fp8.py ;;
   exact)  # --model.exact: bit-exactness on CUDA first, then its cost (engine tokens/s, trainer step) and mismatch KL; ~6 min
     run tests_exact 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/gpu/test_exact_mode_gpu.py
     run engine_exact 120 python3 benchmarks/engine.py $E06 --batch-sizes 1,64 --engine native-custom --exact off,on --out "$OUT/engine_exact.json"

@@ -141,17 +141,16 @@ def uses_gemv(m: int, k: int) -> bool:
     return m <= GEMV_MAX_ROWS and k <= GEMV_MAX_K
 
 
-def tile_rows_impl(m: int, k: int, dtype: torch.dtype) -> str:
+def tile_rows_impl(m: int, k: int, dtype: torch.dtype, tile_rows: str | None = None) -> str:
     """``fp8_fused_linear``'s path for M rows of K inputs in ``dtype``: "gemv", "triton" (the tile kernel) or
-    "scaled_mm" (``TILE_ROWS_IMPL`` for bf16; row-wise ``_scaled_mm`` writes bf16 only). ValueError naming
-    PRIME_SPMD_FP8_TILE_ROWS for an unknown ``TILE_ROWS_IMPL``."""
-    if TILE_ROWS_IMPL not in TILE_ROWS_IMPLS:
-        raise ValueError(
-            f"PRIME_SPMD_FP8_TILE_ROWS / fp8 TILE_ROWS_IMPL {TILE_ROWS_IMPL!r}: choose triton or scaled_mm"
-        )
+    "scaled_mm" (``tile_rows``, None: ``TILE_ROWS_IMPL``, for bf16; row-wise ``_scaled_mm`` writes bf16 only).
+    ValueError naming PRIME_SPMD_FP8_TILE_ROWS for an unknown setting."""
+    impl = TILE_ROWS_IMPL if tile_rows is None else tile_rows
+    if impl not in TILE_ROWS_IMPLS:
+        raise ValueError(f"PRIME_SPMD_FP8_TILE_ROWS / fp8 TILE_ROWS_IMPL {impl!r}: choose triton or scaled_mm")
     if uses_gemv(m, k):
         return "gemv"
-    return TILE_ROWS_IMPL if dtype == torch.bfloat16 else "triton"
+    return impl if dtype == torch.bfloat16 else "triton"
 
 
 def fp8_fused_linear(
@@ -163,12 +162,14 @@ def fp8_fused_linear(
     eps: float,
     residual_MNo: torch.Tensor | None,
     silu_mul: bool,
+    tile_rows: str | None = None,
 ) -> torch.Tensor:
     """A decode step's fused linear over FP8 weights (arguments as the op ``prime_spmd::fp8_decode_linear``): the
-    Triton op, or where ``tile_rows_impl`` says "scaled_mm", RMSNorm, ``fp8_linear(impl="scaled_mm")``, SiLU-gate
-    and residual as torch ops (rounded as decode_linear/reference.py; the GEMM also rounds x to e4m3 per row:
-    ``fp8_scaled_mm_reference``). Traceable: the choice is made on shapes and module state at trace time."""
-    if tile_rows_impl(x_MK.shape[0], x_MK.shape[1], x_MK.dtype) != "scaled_mm":
+    Triton op, or where ``tile_rows_impl`` says "scaled_mm" (``tile_rows`` None: ``TILE_ROWS_IMPL``), RMSNorm,
+    ``fp8_linear(impl="scaled_mm")``, SiLU-gate and residual as torch ops (rounded as decode_linear/reference.py; the
+    GEMM also rounds x to e4m3 per row: ``fp8_scaled_mm_reference``). Traceable: the choice is made on shapes and
+    module state at trace time."""
+    if tile_rows_impl(x_MK.shape[0], x_MK.shape[1], x_MK.dtype, tile_rows) != "scaled_mm":
         return torch.ops.prime_spmd.fp8_decode_linear(
             x_MK, q_NK, scale_N, bias_N, norm_w_K, eps, residual_MNo, silu_mul
         )
