@@ -208,18 +208,25 @@ def _launch_attention(q, k, v, start_B, scale):
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, start_B, scale):
-        ctx.save_for_backward(q, k, v)
+        ctx.save_for_backward(q, k, v, start_B)
         ctx.scale = scale
         return _launch_attention(q, k, v, start_B, scale)
 
     @staticmethod
     def backward(ctx, grad):
-        # training rows: start 0 and Tq == Tk, plain causal attention; torch's SDPA recomputes it for the gradient
-        q, k, v = ctx.saved_tensors
+        # torch's SDPA recomputes it for the gradient: plain causal attention for rows from position 0 with Tq == Tk
+        # (whole documents), else the mask "key j <= start + t" (suffix rows of exact mode's prompt sharing)
+        q, k, v, start_B = ctx.saved_tensors
+        Tq, Tk = q.shape[1], k.shape[2]
+        causal = Tq == Tk and not bool(start_B.any())
+        mask = None
+        if not causal:
+            qpos = start_B[:, None] + torch.arange(Tq, device=q.device)
+            mask = (torch.arange(Tk, device=q.device)[None, None, :] <= qpos[:, :, None])[:, None]
         with torch.enable_grad():
             qd, kd, vd = (t.detach().requires_grad_() for t in (q, k, v))
             out = F.scaled_dot_product_attention(
-                qd.transpose(1, 2), kd, vd, is_causal=True, scale=ctx.scale, enable_gqa=True
+                qd.transpose(1, 2), kd, vd, attn_mask=mask, is_causal=causal, scale=ctx.scale, enable_gqa=True
             ).transpose(1, 2)
             gq, gk, gv = torch.autograd.grad(out, (qd, kd, vd), grad)
         return gq, gk, gv, None, None
@@ -230,7 +237,7 @@ def attention(
 ) -> torch.Tensor:
     """Causal GQA: query t of row b at position start_B[b] + t attends keys [0, position] of row b; k/v may be strided
     views (a KV cache's slots, or [B, Tk, Nkv, Dh] transposed). -> [B, Tq, N, Dh] in q's dtype; batch-invariant.
-    The backward (training: start 0, Tq == Tk) recomputes torch's causal SDPA."""
+    The backward recomputes it with torch's SDPA (causal; masked to keys <= start + t where rows start past 0)."""
     check_device(q_BTqNDh)
     return _Attention.apply(q_BTqNDh, k_BNkvTkDh, v_BNkvTkDh, start_B, scale)
 

@@ -44,12 +44,40 @@ def rope_tables(head_dim: int, theta: float, length: int, device: torch.device, 
 
 
 @dataclass(slots=True)
+class SharedRows:
+    """Prompt sharing in exact mode: one flat row [1, G * Pw + S * Sw] holding G prefix rows of Pw tokens (a share
+    group's prompt, from position 0, right-padded), then S suffix rows of Sw tokens (a document's tokens after its
+    group's prefix: suffix row s starts at position ``start_S[s]``, the prefix length, and attends prefix row
+    ``group_S[s]``'s keys [0, start) before its own). Every token attends exactly the keys, at the positions, it
+    attends in its unshared row, and the kernels are batch-invariant: the same bits, with each prompt run once."""
+
+    num_groups: int
+    prefix_len: int
+    num_suffixes: int
+    suffix_len: int
+    group_S: torch.Tensor
+    """int64 [S]: the prefix row of each suffix row"""
+    start_S: torch.Tensor
+    """int64 [S]: each suffix row's first position (its group's prefix length)"""
+
+    def keys(self, prefix_GPNkvDh: torch.Tensor, suffix_SWNkvDh: torch.Tensor) -> torch.Tensor:
+        """Each suffix row's keys (or values) [S, Nkv, Pw + Sw, Dh] (a strided view): its prefix's at [0, Pw), then its
+        own at [start, start + Sw), overwriting the prefix's padding; positions past a query are never read."""
+        S, W = self.num_suffixes, self.suffix_len
+        base = torch.cat([prefix_GPNkvDh[self.group_S], suffix_SWNkvDh.new_zeros(S, W, *suffix_SWNkvDh.shape[2:])], 1)
+        idx = (self.start_S[:, None] + torch.arange(W, device=self.start_S.device))[:, :, None, None]
+        full = base.scatter(1, idx.expand_as(suffix_SWNkvDh), suffix_SWNkvDh)
+        return full.transpose(1, 2)
+
+
+@dataclass(slots=True)
 class ExactContext:
     """What an exact block forward needs besides x: rows start at position 0 (``start_B`` zeros, int64 [B]), token t
-    of a row at position t (``pos_BT``, int64)."""
+    of a row at position t (``pos_BT``, int64); with ``shared`` x is one flat row of prefix and suffix rows."""
 
     start_B: torch.Tensor
     pos_BT: torch.Tensor
+    shared: SharedRows | None = None
 
 
 def _eps(norm: nn.Module) -> float:
@@ -118,7 +146,17 @@ def block_forward(
 
     B, T, _ = x_BTD.shape
     q, k, v = layer_qkv(layer, x_BTD, rope, ctx.pos_BT)
-    o = op.attention(q, k.transpose(1, 2), v.transpose(1, 2), ctx.start_B, attn_scale(layer))
+    sh = ctx.shared
+    if sh is None:
+        o = op.attention(q, k.transpose(1, 2), v.transpose(1, 2), ctx.start_B, attn_scale(layer))
+        return layer_out(layer, x_BTD, o.reshape(B, T, -1))
+    n = sh.num_groups * sh.prefix_len
+    qp, kp, vp = (t[0, :n].unflatten(0, (sh.num_groups, sh.prefix_len)) for t in (q, k, v))
+    qs, ks, vs = (t[0, n:].unflatten(0, (sh.num_suffixes, sh.suffix_len)) for t in (q, k, v))
+    zeros = torch.zeros(sh.num_groups, dtype=torch.long, device=q.device)
+    o_pre = op.attention(qp, kp.transpose(1, 2), vp.transpose(1, 2), zeros, attn_scale(layer))
+    o_suf = op.attention(qs, sh.keys(kp, ks), sh.keys(vp, vs), sh.start_S, attn_scale(layer))
+    o = torch.cat([o_pre.flatten(0, 1), o_suf.flatten(0, 1)])
     return layer_out(layer, x_BTD, o.reshape(B, T, -1))
 
 
@@ -135,6 +173,21 @@ def forward_hidden(lm: nn.Module, input_ids_BT: torch.Tensor) -> torch.Tensor:
     rope = rope_tables(attn.head_dim, rope_theta(lm), T, x.device, x.dtype)
     pos_BT = torch.arange(T, device=x.device).expand(B, T)
     ctx = ExactContext(start_B=torch.zeros(B, dtype=torch.long, device=x.device), pos_BT=pos_BT)
+    for layer in inner.layers:
+        x = layer(x, rope, ctx)
+    return op.rms_norm(x, inner.norm.weight, _eps(inner.norm))
+
+
+def forward_hidden_shared(lm: nn.Module, input_ids_1N: torch.Tensor, pos_1N: torch.Tensor, shared: SharedRows):
+    """``forward_hidden`` over the flat row of ``shared``'s prefix and suffix rows (``pos_1N``: each token's position):
+    final-norm hidden states [1, N, D]."""
+    from prime_spmd.kernels.batch_invariant import op  # lazily: Triton loads only in exact mode
+
+    inner = lm.model
+    x = inner.embed_tokens(input_ids_1N)
+    attn = inner.layers[0].self_attn
+    rope = rope_tables(attn.head_dim, rope_theta(lm), int(pos_1N.max()) + 1, x.device, x.dtype)
+    ctx = ExactContext(start_B=torch.zeros(1, dtype=torch.long, device=x.device), pos_BT=pos_1N, shared=shared)
     for layer in inner.layers:
         x = layer(x, rope, ctx)
     return op.rms_norm(x, inner.norm.weight, _eps(inner.norm))

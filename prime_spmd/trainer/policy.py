@@ -31,6 +31,20 @@ from prime_spmd.trainer.exact import check_trainer_model, exact_hidden, exact_lo
 from prime_spmd.trainer.loss import TokenLoss
 from prime_spmd.trainer.packing import row_layout, share_layout
 
+COMPILED_ROW_MULTIPLE = 8
+"""With compiled blocks, a row that attention reads under a mask (a packed row, shared-prompt rows) is padded to a
+multiple of this many tokens. Inductor on CUDA guards on the SDPA bias's strides being multiples of 8
+(``torch/_inductor/lowering.py: sdpa_constraint``, ``ir.is_aligned_realized_tensor``: "guard to recompile when
+necessary"), so with T tokens a row it compiled again the first time T % 8 changed class (torch 2.11, H100: 7-9 s;
+/work/notes/recompile-log.md). Padded, the guard holds for every row. At most 7 pad tokens a row."""
+
+
+class _ZeroLoss(TokenLoss):
+    """0 x the logprobs: a loss whose backward runs every op of the forward and changes no gradient."""
+
+    def token_loss(self, lp: torch.Tensor, ent: torch.Tensor, fields: dict[str, torch.Tensor]) -> torch.Tensor:
+        return lp * 0.0
+
 
 def resolve_router_aux_coef(flag: float | None, adapter: ModelAdapter) -> float:
     """The load-balance loss coefficient: ``flag`` (--model.router_aux_loss_coef), or the model config's
@@ -130,6 +144,46 @@ class PolicyModel(nn.Module):
         assert router_aux_coef == 0 or self.adapter.has_router_aux(), "resolve_router_aux_coef decides it"
         self.router_aux_coef = router_aux_coef
         self.share_prompts = share_prompts and self.adapter.supports_prefix_sharing()
+        self._warmed_up = False
+
+    def blocks_compiled(self) -> bool:
+        """Whether a module's ``forward`` is a torch.compile'd function (``--trainer.compile``:
+        ``distributed/fsdp.py: compile_block_forwards`` runs after this module is built)."""
+        return any(hasattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable") for m in self.lm.modules())
+
+    def warm_up_compiled_blocks(self, device: torch.device) -> bool:
+        """Once, where the blocks are compiled: forward and backward three 8-token rows, one of each input kind a
+        micro-batch can give the blocks (one document: causal attention; documents packed under a mask, or varlen
+        where flash-attn runs; shared prompts: an explicit mask), so that dynamo compiles every graph now, in the
+        first step, instead of in whatever later step first meets a kind. A batch of rows of one document (RowLayout)
+        shares the one-document graph (``models/qwen3/model.py: COMPILED_BLOCK_SHAPES``). The loss is 0 x the
+        logprobs and the gradients are dropped after (set to None, as ``optimizer.zero_grad`` does), so the step's
+        gradients are unchanged. Returns whether it ran. Collective over the trainer role (FSDP2 gathers): every
+        trainer rank calls it at the same point (``train_step``)."""
+        if self._warmed_up:
+            return False
+        self._warmed_up = True
+        if self.exact or not self.blocks_compiled():
+            return False
+        rows = [  # (token ids, positions, trained targets)
+            ([1, 2, 3, 4, 5, 6, 7, 8], list(range(8)), [0] * 8),
+            ([1, 2, 3, 4, 5, 6, 7, 8], [0, 1, 2, 3, 4, 5, 0, 0], [0] * 8),  # 3 documents, too uneven for RowLayout
+            ([1, 2, 3, 4, 1, 2, 5, 6], [0, 1, 2, 3] * 2, [0, 1, 1, 0] * 2),  # one prompt [1, 2] shared by 2 documents
+        ]
+        for ids, pos, trained in rows[: 3 if self.share_prompts else 2]:
+            loss_mask_T = torch.tensor(trained, dtype=torch.float32, device=device)
+            out = self(
+                torch.tensor([ids], device=device),
+                torch.tensor([pos], device=device),
+                torch.zeros(len(ids), dtype=torch.long, device=device),
+                1.0,
+                _ZeroLoss(),
+                {"loss_mask": loss_mask_T},
+            )
+            out.loss_sum.backward()
+        for p in self.parameters():
+            p.grad = None
+        return True
 
     def hidden(
         self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, loss_mask_T: torch.Tensor | None = None
@@ -139,9 +193,10 @@ class PolicyModel(nn.Module):
         ([1, L]) goes through ``ShareLayout`` when sharing prompts (needs ``loss_mask_T``, [L]: the target at t
         is trained) and a group shares one, else through ``RowLayout`` when unpacking; ``exact``: ``exact_hidden``."""
         if self.exact:
-            return exact_hidden(self.lm, input_ids_BT, position_ids_BT)
+            return exact_hidden(self.lm, input_ids_BT, position_ids_BT, loss_mask_T if self.share_prompts else None)
+        multiple = COMPILED_ROW_MULTIPLE if self.blocks_compiled() else 1
         if self.share_prompts and loss_mask_T is not None and input_ids_BT.shape[0] == 1:
-            shared = share_layout(input_ids_BT, position_ids_BT, loss_mask_T)
+            shared = share_layout(input_ids_BT, position_ids_BT, loss_mask_T, row_multiple=multiple)
             if shared is not None:
                 out = self.adapter.forward_hidden_routed(
                     shared.input_ids_RW, shared.position_ids_RW, shared.attn_mask_RWW
@@ -151,8 +206,17 @@ class PolicyModel(nn.Module):
         if self.unpack_documents and input_ids_BT.shape[0] == 1:
             layout = row_layout(position_ids_BT)
         if layout is None:
+            B, P = input_ids_BT.shape
+            pad = -P % multiple if B == 1 else 0
+            if pad:  # pads continue the last document (no new one, attended by no real token), cut off after
+                input_ids_BT = torch.cat([input_ids_BT, input_ids_BT.new_zeros(1, pad)], dim=1)
+                last_pos = position_ids_BT[:, -1:]
+                position_ids_BT = torch.cat(
+                    [position_ids_BT, last_pos + torch.arange(1, pad + 1, device=last_pos.device)], 1
+                )
             out = self.adapter.forward_hidden_routed(input_ids_BT, position_ids_BT)
-            return out.hidden_BTD.reshape(-1, out.hidden_BTD.shape[-1]), out, 0
+            hidden_BTD = out.hidden_BTD[:, :P] if pad else out.hidden_BTD
+            return hidden_BTD.reshape(-1, hidden_BTD.shape[-1]), out, 0
         out = self.adapter.forward_hidden_routed(layout.to_rows(input_ids_BT), layout.position_ids_ST)
         return layout.from_rows(out.hidden_BTD), out, 0
 
