@@ -8,8 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from prime_spmd.kernels.fp8.op import fp8_decode_linear, fp8_linear, quantize_fp8_
-from prime_spmd.kernels.fp8.reference import FP8_DTYPE, fp8_decode_linear_reference, quantize_fp8_reference
+from prime_spmd.kernels.decode_linear.reference import finish_output, norm_input
+from prime_spmd.kernels.fp8 import op
+from prime_spmd.kernels.fp8.op import fp8_decode_linear, fp8_fused_linear, fp8_linear, quantize_fp8_
+from prime_spmd.kernels.fp8.reference import (
+    FP8_DTYPE,
+    fp8_decode_linear_reference,
+    fp8_scaled_mm_reference,
+    quantize_fp8_reference,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -60,6 +67,56 @@ def test_fp8_decode_linear_bf16_real_shapes(name, k, n, m, record_property):
     assert err < 2**-7, err  # one bf16 rounding flipped, at most (2^-8 relative), carried by the residual add
 
 
+def _fused_case(name, k, n, m, seed=1):
+    """x, q, s, norm (the K = hidden linears) or residual (the others) of one real-shape decode linear."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    q, s = quantize_fp8_reference(_weight(n, k))
+    norm = torch.randn(k, device="cuda", generator=gen).bfloat16() if k == SHAPES[name][0][0] else None
+    res = torch.randn(m, n, device="cuda", generator=gen).bfloat16() if norm is None else None
+    return x, q, s, norm, res
+
+
+@pytest.mark.parametrize("name,k,n", CASES)
+@pytest.mark.parametrize("m", [16, 64])
+def test_scaled_mm_tile_rows_real_shapes(name, k, n, m, record_property):
+    """``fp8_fused_linear`` on its _scaled_mm path (TILE_ROWS_IMPL "scaled_mm") against the same norm / epilogue
+    around ``fp8_scaled_mm_reference`` (x rounded to e4m3 per row, fp32 sums): one bf16 rounding each."""
+    x, q, s, norm, res = _fused_case(name, k, n, m)
+    got = fp8_fused_linear(x, q, s, None, norm, 1e-6, res, False, tile_rows="scaled_mm").float()
+    ref = finish_output(fp8_scaled_mm_reference(norm_input(x, norm, 1e-6), q, s), "none", res).float()
+    err = ((got - ref).abs().max() / ref.abs().max()).item()
+    record_property("rel_err", err)
+    assert err < 2**-7, err
+
+
+@pytest.mark.parametrize("tile_rows", ["triton", "scaled_mm"])
+def test_tile_rows_compiled_and_captured(tile_rows, monkeypatch):
+    """The engine's dispatch (``quant.fused_linear``) with TILE_ROWS_IMPL set, inside torch.compile(fullgraph) and a
+    CUDA graph: replaying on new inputs equals the eager call on them (Qwen3-8B gate/up with SiLU-gate, 16 rows)."""
+    from prime_spmd.inference import quant
+
+    monkeypatch.setattr(op, "TILE_ROWS_IMPL", tile_rows)
+    x, q, s, norm, _ = _fused_case("qwen3-8b", 4096, 24576, 16)
+
+    def step(x):
+        return quant.fused_linear(x, (q, s), None, norm, 1e-6, None, True)
+
+    fn = torch.compile(step, fullgraph=True, dynamic=False)
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(static_x)  # compile and warm up off the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(static_x)
+    static_x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.testing.assert_close(out, step(static_x), rtol=2**-7, atol=2**-7 * out.abs().max().item())
+
+
 @pytest.mark.parametrize("impl", ["scaled_mm", "dequant"])
 def test_prefill_gemm_near_the_reference(impl, record_property):
     gen = torch.Generator(device="cuda").manual_seed(2)
@@ -72,9 +129,12 @@ def test_prefill_gemm_near_the_reference(impl, record_property):
     assert err < (2**-3 if impl == "scaled_mm" else 2**-6), err  # scaled_mm also rounds x to e4m3 per row
 
 
-def test_engine_with_cuda_graphs_follows_a_weight_sync():
+@pytest.mark.parametrize("tile_rows", ["triton", "scaled_mm"])
+def test_engine_with_cuda_graphs_follows_a_weight_sync(tile_rows, monkeypatch):
     """Greedy tokens of an FP8 engine (compiled, CUDA graphs) after loading another model's weights equal those of a
-    fresh FP8 engine on that model: the re-quantize writes the buffers the captured graphs read."""
+    fresh FP8 engine on that model: the re-quantize writes the buffers the captured graphs read. Both settings of
+    TILE_ROWS_IMPL (steps of 2-4 rows run the tile kernel or _scaled_mm)."""
+    monkeypatch.setattr(op, "TILE_ROWS_IMPL", tile_rows)
     from transformers import AutoModelForCausalLM
 
     from prime_spmd.inference.engine import Request, SamplingParams
