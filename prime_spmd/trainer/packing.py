@@ -310,11 +310,13 @@ def share_layout(
     position_ids_1P: torch.Tensor,
     loss_mask_P: torch.Tensor,
     max_mask_elements: int = MAX_SHARE_MASK_ELEMENTS,
+    row_multiple: int = 1,
 ) -> ShareLayout | None:
     """The ``ShareLayout`` of a packed row, or None when no two documents share their untrained prefix
     (nothing to gain) or the mask would hold more than ``max_mask_elements`` entries. ``loss_mask_P`` as ``MicroBatch.loss_mask`` (bool or 0/1 float: the target of
     position t is trained). Documents start where the position is not the previous plus one. Copies the
-    row to the host once (Python loops over P tokens: about 2 ms for P = 2k on the CPU VM)."""
+    row to the host once (Python loops over P tokens: about 2 ms for P = 2k on the CPU VM). ``row_multiple``: W is
+    rounded up to a multiple of it (``policy.COMPILED_ROW_MULTIPLE``: compiled blocks)."""
     ids, pos = input_ids_1P[0].tolist(), position_ids_1P[0].tolist()
     trained = (loss_mask_P > 0).tolist()
     bounds = _doc_bounds(pos)
@@ -329,7 +331,7 @@ def share_layout(
     for docs in groups.values():
         p = _common_prefix([ids[bounds[d][0] : bounds[d][1]] for d in docs])
         segments.append((docs, p, p + sum(bounds[d][1] - bounds[d][0] - p for d in docs)))
-    W = max(s[2] for s in segments)
+    W = -(-max(s[2] for s in segments) // row_multiple) * row_multiple  # trailing pads: their own segments
     order = sorted(range(len(segments)), key=lambda s: (-segments[s][2], s))  # first-fit decreasing
     rows = [[order[k] for k in r] for r in first_fit([segments[s][2] for s in order], W)]  # segments per row
     R, P = len(rows), len(ids)

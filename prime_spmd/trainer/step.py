@@ -76,9 +76,13 @@ def train_step(
     (1.0 when any trainer rank passed ``stop_requested``, e.g. after a SIGTERM: the flag rides on the
     token-count all-reduce, so every rank takes the same stop decision at the same step). MoE models
     (``PolicyOutput.router`` set) add ``router_aux`` and ``max_expert_load`` (module docstring,
-    ``router_metrics``).
+    ``router_metrics``). The first call with compiled blocks also compiles every kind of block input
+    (``PolicyModel.warm_up_compiled_blocks``: no gradient left), so later steps never recompile.
     """
     t_start = time.perf_counter()
+    warm_up = getattr(policy, "warm_up_compiled_blocks", None)  # PolicyModel: compiles every kind in the first step
+    if warm_up is not None:
+        warm_up(device)
     world = dist.get_world_size() if dist.is_initialized() else 1
     n_local = sum(int(mb.loss_mask.sum()) for mb in micro_batches)
     agreed = _all_reduce_sum({"n": torch.tensor(float(n_local)), "stop": torch.tensor(float(stop_requested))}, device)
