@@ -271,6 +271,42 @@ def variants():
            sig("acc_ptr ml_ptr lens_ptr o_ptr so_b so_n max_len", "*fp32 *fp32 *i64 *bf16 i32 i32 i32"), heads,
            {"num_warps": 4})  # fmt: skip
     yield from batch_invariant_variants()
+    yield from fp8_weight_variants()
+
+
+def fp8_weight_variants():
+    """kernels/fp8 (--inference.quantization fp8) as kernel.py launches them at the Qwen3-8B layer shapes (bf16 x, e4m3
+    w) with PDL: the GEMV at its default config (``gemv_config``: preloaded up to K 4,096, chunked past it: down),
+    the tile kernel at 64 rows, and the quantize. Pointers and the row stride are compiled as 16-divisible, as the JIT
+    specializes them at launch (without that the e4m3 loads compile to one byte each)."""
+    from prime_spmd.kernels.fp8 import kernel as fp8
+
+    ptrs = "x_ptr w_ptr s_ptr b_ptr nw_ptr r_ptr o_ptr"
+    ptr_types = "*bf16 *fp8e4nv *fp32 *bf16 *bf16 *bf16 *bf16 "
+    aligned = {"divisible_by_16": tuple(ptrs.split()) + ("swn",)}
+    for name, k, no, silu, norm in (
+        ("qkv", 4096, 6144, False, True),
+        ("gate_up", 4096, 12288, True, True),
+        ("o", 4096, 4096, False, False),
+        ("down", 12288, 4096, False, False),
+    ):
+        _, bn, bk, warps = fp8.gemv_config(no, k, silu)
+        preload = k <= fp8.PRELOAD_MAX_K
+        yield (f"fp8 gemv 8b {name} pdl{' preload' if preload else ''}", fp8._fp8_gemv_kernel,
+               sig(f"{ptrs} NO eps swn", ptr_types + "i32 fp32 i32"),
+               {"K": k, "HAS_BIAS": False, "HAS_NORM": norm, "HAS_RES": not norm, "SILU_MUL": silu, "BLOCK_N": bn,
+                "BLOCK_K": bk, "RNE_EMU": False, "USE_PDL": True, "PRELOAD": preload, "KP": triton.next_power_of_2(k)},
+               {"num_warps": warps, "num_stages": 1, **aligned})  # fmt: skip
+        cfg = linear.default_config(64, no, k, silu, 2)
+        yield (f"fp8 tile 8b {name} M 64 pdl", fp8._fp8_tile_kernel,
+               sig(f"{ptrs} M K NO eps sxm swn srm som", ptr_types + "i32 i32 i32 fp32 i32 i32 i32 i32"),
+               {"HAS_BIAS": False, "HAS_NORM": norm, "HAS_RES": not norm, "SILU_MUL": silu, "BLOCK_M": cfg[0],
+                "BLOCK_N": cfg[1], "BLOCK_K": cfg[2], "UPCAST": False, "IEEE": False, "RNE_EMU": False,
+                "USE_PDL": True},
+               {"num_warps": cfg[3], "num_stages": cfg[4], **aligned})  # fmt: skip
+    yield ("fp8 quantize", fp8._quantize_kernel,
+           sig("w_ptr q_ptr s_ptr K sw sq", "*bf16 *fp8e4nv *fp32 i32 i32 i32"), {"BLOCK_K": 2048, "RNE_EMU": False},
+           {"num_warps": 8, "divisible_by_16": ("w_ptr", "q_ptr", "s_ptr", "sw", "sq")})  # fmt: skip
 
 
 def batch_invariant_variants():
@@ -322,11 +358,17 @@ def resource_usage(cubin: bytes) -> str:
 
 def main() -> int:
     failed = 0
-    for name, fn, signature, constexprs, options in variants():
+    todo = list(variants())
+    print(f"variants {len(todo)}", flush=True)  # test_sm90_compile checks that each printed a line
+    for name, fn, signature, constexprs, options in todo:
+        # "divisible_by_16": arguments compiled as the JIT specializes 16-byte aligned pointers / 16-divisible ints
+        options = dict(options)
+        aligned = options.pop("divisible_by_16", ())
         source = ASTSource(
             fn=fn,
             signature={**signature, **{k: "constexpr" for k in constexprs}},
             constexprs=constexprs,
+            attrs={(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned},
         )
         try:
             compiled = triton.compile(source, target=TARGET, options=options)

@@ -21,5 +21,8 @@ def test_decode_kernels_compile_for_sm90() -> None:
         pytest.skip("a GPU is present: the kernel tests compile for it")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600)
-    lines = [x for x in res.stdout.splitlines() if x.startswith(("ok", "FAILED"))]
-    assert res.returncode == 0 and len(lines) == 63, res.stdout[-4000:] + res.stderr[-4000:]  # every variant ok
+    out = res.stdout.splitlines()
+    lines = [x for x in out if x.startswith(("ok", "FAILED"))]
+    expected = int(next(x.split()[1] for x in out if x.startswith("variants ")))
+    assert expected >= 63  # the variants of 2026-12-06: kernels are added, not dropped, without updating this
+    assert res.returncode == 0 and len(lines) == expected, res.stdout[-4000:] + res.stderr[-4000:]  # every variant ok
