@@ -3,7 +3,8 @@
 #   bash scripts/gpu_wheels.sh          # once, on a machine with network: wheels and the Qwen3 tokenizer in .whl/
 #   bash benchmarks/gpu_suite.sh PART OUTDIR [VARIANT]
 # PART: tests ["kernels unit" | "gpu exact"] | engine | prefill | loss | moe | train_step | weight_sync | env_bridge
-#       | rl_e2e [reverse_text | number_list] | scale [small | large | moe | h200] | fp8 [ops] | exact | vlm
+#       | rl_e2e [reverse_text | number_list] | sft_probe ["a b c" | name:steps:batch:lr:min_items:max_items]
+#       | scale [small | large | moe | h200] | fp8 [ops] | exact | vlm
 # Each step has its own time limit, so that one slow step does not lose the others' results.
 set -uo pipefail
 PART=$1; OUT=${2:-/tmp/gpu_out}; VARIANT=${3:-}; mkdir -p "$OUT"
@@ -54,18 +55,20 @@ case $PART in
   rl_e2e)
     if [ "${VARIANT:-reverse_text}" = number_list ]; then
       # the learning benchmark: number_list at the 0.6B shape (real tokenizer): SFT from scratch, then RL ours k=0/1
-      # (and TRL if the budget leaves room) with held-out evals every 6 steps against wall-clock time; 20-200 items of
-      # 1-3 digits, up to 832 new tokens. SEEDS=1 SIDES=ours0,ours1 for the spread (a second device call: one seed of
-      # all three sides fills one); SFT_STEPS sets the start reward. SFT from scratch also sees lists of 1-19 items
-      # (reversal is learned on short lists first: 150 steps of 64 lists of 20-200 items at lr 3e-4 left the loss at
-      # 1.9, the digits' entropy, on the H100) at batch 32 (200 steps ~0.45 s each, within the 150 s limit).
+      # (and TRL if the budget leaves room) with held-out evals every 6 steps against wall-clock time; 128-480 distinct
+      # one-token words separated by ", " (~256-960 answer tokens), up to 1000 new tokens. SEEDS=1 SIDES=ours0,ours1
+      # for the spread (a second device call: one seed of all three sides fills one); SFT_STEPS / SFT_LR / SFT_MIN_ITEMS
+      # set the start reward (pick them with the sft_probe part). Lists of 1-3 digit integers stayed at the digits'
+      # entropy through 150 s of SFT on the H100 (two recipes); a word is one token, so reversing it is one lookup.
+      # SFT also sees lists from SFT_MIN_ITEMS words (a circuit learned on short lists first); 150 steps of 32 lists
+      # (~32k tokens a step, ~0.55 s at the ~60k tokens/s measured) fit the 150 s limit with the start-up.
       R=/tmp/learning_out; rm -rf "$R"; mkdir -p "$R" "$OUT/learning"
       (while true; do cp "$R/results.json" "$OUT/learning/" 2> /dev/null; sleep 5; done) & copier=$!
       run learning 565 python3 benchmarks/rl_e2e.py --device cuda --task number_list --shape qwen3-0.6b --out "$R" \
         --trl-python python3 --sides "${SIDES:-ours0,ours1,trl}" --seeds "${SEEDS:-0}" --tokenizer-files .whl/qwen3-tokenizer \
-        --sft-steps "${SFT_STEPS:-200}" --sft-batch 32 --sft-lr 6e-4 --sft-warmup-steps 20 --sft-limit-s 150 \
-        --sft-task-arg min_items=1 \
-        --steps 24 --warmup 3 --prompts 16 --group-size 8 --max-tokens 832 --lr 1e-5 --micro-batch-tokens 32768 \
+        --sft-steps "${SFT_STEPS:-150}" --sft-batch 32 --sft-lr "${SFT_LR:-1e-3}" --sft-warmup-steps 20 --sft-limit-s 150 \
+        --sft-task-arg "min_items=${SFT_MIN_ITEMS:-8}" \
+        --steps 24 --warmup 3 --prompts 16 --group-size 8 --max-tokens 1000 --lr 1e-5 --micro-batch-tokens 32768 \
         --ours-flag=--rollout.std_normalize --eval-interval 6 --eval-examples 32 --eval-samples 2 --no-eval \
         --rl-limit-s 150 --budget-s 550 --compile-cache /tmp/rl_e2e_compile_cache
       kill "$copier" 2> /dev/null
@@ -87,6 +90,28 @@ case $PART in
     kill "$copier" 2> /dev/null
     cp "$R/results.json" "$R"/*.png "$OUT/rl_e2e/" 2> /dev/null
     for d in "$R"/ours_k*_r0; do cp "$d/metrics.jsonl" "$OUT/rl_e2e/$(basename "$d")_metrics.jsonl" 2> /dev/null; done ;;
+  sft_probe)  # candidate SFT recipes for the learning benchmark (rl_e2e number_list), back to back at the 0.6B shape:
+    # each SFTs a fresh random model from scratch (its own limit; the loss curve lands in results.json even when the
+    # limit cuts it) and scores it on 16 held-out prompts x 2 samples of the benchmark's distribution (128-480 words),
+    # so one device call shows which recipe starts RL at a 0.3-0.6 reward. VARIANT: the candidates to run (default
+    # "a b c"; name:steps:batch:lr:min_items:max_items for another). a: the number_list branch's recipe; b: lr 2e-3;
+    # c: short lists only (8-64 words: ~0.2 s steps, twice the steps; does reversal learned there hold at 480?).
+    for cand in ${VARIANT:-a b c}; do
+      case $cand in
+        a) cand=a:150:32:1e-3:8:480 ;;
+        b) cand=b:150:32:2e-3:8:480 ;;
+        c) cand=c:300:64:1e-3:8:64 ;;
+      esac
+      IFS=: read -r name steps batch lr lo hi <<< "$cand"
+      R=/tmp/sft_probe_$name; rm -rf "$R"; mkdir -p "$R" "$OUT/sft_probe_$name"
+      run "sft_probe_$name" 175 python3 benchmarks/rl_e2e.py --device cuda --task number_list --shape qwen3-0.6b \
+        --out "$R" --sides none --tokenizer-files .whl/qwen3-tokenizer --sft-steps "$steps" --sft-batch "$batch" \
+        --sft-lr "$lr" --sft-warmup-steps 20 --sft-limit-s 120 --sft-task-arg "min_items=$lo" --sft-task-arg "max_items=$hi" \
+        --max-tokens 1000 --eval-examples 16 --eval-samples 2 --eval-sft-limit-s 90 --budget-s 170 \
+        --compile-cache /tmp/rl_e2e_compile_cache
+      cp "$R/results.json" "$R"/*.log "$OUT/sft_probe_$name/" 2> /dev/null
+      cp "$R/eval_sft/summary.json" "$OUT/sft_probe_$name/eval_sft_summary.json" 2> /dev/null
+    done ;;
   scale)  # colocated RL at real shapes from random bf16 weights (speed and memory; rewards mean nothing), one device call
     # a variant: small: 0.6B, 1.7B (+ the memory tests); large: 4B with offload, 8B LoRA, 4B without offload (the memory
     # plan refuses it on 80 GB); moe: 30B-A3B LoRA; h200: 8B full fine-tuning with offload (a 141 GB card).

@@ -54,7 +54,10 @@ H200_BF16_PEAK_TFLOPS = 989.0
 # --task -> (CPU demo model with the character tokenizer, --shape models with the Qwen3 tokenizer): the env's args
 # and the longest prompt in tokens. reverse_text: letters on CPU, digits at a --shape (the Qwen3 tokenizer writes a
 # digit as one token; letters merge into tokens whose reversal the model cannot read). number_list: lists whose
-# answer length follows the prompt's; at a --shape 20-200 items of 1-3 digits, ~60-600 answer tokens.
+# answer length follows the prompt's; on CPU 4-10 one-digit integers; at a --shape 128-480 distinct one-token words
+# separated by ", " (2 tokens a word: ~256-960 answer tokens). Lists of 1-3 digit integers at the 0.6B shape stayed at
+# the digits' entropy (loss ~2 nats) through the one-call SFT budget on an H100 (docs/benchmarks.md, "Learning
+# benchmark"); a word is one token, so reversing it is one content lookup.
 TASKS = {
     "reverse_text": (
         dict(args=dict(min_chars=5, max_chars=10, alphabet="abcdefghijklmnopqrstuvwxyz"), prompt_tokens=64),
@@ -62,7 +65,7 @@ TASKS = {
     ),
     "number_list": (
         dict(args=dict(min_items=4, max_items=10, min_digits=1, max_digits=1, transform="reverse"), prompt_tokens=0),
-        dict(args=dict(min_items=20, max_items=200, min_digits=1, max_digits=3, transform="reverse"), prompt_tokens=0),
+        dict(args=dict(min_items=128, max_items=480, transform="reverse", items="words", sep=", "), prompt_tokens=0),
     ),
 }
 
@@ -74,12 +77,14 @@ def resolve_task(name: str, shape: bool, overrides: list[str], max_tokens: int) 
     args = dict(task["args"])
     for kv in overrides:
         key, sep, value = kv.partition("=")
-        if not sep or key not in args and key != "sep":
+        if not sep or key not in args and key not in ("sep", "items", "min_digits", "max_digits"):
             raise SystemExit(f"--task-arg {kv!r}: KEY=VALUE with KEY among {sorted(args)}")
         args[key] = type(args.get(key, ""))(value)
     prompt = task["prompt_tokens"]
-    if name == "number_list":  # "reverse: " + items of max_digits and a separator, + the chat template (~20)
-        prompt = 40 + int(args["max_items"]) * (int(args["max_digits"]) + len(args.get("sep", " ")))
+    if name == "number_list":  # "reverse: " + items and separators, + the chat template (~20)
+        sep = args.get("sep", " ")
+        per_item = (1 if args.get("items") == "words" else int(args.get("max_digits", 2))) + len(sep.strip() or " ")
+        prompt = 40 + int(args["max_items"]) * per_item
     return dict(name=name, args=args, seq_len=prompt + max_tokens)
 
 
@@ -112,7 +117,7 @@ def task_config(kind: str, args: argparse.Namespace, out: Path) -> Path:
     if kind == "sft":
         for kv in args.sft_task_arg:
             key, sep, value = kv.partition("=")
-            if not sep or key not in strs and key != "sep":
+            if not sep or key not in strs and key not in ("sep", "items", "min_digits", "max_digits"):
                 raise SystemExit(f"--sft-task-arg {kv!r}: KEY=VALUE with KEY among {sorted(strs)}")
             strs[key] = value
     if kind == "sft" and t["name"] == "reverse_text":

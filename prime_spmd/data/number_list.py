@@ -1,4 +1,5 @@
-"""The number-list task: a seeded list of random integers and its reversal (or sorted copy). Nothing is downloaded.
+"""The number-list task: a seeded list of random integers (or words) and its reversal (or sorted copy). Nothing
+is downloaded.
 
 The prompt is ``"<transform>: 12 5 731 8"``; the answer is the transformed list written the same way. The
 answer's length follows the prompt's (``min_items`` to ``max_items`` items), so generations vary in length
@@ -6,12 +7,25 @@ with the prompt, as in reasoning RL. With the Qwen3 tokenizer, which writes each
 of d digits and its separator cost d + 1 tokens: 20-200 items of 1-3 digits give ~60-600 answer tokens
 (``sep=", "`` adds one more token an item: ~80-800).
 
+``items="words"``: distinct words drawn from ``WORDS`` (512 lowercase words that the Qwen3 tokenizer writes as
+one token, with or without a leading space) instead of integers: ``"reverse: this, model, open"``. An item is
+one token, so reversing is a content lookup (find the word just written in the prompt, write the one before it)
+rather than matching multi-token items among repeated digits: a 0.6B model from scratch plateaued at the digits'
+entropy on integer lists within the one-call SFT budget (docs/benchmarks.md, "Learning benchmark"). With
+``sep=", "`` a word costs 2 tokens: 128-480 words give ~256-960 answer tokens.
+
 Reward: the LCS ratio over the item sequences, ``2 * LCS(answer items, output items) / (len(answer) +
 len(output))``: 1.0 for the exact list, partial credit for every answer item written in the right relative
 order, and a penalty for missing and extra items alike. Chosen over "fraction of positions right", which gives
 ~0 to an answer that drops or repeats one early item (every later position shifts), so a model that is nearly
 right would see almost no signal. Parsing is forgiving: items are the maximal runs of digits (a leading ``-``
-kept) in the output; text that holds no integer scores 0.0. Scoring never raises.
+kept; words: of ASCII letters, lowercased) in the output; text that holds no item scores 0.0. Scoring never raises.
+
+What guessing scores (the reward's floor; measured by ``random_baseline`` in tests/unit/test_number_list.py):
+random integers of the answer's length score 0.44 / 0.18 / 0.04 for 1 / 2 / 3-digit items (alphabets of 10,
+90, 900 values share long subsequences by chance); for words, the prompt's own words in a random order (the
+best guess without reversing) score 2 E[LIS of a random permutation] / 2n: ~0.30 at 20 words, ~0.14 at 128,
+~0.08 at 480; random words of ``WORDS`` score ~0.02-0.05.
 """
 
 from __future__ import annotations
@@ -23,6 +37,39 @@ from typing import Literal
 
 TRANSFORMS = ("reverse", "sort")
 _INT = re.compile(r"-?\d+")
+_WORD = re.compile(r"[A-Za-z]+")
+WORDS = tuple(
+    """
+512 512
+this that with return from class public have self cont will your const void else more they data name true null
+their time which false value about string over type inter part work when other been were file would year some
+there said comm like also than static just result them into what list case first import char only print back
+need start user under then people should test make after right long array read form trans want comp number size
+where while spec look could know hand most break every point error text show find used play help these pass down
+even item last event again high line does before dist state cons here final very model call well object years
+java view pres many being good using stud child param echo person style method expect prot found post such think
+much http count inst gener check open next follow href bool game path each sign those system best same create
+made mark group world main color report take free action index real build input table head must order contin
+double place oper week prop struct code still assert field cour team second going range fact home left direct
+allow page around rece really image target both level config local quest float poss fore great month super title
+life incre catch change book three base conf during power width label date match node care effect since full
+turn body produ stand block keep throw things come custom source await prov mill chang output email disc might
+never hard intern called height small access uint little port status appe update link given better feel always
+parent less valid sure prom search orig invest says temp rest mult site values video cert prof cell player cost
+total stat load clear techn short done belie health args days online javax organ reason within design cent
+school func init stop later client love json able give copy appro either lead family option exist offer water
+step times four room once talk grow mass mean until market area length kind light side camp miss based plan away
+button render near author along begin thing doesn single anal rights women season dest didn sent recent money
+auto query window least expl column record making close past write move city tell select font course late amount
+async hold para price today polit attack means story meet sort task review switch above word cover having employ
+large host role deal press though points ever ident conc server files often info space store format prob face
+save items social major food comb send params diff makes global except news device below media fail black added
+came delete card https root handle comput claim enter night doing pick watch human girl strong house track pack
+wait throws terms apply others fund users future mode took games needs known exec seen border live hope young
+study limit sizeof went fire visit token months anim learn decl mind quick admin series bill frame draw comes
+elect filter larg remove front util associ printf
+""".split()
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +88,9 @@ class NumberListTask:
     """reverse the list, sort it ascending, or one of the two per example (seeded; named in the prompt)."""
     sep: str = " "
     """Separator between items, in the prompt and the answer."""
+    items: Literal["numbers", "words"] = "numbers"
+    """numbers: integers of min_digits to max_digits digits; words: distinct words of ``WORDS`` (one token each
+    in the Qwen3 tokenizer; the digit fields are ignored; max_items <= 512)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_items <= self.max_items:
@@ -53,8 +103,12 @@ class NumberListTask:
             )
         if self.transform not in (*TRANSFORMS, "mixed"):
             raise ValueError(f"number_list args: transform {self.transform!r}: choose reverse, sort or mixed")
-        if not self.sep or any(c.isdigit() or c == "-" for c in self.sep):
-            raise ValueError(f"number_list args: sep {self.sep!r} must be non-empty, without digits or '-'")
+        if not self.sep or any(c.isdigit() or c.isalpha() or c == "-" for c in self.sep):
+            raise ValueError(f"number_list args: sep {self.sep!r} must be non-empty, without digits, letters or '-'")
+        if self.items not in ("numbers", "words"):
+            raise ValueError(f"number_list args: items {self.items!r}: choose numbers or words")
+        if self.items == "words" and self.max_items > len(WORDS):
+            raise ValueError(f"number_list args: items=words draws distinct words: max_items <= {len(WORDS)}")
 
 
 def parse_task_args(args: dict[str, str] | None, flag: str) -> tuple[NumberListTask, dict[str, str]]:
@@ -69,7 +123,7 @@ def parse_task_args(args: dict[str, str] | None, flag: str) -> tuple[NumberListT
                 kw[key] = int(value)
             except ValueError:
                 raise ValueError(f"{flag}: {key} must be an integer, got {value!r}") from None
-    for key in ("transform", "sep"):
+    for key in ("transform", "sep", "items"):
         if key in args:
             kw[key] = args.pop(key)
     try:
@@ -86,8 +140,10 @@ def example_rng(seed: int, split: str, index: int) -> random.Random:
 def number_list_example(rng: random.Random, task: NumberListTask) -> tuple[str, str]:
     """(prompt text, answer text) of one example drawn from ``rng``."""
     n = rng.randint(task.min_items, task.max_items)
-    items = []
-    for _ in range(n):
+    items: list = []
+    if task.items == "words":
+        items = rng.sample(WORDS, n)
+    for _ in range(n if task.items == "numbers" else 0):
         d = rng.randint(task.min_digits, task.max_digits)
         items.append(rng.randint(0 if d == 1 else 10 ** (d - 1), 10**d - 1))
     transform = rng.choice(TRANSFORMS) if task.transform == "mixed" else task.transform
@@ -95,10 +151,13 @@ def number_list_example(rng: random.Random, task: NumberListTask) -> tuple[str, 
     return f"{transform}: {task.sep.join(map(str, items))}", task.sep.join(map(str, out))
 
 
-def parse_items(text: str) -> list[str]:
+def parse_items(text: str, items: str = "numbers") -> list[str]:
     """The integers written in ``text``, in order, as canonical strings (maximal digit runs, a leading '-'
     kept, leading zeros dropped); [] when none. Strings, not ints: ``int()`` of a run of over 4300 digits
-    raises, and a sampled completion may hold one."""
+    raises, and a sampled completion may hold one. ``items="words"``: the maximal runs of ASCII letters,
+    lowercased."""
+    if items == "words":
+        return [w.lower() for w in _WORD.findall(text)]
     out = []
     for m in _INT.findall(text):
         sign, digits = ("-", m[1:]) if m[0] == "-" else ("", m)
@@ -127,10 +186,10 @@ def lcs_length(a: list, b: list) -> int:
     return len(a) - v.bit_count()
 
 
-def item_lcs_ratio(answer: str, completion: str) -> float:
-    """The reward: ``2 * LCS / (len(answer items) + len(completion items))`` over parsed items, in [0, 1].
-    A completion with no integer in it scores 0.0."""
-    want, got = parse_items(answer), parse_items(completion)
+def item_lcs_ratio(answer: str, completion: str, items: str = "numbers") -> float:
+    """The reward: ``2 * LCS / (len(answer items) + len(completion items))`` over parsed items (``items``: numbers
+    or words, as the task's field), in [0, 1]. A completion with no item in it scores 0.0."""
+    want, got = parse_items(answer, items), parse_items(completion, items)
     if not got or not want:
         return 0.0
     return 2.0 * lcs_length(want, got) / (len(want) + len(got))

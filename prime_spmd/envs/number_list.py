@@ -1,4 +1,4 @@
-"""Built-in number-list environment: reverse (or sort) a seeded list of integers; reward is the item LCS ratio.
+"""Built-in number-list environment: reverse (or sort) a seeded list of integers or words; reward: the item LCS ratio.
 
 Examples come from the generator the SFT data uses (``prime_spmd.data.number_list``), so a model fine-tuned
 on ``--data.source number_list`` is trained and evaluated on the same distribution. The prompt is one user
@@ -17,8 +17,8 @@ __all__ = ["NumberListEnv"]
 
 
 class NumberListEnv(GeneratedTaskEnv):
-    """``args``: min_items, max_items, min_digits, max_digits, transform (reverse | sort | mixed), sep,
-    num_train_examples (the fields of ``NumberListTask``)."""
+    """``args``: min_items, max_items, min_digits, max_digits, transform (reverse | sort | mixed), sep, items
+    (numbers | words), num_train_examples (the fields of ``NumberListTask``)."""
 
     name = "number_list"
 
@@ -29,4 +29,4 @@ class NumberListEnv(GeneratedTaskEnv):
         return [{"role": "user", "content": text}], answer
 
     def score(self, answer: str, text: str) -> tuple[float, float]:
-        return item_lcs_ratio(answer, text), float(text.strip() == answer)
+        return item_lcs_ratio(answer, text, self.task.items), float(text.strip() == answer)
