@@ -7,8 +7,11 @@ forward, the first token), decode tokens/s (the rest of ``--new-tokens``, no eos
 memory on the same samples (``train_steps``: a bf16 copy with bf16 AdamW, not the fp32 masters of the trainer). Each prompt holds ``--prompt-tokens`` text tokens plus its
 images (``--image-size`` pixels square: (size / 32)^2 LM tokens an image at the 2b shape).
 
-The engine runs Qwen3-VL through prime_spmd/inference/vision_kv_runner.py: the KV cache and the Llama-style submodule
-decode path, eager (no CUDA graphs, no fused decode layer yet), so decode tokens/s is that path's.
+The engine runs Qwen3-VL through prime_spmd/inference/vision_kv_runner.py: prefill eager (images, MRoPE positions,
+DeepStack), decode on the text engine's path (the fused decode layer, compiled, CUDA graphs on CUDA; ``--no-cuda-graphs``
+runs it eager, the baseline to compare on the same GPU). Each row and the JSON say which decode ran: ``cuda_graphs``
+(graphs captured and replayed), ``fused_decode`` (the fused layer, else transformers' submodules), ``decode_attention``
+and ``decode_linear``.
 
     python benchmarks/vlm.py --device cuda --shape qwen3-vl-2b --images 0,1 --train --out vlm.json   # H100: < 4 min
     python benchmarks/vlm.py --device cpu --shape qwen3-vl-nano --images 0,1 --prompts 2 --group-size 2 --new-tokens 4
@@ -88,6 +91,18 @@ def run(eng: NativeEngine, ps: list, group: int, max_tokens: int, tag: str) -> t
     done = eng.generate(reqs)
     sync()
     return time.perf_counter() - t0, sum(len(r.prompt_ids) for r in reqs), sum(len(c.token_ids) for c in done)
+
+
+def decode_path(eng: NativeEngine) -> dict:
+    """Which decode the engine ran: CUDA graphs replayed (any captured), the fused decode layer, its kernels."""
+    r = eng.runner
+    return {
+        "cuda_graphs": bool(eng.use_graphs and eng._graphs),
+        "num_decode_graphs": len(eng._graphs),
+        "fused_decode": r.layer_args is not None,
+        "decode_attention": r.attention,
+        "decode_linear": r.linear if r.layer_args is not None else "modules",
+    }
 
 
 def encoder_ms(model, vision, device: torch.device) -> float:
@@ -176,6 +191,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--train", action="store_true", help="also time a trainer step per --images count")
     ap.add_argument("--tokenizer-files", type=Path, default=None, help="dir with the qwen-3 tokenizer's two files")
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="decode eager (no CUDA graphs, no compiled layer)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -187,7 +203,15 @@ def main() -> None:
     all_prompts = {k: prompts(proc, args.prompts, k, args.prompt_tokens, args.image_size) for k in counts}
     max_len = max(len(ids) for ps in all_prompts.values() for ids, _ in ps) + args.new_tokens + 1
     n_seqs = args.prompts * args.group_size
-    eng = NativeEngine(model, tok, max_batch_size=n_seqs, max_model_len=max_len, device=device, dtype=dtype)
+    eng = NativeEngine(
+        model,
+        tok,
+        max_batch_size=n_seqs,
+        max_model_len=max_len,
+        device=device,
+        dtype=dtype,
+        cuda_graphs=not args.no_cuda_graphs,
+    )
     run(eng, all_prompts[counts[0]][:1], 1, 2, "warm")  # first kernels, allocator
     rows = []
     for k in counts:
@@ -215,6 +239,7 @@ def main() -> None:
                 "decode_tokens_per_s": (n_gen - n_seqs) / t_dec,
                 "generate_s": t_all,
                 "encoder_ms_per_prompt": enc,
+                **decode_path(eng),
             }
         )
     mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
@@ -222,12 +247,17 @@ def main() -> None:
     print(
         f"{args.shape} {dtype} on {name}; {args.prompts} prompts x {args.group_size} samples, {args.new_tokens} new tokens"
     )
-    print("| images | image tok | prompt tok | prefill tok/s | decode tok/s | encoder ms/prompt | encoded/generate |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| images | image tok | prompt tok | prefill tok/s | decode tok/s | encoder ms/prompt | encoded/generate "
+        "| decode path |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
+        path = f"{'graphs' if r['cuda_graphs'] else 'eager'}, {'fused' if r['fused_decode'] else 'submodules'}"
         print(
             f"| {r['images']} | {r['image_tokens_per_prompt']} | {r['prompt_tokens']} | {r['prefill_tokens_per_s']:.0f} "
-            f"| {r['decode_tokens_per_s']:.1f} | {r['encoder_ms_per_prompt']:.1f} | {r['images_encoded_per_generate']} |"
+            f"| {r['decode_tokens_per_s']:.1f} | {r['encoder_ms_per_prompt']:.1f} | {r['images_encoded_per_generate']} "
+            f"| {path}, {r['decode_attention']}, {r['decode_linear']} |"
         )
     print(f"peak GPU memory {mem:.1f} GiB", flush=True)  # the engine's numbers stand even if a train step fails
     if args.train:

@@ -27,3 +27,5 @@ def test_vlm_script_cpu(tmp_path: Path) -> None:
     assert images["images_encoded_per_generate"] == 4 and images["image_tokens_per_prompt"] == 32
     assert images["prompt_tokens"] > text["prompt_tokens"] + 32 - 1
     assert all(row["prefill_tokens_per_s"] > 0 and row["decode_tokens_per_s"] > 0 for row in (text, images))
+    # CPU: the fused decode layer, eager (no CUDA graphs)
+    assert all(row["fused_decode"] and not row["cuda_graphs"] for row in (text, images))
