@@ -26,6 +26,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from prime_spmd.kernels.fp8 import op as fp8_op
 from prime_spmd.kernels.fp8.op import fp8_fused_linear, fp8_linear, quantize_fp8_
 from prime_spmd.kernels.fp8.reference import FP8_DTYPE
 from prime_spmd.log import logger
@@ -122,7 +123,7 @@ class Fp8Weights:
         self.requantize()
         logger.info(
             f"FP8 weights: {len(self.copies)} tensors, {self.nbytes / 2**30:.2f} GiB (quantize: {self.impl}, "
-            f"prefill GEMM: {self.gemm})"
+            f"prefill GEMM: {self.gemm}, decode steps past the GEMV: {fp8_op.TILE_ROWS_IMPL})"
         )
 
     @property
