@@ -92,10 +92,11 @@ case $PART in
     for d in "$R"/ours_k*_r0; do cp "$d/metrics.jsonl" "$OUT/rl_e2e/$(basename "$d")_metrics.jsonl" 2> /dev/null; done ;;
   sft_probe)  # candidate SFT recipes for the learning benchmark (rl_e2e number_list), back to back at the 0.6B shape:
     # each SFTs a fresh random model from scratch (its own limit; the loss curve lands in results.json even when the
-    # limit cuts it) and scores it on 16 held-out prompts x 2 samples of the benchmark's distribution (128-480 words),
-    # so one device call shows which recipe starts RL at a 0.3-0.6 reward. VARIANT: the candidates to run (default
-    # "a b c"; name:steps:batch:lr:min_items:max_items for another). a: the number_list branch's recipe; b: lr 2e-3;
-    # c: short lists only (8-64 words: ~0.2 s steps, twice the steps; does reversal learned there hold at 480?).
+    # limit cuts it) and scores it on 16 held-out prompts x 4 samples (configs/number_list/eval.toml) of the
+    # benchmark's distribution (128-480 words), so one device call shows which recipe starts RL at a 0.3-0.6 reward.
+    # VARIANT: the candidates (default "a b c"; name:steps:batch:lr:min_items:max_items for another). a: the
+    # number_list branch's recipe; b: lr 2e-3; c: short lists only (8-64 words: ~0.2 s steps, twice the steps; does
+    # reversal learned there hold at 480?). ~3 min a candidate (model build, SFT <= 120 s, eval).
     for cand in ${VARIANT:-a b c}; do
       case $cand in
         a) cand=a:150:32:1e-3:8:480 ;;
@@ -107,7 +108,7 @@ case $PART in
       run "sft_probe_$name" 175 python3 benchmarks/rl_e2e.py --device cuda --task number_list --shape qwen3-0.6b \
         --out "$R" --sides none --tokenizer-files .whl/qwen3-tokenizer --sft-steps "$steps" --sft-batch "$batch" \
         --sft-lr "$lr" --sft-warmup-steps 20 --sft-limit-s 120 --sft-task-arg "min_items=$lo" --sft-task-arg "max_items=$hi" \
-        --max-tokens 1000 --eval-examples 16 --eval-samples 2 --eval-sft-limit-s 90 --budget-s 170 \
+        --max-tokens 1000 --eval-examples 16 --eval-sft-limit-s 90 --budget-s 170 \
         --compile-cache /tmp/rl_e2e_compile_cache
       cp "$R/results.json" "$R"/*.log "$OUT/sft_probe_$name/" 2> /dev/null
       cp "$R/eval_sft/summary.json" "$OUT/sft_probe_$name/eval_sft_summary.json" 2> /dev/null
