@@ -24,8 +24,14 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # matmul tiles (one config for every M: decode rows and training tokens reduce K the same way). BLOCK_N 64 rather than
 # 128: a decode step's M <= 64 rows fill one M tile, so the N tiles are its only parallelism (Qwen3-0.6B's o_proj:
-# 16 programs instead of 8); not measured on a GPU yet
-MM_BLOCK_M, MM_BLOCK_N, MM_BLOCK_K = 64, 64, 64
+# 16 programs instead of 8). On the H100 the exact engine decodes at 0.20x the default's tokens/s at batch 1
+# (docs/benchmarks.md): PRIME_SPMD_EXACT_MM_BLOCK_N (16, 32, 64, 128) sets BLOCK_N for `gpu_suite.sh exact OUT tiles`
+# to measure narrower tiles (more programs); each output still sums K in the same BLOCK_K steps. The trainer and the
+# engine must run with the same value (one process, or the same environment on every rank).
+MM_BLOCK_M, MM_BLOCK_K = 64, 64
+MM_BLOCK_N = int(os.environ.get("PRIME_SPMD_EXACT_MM_BLOCK_N", "64"))
+if MM_BLOCK_N not in (16, 32, 64, 128):
+    raise ValueError(f"PRIME_SPMD_EXACT_MM_BLOCK_N={MM_BLOCK_N}: choose 16, 32, 64 or 128")
 MM_WARPS, MM_STAGES = 4, 3
 # elements per program of the row-wise kernels (norm, SiLU-gate): rows per program = ROW_ELEMS // the padded row
 # length, a function of the row length only
