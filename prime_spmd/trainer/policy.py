@@ -152,33 +152,37 @@ class PolicyModel(nn.Module):
         return any(hasattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable") for m in self.lm.modules())
 
     def warm_up_compiled_blocks(self, device: torch.device) -> bool:
-        """Once, where the blocks are compiled: forward and backward three 8-token rows, one of each input kind a
-        micro-batch can give the blocks (one document: causal attention; documents packed under a mask, or varlen
-        where flash-attn runs; shared prompts: an explicit mask), so that dynamo compiles every graph now, in the
-        first step, instead of in whatever later step first meets a kind. A batch of rows of one document (RowLayout)
-        shares the one-document graph (``models/qwen3/model.py: COMPILED_BLOCK_SHAPES``). The loss is 0 x the
-        logprobs and the gradients are dropped after (set to None, as ``optimizer.zero_grad`` does), so the step's
-        gradients are unchanged. Returns whether it ran. Collective over the trainer role (FSDP2 gathers): every
-        trainer rank calls it at the same point (``train_step``)."""
+        """Once, where the blocks are compiled: forward and backward a tiny row of each input kind a micro-batch can
+        give the blocks, so that dynamo compiles every graph now, in the first step, instead of in whatever later
+        step first meets a kind. Kinds: causal attention over one row (one document, a dummy micro-batch) or several
+        (``RowLayout``), a packed row under a block mask (or varlen where flash-attn runs), shared-prompt rows under
+        an explicit mask, one row or several (a batch of one row is its own graph: dynamo specializes sizes 0 and 1).
+        The loss is 0 x the logprobs and the gradients are dropped after (set to None, as ``optimizer.zero_grad``
+        does), so the step's gradients are unchanged. Returns whether it ran. Collective over the trainer role
+        (FSDP2 gathers): every trainer rank calls it at the same point (``train_step``)."""
         if self._warmed_up:
             return False
         self._warmed_up = True
         if self.exact or not self.blocks_compiled():
             return False
         rows = [  # (token ids, positions, trained targets)
-            ([1, 2, 3, 4, 5, 6, 7, 8], list(range(8)), [0] * 8),
+            ([1, 2, 3, 4, 5, 6, 7, 8], list(range(8)), [0] * 8),  # one document
+            ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [0, 1, 2, 3, 4] * 2, [0] * 10),  # 2 documents: RowLayout [2, 5]
             ([1, 2, 3, 4, 5, 6, 7, 8], [0, 1, 2, 3, 4, 5, 0, 0], [0] * 8),  # 3 documents, too uneven for RowLayout
-            ([1, 2, 3, 4, 1, 2, 5, 6], [0, 1, 2, 3] * 2, [0, 1, 1, 0] * 2),  # one prompt [1, 2] shared by 2 documents
         ]
-        for ids, pos, trained in rows[: 3 if self.share_prompts else 2]:
-            loss_mask_T = torch.tensor(trained, dtype=torch.float32, device=device)
+        if self.share_prompts:
+            rows += [
+                ([1, 2, 3, 4, 1, 2, 5, 6], [0, 1, 2, 3] * 2, [0, 1, 1, 0] * 2),  # prompt [1, 2] shared: one row
+                ([1, 2, 3, 4, 1, 2, 5, 6, 7, 8, 9, 10, 7, 8, 11, 12], [0, 1, 2, 3] * 4, [0, 1, 1, 0] * 4),  # 2 rows
+            ]
+        for ids, pos, trained in rows:
             out = self(
                 torch.tensor([ids], device=device),
                 torch.tensor([pos], device=device),
                 torch.zeros(len(ids), dtype=torch.long, device=device),
                 1.0,
                 _ZeroLoss(),
-                {"loss_mask": loss_mask_T},
+                {"loss_mask": torch.tensor(trained, dtype=torch.float32, device=device)},
             )
             out.loss_sum.backward()
         for p in self.parameters():

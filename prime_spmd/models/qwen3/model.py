@@ -24,13 +24,12 @@ from prime_spmd.models.common.rope import RotaryEmbedding, apply_rope
 from prime_spmd.models.exact import ExactContext
 from prime_spmd.models.exact import block_forward as exact_block_forward
 
-COMPILED_BLOCK_SHAPES = dict(backed_size_oblivious=True, use_duck_shape=False)
+COMPILED_BLOCK_SHAPES = dict(use_duck_shape=False)
 """How dynamo gives symbols to the sizes of a compiled block's inputs (``--trainer.compile``,
-``distributed/fsdp.py: compile_block_forwards``), set around the block calls of ``forward_hidden``. Size-oblivious:
-a batch of one row gets a symbol like any other instead of its own graph (dynamo's 0/1 specialization; RL
-micro-batches have one row or several from step to step). No duck shapes: two dims equal at the first call (rows and
-tokens, tokens and hidden) stay two symbols, where a shared one would later fail its guard and recompile (torch 2.11
-on the H100: 7-9 s a recompile; /work/notes/recompile-log.md). Eager code ignores it."""
+``distributed/fsdp.py: compile_block_forwards``), set around the block calls of ``forward_hidden``. No duck shapes:
+two dims equal at the first call (rows and tokens, tokens and head dim) stay two symbols, where a shared one would
+later fail its guard and recompile (torch 2.11 on the H100: 7-9 s a recompile; /work/notes/recompile-log.md). Eager
+code ignores it."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -211,8 +210,6 @@ class Qwen3ForCausalLM(nn.Module):
         x_BTD = self.model.embed_tokens(input_ids)
         ctx = build_attn_context(position_ids, x_BTD.dtype, attn_mask_BTT=attn_mask_BTT)
         rope = self.model.rotary_emb(position_ids, x_BTD.dtype)
-        if ctx.mask_B1TT is not None:  # the heads' broadcast dim: a symbol there would fail SDPA's broadcast to N
-            torch._dynamo.mark_static(ctx.mask_B1TT, 1)
         with fx_config.patch(**COMPILED_BLOCK_SHAPES):
             for block in self.model.layers:
                 x_BTD = block(x_BTD, rope, ctx)
