@@ -192,8 +192,10 @@ case $PART in
       --variants "default:;exact:exact=1" --out "$OUT/train_step_exact"
     run mismatch_exact 60 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --exact --out "$OUT/mismatch_exact.json" ;;
   vlm)  # Qwen3-VL 2B shape, random weights: engine prefill / decode tokens/s with one 448x448 image a prompt beside
-    # text-only, the encoder's ms a prompt, then a trainer step's time and memory; ~4 min
-    run vlm 300 python3 benchmarks/vlm.py --device cuda --shape qwen3-vl-2b --images 0,1 --train \
-      --tokenizer-files .whl/qwen3-tokenizer --out "$OUT/vlm.json" ;;
+    # text-only, the encoder's ms a prompt, a bare trainer step's time and memory, then 6 RL steps (prime_spmd rl,
+    # visual env, 448x448 images, colocated): time split, memory, mismatch KL; ~6 min. vlm.json holds the engine's
+    # numbers before the RL run starts.
+    run vlm 420 python3 benchmarks/vlm.py --device cuda --shape qwen3-vl-2b --images 0,1 --train \
+      --rl-steps 6 --rl-limit-s 210 --tokenizer-files .whl/qwen3-tokenizer --out "$OUT/vlm.json" ;;
   *) echo "unknown part $PART (see the header)" >&2; exit 2 ;;
 esac

@@ -7,6 +7,13 @@ forward, the first token), decode tokens/s (the rest of ``--new-tokens``, no eos
 memory on the same samples (``train_steps``: a bf16 copy with bf16 AdamW, not the fp32 masters of the trainer). Each prompt holds ``--prompt-tokens`` text tokens plus its
 images (``--image-size`` pixels square: (size / 32)^2 LM tokens an image at the 2b shape).
 
+``--rl-steps N`` then runs ``python -m prime_spmd rl`` (configs/visual/rl.toml, colocated on the one device, max_async
+1) for N steps on a random ``--shape`` model written in the engine's dtype: the built-in ``visual`` environment with
+``--image-size`` images, ``--prompts`` x ``--group-size`` samples of ``--new-tokens`` tokens (eos allowed), no evals;
+its metrics.jsonl gives each step's time split (generate, train, weight sync, wait), samples/s and trained tokens/s
+(over the step's time), peak memory and mismatch KL, and their medians over steps >= 2 (the first two compile and
+capture graphs) that sync weights and generate the next batch (not the last two).
+
 The engine runs Qwen3-VL through prime_spmd/inference/vision_kv_runner.py: prefill eager (images, MRoPE positions,
 DeepStack), decode on the text engine's path (the fused decode layer, compiled, CUDA graphs on CUDA; ``--no-cuda-graphs``
 runs it eager, the baseline to compare on the same GPU). Each row and the JSON say which decode ran: ``cuda_graphs``
@@ -14,14 +21,20 @@ runs it eager, the baseline to compare on the same GPU). Each row and the JSON s
 and ``decode_linear``.
 
     python benchmarks/vlm.py --device cuda --shape qwen3-vl-2b --images 0,1 --train --out vlm.json   # H100: < 4 min
+    python benchmarks/vlm.py --device cuda --shape qwen3-vl-2b --images 0,1 --rl-steps 6 --out vlm.json
     python benchmarks/vlm.py --device cpu --shape qwen3-vl-nano --images 0,1 --prompts 2 --group-size 2 --new-tokens 4
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import signal
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,9 +50,28 @@ from prime_spmd.models.vlm import (  # noqa: E402
     VLM_PRESETS,
     VLMAdapter,
     build_image_processor,
+    build_tiny_vlm,
     build_vl_tokenizer,
     tiny_vlm_config,
 )
+from prime_spmd.rl.schedule import batch_after_step  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RL_KEYS = {  # metrics.jsonl key -> this script's name (prime_spmd/rl/loop.py, rl/samples.py)
+    "step_time_s": "step_s",
+    "gen_time_s": "generate_s",
+    "train_time_s": "train_s",
+    "train_fwd_bwd_s": "train_fwd_bwd_s",
+    "train_optim_s": "train_optim_s",
+    "weight_sync_s": "weight_sync_s",
+    "wait_s": "wait_s",
+    "train_samples": "samples",
+    "trained_tokens": "trained_tokens",
+    "too_long_samples": "too_long_samples",
+    "completion_len_mean": "completion_len_mean",
+    "mismatch_kl": "mismatch_kl",
+    "peak_memory_gib": "peak_memory_gib",
+}
 
 
 def build(shape: str, device: torch.device, dtype: torch.dtype, image_size: int, tokenizer_files: Path | None = None):
@@ -178,6 +210,110 @@ def train_steps(model, ps: list, group: int, new_tokens: int, device: torch.devi
     }
 
 
+def rl_seq_len(proc: VisionProcessor, image_size: int, new_tokens: int) -> int:
+    """``--trainer.seq_len`` that holds a visual prompt (its ``image_size`` image's tokens, the question, the chat
+    template) plus ``new_tokens``, with 64 tokens to spare, rounded up to a multiple of 64."""
+    from prime_spmd.data.visual import VisualTask, example_rng, visual_example
+
+    messages, _ = visual_example(example_rng(0, "train", 0), VisualTask(image_size=image_size))
+    ids, _ = proc.render(messages)
+    return -(-(len(ids) + new_tokens + 64) // 64) * 64
+
+
+def rl_steps(args: argparse.Namespace, dtype: torch.dtype, seq_len: int) -> dict:
+    """``args.rl_steps`` RL steps (``python -m prime_spmd rl`` in a child process, colocated on ``args.device``) on a
+    random ``args.shape`` model written to a temporary directory; returns {"config", "steps": per-step rows,
+    "median": medians over the steady steps}. A random model's groups mostly score alike (all 0): they are trained
+    anyway (--rollout.no_drop_zero_advantage_groups), so a step trains every sample. The child is killed past
+    ``args.rl_limit_s``; SystemExit unless every step was logged by then (the final checkpoint may still be
+    writing)."""
+    n = args.prompts * args.group_size
+    with tempfile.TemporaryDirectory(prefix="vlm_rl_") as tmp:
+        model = build_tiny_vlm(
+            Path(tmp) / "model",
+            preset=args.shape,
+            dtype=dtype,
+            tokenizer_files=args.tokenizer_files,
+            max_pixels=args.image_size * args.image_size,
+            device=args.device,
+        )
+        if args.device.startswith("cuda"):
+            gc.collect()  # the engine (CUDA graphs) and the models this process built
+            torch.cuda.empty_cache()
+        out = Path(tmp) / "rl"
+        # --env.args takes only the keys the recipe's [env.args] has: the recipe gets the image size there
+        recipe = (ROOT / "configs/visual/rl.toml").read_text()
+        assert recipe.count("[env.args]\n") == 1, "configs/visual/rl.toml: one [env.args] table expected"
+        recipe_path = Path(tmp) / "rl.toml"
+        recipe_path.write_text(recipe.replace("[env.args]\n", f'[env.args]\nimage_size = "{args.image_size}"\n'))
+        cmd = [sys.executable, "-m", "prime_spmd", "rl", "--config", str(recipe_path),
+               "--model.path", str(model), "--output_dir", str(out), "--trainer.max_steps", str(args.rl_steps),
+               "--rollout.max_async", "1", "--rollout.prompts_per_step", str(args.prompts),
+               "--rollout.group_size", str(args.group_size), "--rollout.no_drop_zero_advantage_groups",
+               "--inference.max_batch_size", str(n), "--sampling.max_tokens", str(args.new_tokens),
+               "--trainer.seq_len", str(seq_len), "--trainer.micro_batch_tokens", str(max(8192, seq_len)),
+               "--eval.interval_steps", "0", "--ckpt.interval_steps", "0", "--ckpt.no_save_hf",
+               "--log.no_progress", "--log.no_plots"]  # fmt: skip
+        t0 = time.perf_counter()
+        child = subprocess.Popen(cmd, cwd=ROOT)
+
+        def stop(signum: int, _frame) -> None:  # a `timeout` over this script: the child must not keep the device
+            child.kill()
+            raise SystemExit(128 + signum)
+
+        signal.signal(signal.SIGTERM, stop)
+        try:
+            rc = child.wait(timeout=args.rl_limit_s)
+        except subprocess.TimeoutExpired:  # fine if every step was logged: the final checkpoint was writing
+            child.kill()
+            child.wait()
+            rc = None
+        wall = time.perf_counter() - t0
+        metrics = out / "metrics.jsonl"
+        rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.is_file() else []
+    steps = []
+    for row in rows:
+        if "step_time_s" not in row:  # an eval-only row
+            continue
+        s = {"step": row["step"], **{name: row[k] for k, name in RL_KEYS.items() if k in row}}
+        s["samples_per_s"] = s["samples"] / s["step_s"]
+        s["trained_tokens_per_s"] = s["trained_tokens"] / s["step_s"]
+        steps.append(s)
+    if rc or len(steps) < args.rl_steps:
+        what = f"killed at --rl-limit-s {args.rl_limit_s}" if rc is None else f"rc={rc}"
+        raise SystemExit(f"prime_spmd rl failed ({what}) after {len(steps)} of {args.rl_steps} steps")
+    # steady state: from step 2 (the first steps compile and capture graphs), the steps that sync weights and generate
+    # a batch (max_async 1: not the last two); else every step from 2, else all
+    late = [s for s in steps if s["step"] >= 2 and batch_after_step(s["step"], 1, args.rl_steps) is not None]
+    late = late or [s for s in steps if s["step"] >= 2] or steps
+    median = {k: statistics.median(s[k] for s in late) for k in steps[0] if k != "step"}
+    config = {"seq_len": seq_len, "prompts": args.prompts, "group_size": args.group_size,
+              "max_tokens": args.new_tokens, "image_size": args.image_size, "dtype": str(dtype).removeprefix("torch."),
+              "median_steps": [s["step"] for s in late], "wall_s": wall, "killed_in_final_save": rc is None,
+              "argv": cmd[1:]}  # fmt: skip
+    return {"config": config, "steps": steps, "median": median}
+
+
+def print_rl(rl: dict) -> None:
+    """The RL steps' table: a row a step, then the medians."""
+    c = rl["config"]
+    print(
+        f"RL: {c['prompts']} prompts x {c['group_size']} samples, {c['max_tokens']} new tokens, {c['image_size']}px "
+        f"images, seq_len {c['seq_len']}, {c['dtype']}; {c['wall_s']:.0f} s with start-up"
+    )
+    print(
+        "| step | step s | generate s | train s | weight sync s | wait s | samples/s | trained tok/s | peak GiB "
+        "| mismatch KL |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for s in [*rl["steps"], {"step": f"median of {c['median_steps']}", **rl["median"]}]:
+        print(
+            f"| {s['step']} | {s['step_s']:.2f} | {s['generate_s']:.2f} | {s['train_s']:.2f} "
+            f"| {s['weight_sync_s']:.2f} | {s['wait_s']:.2f} | {s['samples_per_s']:.1f} "
+            f"| {s['trained_tokens_per_s']:.0f} | {s.get('peak_memory_gib', 0.0):.1f} | {s['mismatch_kl']:.2e} |"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -191,6 +327,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--train", action="store_true", help="also time a trainer step per --images count")
     ap.add_argument("--tokenizer-files", type=Path, default=None, help="dir with the qwen-3 tokenizer's two files")
+    ap.add_argument("--rl-steps", type=int, default=0, help="then N steps of prime_spmd rl on the visual env (0: off)")
+    ap.add_argument("--rl-limit-s", type=int, default=240, help="time limit of the RL child process, start-up included")
     ap.add_argument("--no-cuda-graphs", action="store_true", help="decode eager (no CUDA graphs, no compiled layer)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -273,8 +411,16 @@ def main() -> None:
                 f"| {r['images']} | {t['micro_batches']} | {t['tokens']} | {t['fwd_bwd_s']:.2f} | {t['optim_s']:.2f} "
                 f"| {t['train_tokens_per_s']:.0f} | {t['peak_gib']:.1f} |"
             )
-    if args.out:
-        args.out.write_text(json.dumps({"shape": args.shape, "device": name, "rows": rows, "peak_gib": mem}, indent=1))
+    result = {"shape": args.shape, "device": name, "rows": rows, "peak_gib": mem}
+    if args.out:  # written now too: the engine's numbers stand if the RL run fails
+        args.out.write_text(json.dumps(result, indent=1))
+    if args.rl_steps:
+        seq_len = rl_seq_len(proc, args.image_size, args.new_tokens)
+        del eng, model  # the RL child needs the device's memory
+        result["rl"] = rl_steps(args, dtype, seq_len)
+        print_rl(result["rl"])
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
