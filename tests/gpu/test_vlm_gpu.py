@@ -13,17 +13,16 @@ import pytest
 import torch
 from PIL import Image
 
-from prime_spmd.inference.engine import Request, SamplingParams
 from prime_spmd.inference.native import NativeEngine
 from prime_spmd.models.vision import VisionProcessor
 from prime_spmd.models.vlm import (
     VLM_BPE_TOKENS,
-    VLMAdapter,
     build_image_processor,
     build_vl_tokenizer,
     qwen3_tokenizer_files,
     tiny_vlm_config,
 )
+from tests.vlm_helpers import completion_logprob_diff, group_requests
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
@@ -69,35 +68,9 @@ def _prompts(proc, colors: list) -> list:
     return out + [proc.render([{"role": "user", "content": "No image here."}])]
 
 
-def _requests(prompts, group: int, max_tokens: int, tag: str) -> list[Request]:
-    return [
-        Request(
-            prompt_ids=list(ids),
-            vision=v,
-            request_id=f"{tag}{p}/{j}",
-            sampling=SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=31 * p + j, ignore_eos=True),
-        )
-        for p, (ids, v) in enumerate(prompts)
-        for j in range(group)
-    ]
-
-
 def _max_diff(model, reqs, done) -> float:
     """max |engine - trainer| over the completions' sampled-token logprobs."""
-    adapter, worst = VLMAdapter(model), 0.0
-    for r, c in zip(reqs, done):
-        ids = torch.tensor([r.prompt_ids + c.token_ids], device="cuda")
-        pos = torch.arange(ids.shape[1], device="cuda")[None]
-        with torch.no_grad():
-            if r.vision is None:
-                h = adapter.forward_hidden(ids, pos)
-            else:
-                h = adapter.forward_hidden_vision(ids, pos, [(0, r.vision.to(ids.device))])
-            lp = torch.log_softmax(model.lm_head(h)[0].float(), -1)
-        n = len(r.prompt_ids)
-        trainer = lp[n - 1 : -1].gather(-1, ids[0, n:, None])[:, 0].cpu()
-        worst = max(worst, float((torch.tensor(c.logprobs) - trainer).abs().max()))
-    return worst
+    return max(float(completion_logprob_diff(model, r, c).abs().max()) for r, c in zip(reqs, done))
 
 
 @pytest.mark.parametrize("kv_cache", ["slot", "paged"])
@@ -108,20 +81,20 @@ def test_vl_decode_with_cuda_graphs_matches_the_trainer(kv_cache, record_propert
     assert eng.use_graphs and r.layer_args is not None and r.glue and r.attention == "triton_qkv"
     delta = r.delta_S
     first = _prompts(proc, [(200, 20, 20)])
-    reqs = _requests(first, group=3, max_tokens=24, tag="a")
+    reqs = group_requests(first, 3, 24, seed_step=31, tag="a")
     d1 = _max_diff(model, reqs, eng.generate(reqs))
     assert eng._graphs, "no decode graph captured"
     captured = len(eng._graphs)
     # other prompts in other slots (the 3-image-kinds order reversed: each slot's offset changes), same buckets: the
     # graphs captured above replay and must read the new offsets from delta_S
     second = _prompts(proc, [(20, 200, 20)])[::-1]
-    reqs = _requests(second, group=3, max_tokens=24, tag="b")
+    reqs = group_requests(second, 3, 24, seed_step=31, tag="b")
     d2 = _max_diff(model, reqs, eng.generate(reqs))
     assert r.delta_S is delta
     # new weights loaded in place (a weight sync): the graphs read them
     other, _, _ = _build(seed=1)
     eng.load_weights(other.named_parameters())
-    reqs = _requests(first, group=3, max_tokens=24, tag="c")
+    reqs = group_requests(first, 3, 24, seed_step=31, tag="c")
     d3 = _max_diff(model, reqs, eng.generate(reqs))
     record_property("max_abs_logprob_diff", max(d1, d2, d3))
     record_property("decode_graphs", len(eng._graphs))

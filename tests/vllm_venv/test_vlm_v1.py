@@ -18,8 +18,7 @@ from prime_spmd.envs.loader import load_environment  # noqa: E402
 from prime_spmd.envs.vf_v1 import V1Environment  # noqa: E402
 from prime_spmd.inference.engine import Request, SamplingParams  # noqa: E402
 from prime_spmd.inference.native import NativeEngine  # noqa: E402
-from prime_spmd.models.vision import load_vision_processor  # noqa: E402
-from prime_spmd.models.vlm import VLMAdapter, build_tiny_vlm  # noqa: E402
+from tests.vlm_helpers import tiny_vlm, trainer_logprobs  # noqa: E402
 
 VISUAL = "tests/envs_v1/ps_v1_visual.py"
 # |engine logprob - trainer logprob| of sampled tokens, fp32: as tests/unit/test_vlm.py's (measured 9.5e-7 there)
@@ -28,12 +27,7 @@ LOGPROB_ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory):
-    from transformers import AutoModelForImageTextToText, AutoTokenizer
-
-    path = build_tiny_vlm(tmp_path_factory.mktemp("vlm"), seed=0)
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(path)
-    return path, model, tok, load_vision_processor(str(path), tok)
+    return tiny_vlm(tmp_path_factory)
 
 
 def _env(**args) -> V1Environment:
@@ -53,7 +47,6 @@ def test_v1_images_in_every_turn_are_token_exact(vlm):
     env = _env(num_examples=2)
     assert env.example("train", 0)["prompt"][0]["content"][0]["type"] == "image_url"
     groups = env.run_groups(eng, "train", [0, 1], 2, SamplingParams(max_tokens=5), seed=0)
-    adapter = VLMAdapter(model)
     for r in [r for g in groups for r in g]:
         assert r.metrics["failed"] == 0.0 and r.metrics["num_turns"] == 3.0  # a random model never answers right
         assert r.metrics["prefix_breaks"] == r.metrics["bridge_failures"] == 0
@@ -63,12 +56,8 @@ def test_v1_images_in_every_turn_are_token_exact(vlm):
         assert len(r.vision.image_starts) == 3 and r.info["graph_match"]
         for s in r.vision.image_starts:
             assert ids[s : s + 16] == [image_id] * 16
-        x = torch.tensor([ids])
-        with torch.no_grad():
-            h = adapter.forward_hidden_vision(x, torch.arange(x.shape[1])[None], [(0, r.vision)])
-            lp = torch.log_softmax(model.lm_head(h)[0].float(), -1)[:-1].gather(-1, x[0, 1:, None])[:, 0]
         on = torch.tensor(r.completion_mask, dtype=torch.bool)
-        trainer = lp[len(r.prompt_ids) - 1 :][on]
+        trainer = trainer_logprobs(model, ids, r.vision)[len(r.prompt_ids) - 1 :][on]
         torch.testing.assert_close(torch.tensor(r.inference_logprobs)[on], trainer, atol=LOGPROB_ATOL, rtol=0)
 
 
