@@ -4,7 +4,7 @@
 instance counts the parameters): the trainer's weights, gradients and AdamW moments (host-resident under
 ``--trainer.offload optimizer``), the engine's copy of the weights (its fused QKV / gate-up tensors re-point the
 modules' weights, no second copy) and, with ``--inference.quantization fp8``, its FP8 copies of the layer linears
-(never shared with the trainer: ``fp8_weight_bytes``), the KV cache (``inference/kv_cache.kv_bytes_per_token``: half
+(never shared with the trainer: ``fp8_weight_bytes``), the KV cache (``kv_bytes_per_token``: half
 the bytes, plus fp32 scales, under ``--inference.kv_cache_dtype fp8``), and the trainer's activations. ``check_fits`` compares the plan with the device's memory and refuses a run
 that cannot fit, printing the parts and the flags that would make it fit. ``phase`` names the phase (generate,
 train, sync) of an out-of-memory error raised inside it, with the same flags, instead of a bare CUDA trace.
@@ -23,8 +23,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from prime_spmd.inference.kv_cache import kv_bytes_per_token
-
 if TYPE_CHECKING:  # annotation only
     from prime_spmd.config import RLJobConfig
 
@@ -36,6 +34,19 @@ FIT_FLAGS = (
     "--inference.max_batch_size N (fewer sequences decoding at once)",
     "--trainer.micro_batch_tokens N and --trainer.activation_checkpointing (fewer activations)",
 )
+
+
+KV_SCALE_BYTES = 4
+"""Bytes of one fp32 scale: one per (position, kv head) for K and one for V under ``fp8``."""
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, model_bytes: int, kv_dtype: str) -> int:
+    """Bytes of K+V one token takes in every layer: ``model_bytes`` an element (``auto``) or one byte an element plus
+    an fp32 scale per kv head (``fp8``). ``estimate`` and the caches' ``nbytes_per_token`` (``inference/kv_cache.py``) use
+    it."""
+    if kv_dtype == "fp8":
+        return 2 * num_layers * num_kv_heads * (head_dim + KV_SCALE_BYTES)
+    return 2 * num_layers * num_kv_heads * head_dim * model_bytes
 
 
 @dataclass(kw_only=True, slots=True)

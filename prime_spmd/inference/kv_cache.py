@@ -25,18 +25,9 @@ from typing import Literal
 import torch
 
 from prime_spmd.kernels.decode_attention.reference import FP8_DTYPE, dequantize_kv, quantize_kv
+from prime_spmd.memory import kv_bytes_per_token
 
 KVCacheDtype = Literal["auto", "fp8"]
-KV_SCALE_BYTES = 4
-"""Bytes of one fp32 scale: one per (position, kv head) for K and one for V under ``fp8``."""
-
-
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, model_bytes: int, kv_dtype: str) -> int:
-    """Bytes of K+V one token takes in every layer: ``model_bytes`` an element (``auto``) or one byte an element plus
-    an fp32 scale per kv head (``fp8``). ``memory.estimate`` and the caches' ``nbytes_per_token`` both use it."""
-    if kv_dtype == "fp8":
-        return 2 * num_layers * num_kv_heads * (head_dim + KV_SCALE_BYTES)
-    return 2 * num_layers * num_kv_heads * head_dim * model_bytes
 
 
 def check_kv_cache_dtype(kv_dtype: str, device: torch.device, capability: tuple[int, int] | None = None) -> None:

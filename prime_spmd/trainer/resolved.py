@@ -69,8 +69,17 @@ def resolved_settings(
         out["inference.native.prefill"] = "layer_fn" if getattr(engine.runner, "prefill_layer", None) else "modules"
         out["inference.native.decode_steps_per_launch"] = engine.decode_steps
         out["inference.max_model_len"] = engine.max_model_len
+        cache = getattr(engine.runner, "cache", None)
+        if cache is None:
+            out["inference.kv_cache_dtype"] = generic
+        else:  # auto: the model's dtype
+            out["inference.kv_cache_dtype"] = (
+                "fp8" if cache.kv_dtype == "fp8" else str(cache.dtype).removeprefix("torch.")
+            )
     elif engine is not None:
         out.update({f"inference.native.{name}": "ignored (vllm)" for name in _NATIVE_ONLY})
+        kv = cfg.inference.kv_cache_dtype  # type: ignore[union-attr]
+        out["inference.kv_cache_dtype"] = "fp8" if kv == "fp8" else "auto (vllm: the model's dtype)"
     return out
 
 
