@@ -42,17 +42,15 @@ ATTN_BLOCK_T, ATTN_BLOCK_N = 16, 64
 LOGPROB_BLOCK_V = 2048
 
 
-@triton.jit(do_not_specialize=["M"])
-def matmul_kernel(
-    x_ptr, w_ptr, b_ptr, res_ptr, out_ptr, M, N, K, sxm, sxk, swn, swk, srm, som, son,
-    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+@triton.jit
+def _mm_acc(
+    x_ptr, w_ptr, M, N, K, sxm, sxk, swn, swk, pid_m, pid_n,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """out[M, N] = x[M, K] @ w[N, K].T (+ b[N]), fp32 accumulation over K in BLOCK_K steps from 0, rounded once;
-    with HAS_RES, then + res[M, N] rounded again (torch's ``res + linear(x)``: two roundings). Rows and columns past
-    the edges read rows M - ... again (index modulo M, N: unmasked loads the loop can pipeline) and are not stored;
-    EVEN_K (K % BLOCK_K == 0, a property of the weight) drops the K mask."""
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    """The fp32 tile x[rm] @ w[rn].T of program (pid_m, pid_n), summed over K in BLOCK_K steps from 0: the one
+    reduction every matmul here runs. Rows and columns past the edges read rows M - ... again (index modulo M, N:
+    unmasked loads the loop can pipeline); EVEN_K (K % BLOCK_K == 0, a property of the weight) drops the K mask."""
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -74,6 +72,22 @@ def matmul_kernel(
             acc = tl.dot(x, w, acc)
         x_ptrs += BLOCK_K * sxk
         w_ptrs += BLOCK_K * swk
+    return acc, rm, rn
+
+
+@triton.jit(do_not_specialize=["M"])
+def matmul_kernel(
+    x_ptr, w_ptr, b_ptr, res_ptr, out_ptr, M, N, K, sxm, sxk, swn, swk, srm, som, son,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """out[M, N] = x[M, K] @ w[N, K].T (+ b[N]), fp32 accumulation over K in BLOCK_K steps from 0 (``_mm_acc``),
+    rounded once; with HAS_RES, then + res[M, N] rounded again (torch's ``res + linear(x)``: two roundings). Rows and
+    columns past the edges are not stored."""
+    acc, rm, rn = _mm_acc(
+        x_ptr, w_ptr, M, N, K, sxm, sxk, swn, swk, tl.program_id(0), tl.program_id(1),
+        UPCAST, IEEE, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     mask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -82,6 +96,31 @@ def matmul_kernel(
         res = tl.load(res_ptr + rm[:, None] * srm + rn[None, :], mask=mask, other=0.0)
         out = (out.to(tl.float32) + res.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rm[:, None] * som + rn[None, :] * son, out, mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def matmul_segments_kernel(
+    x_ptr, w0_ptr, w1_ptr, w2_ptr, o0_ptr, o1_ptr, o2_ptr, M, N0, N1, N2, K, sxm, sxk, sw0, sw1, sw2, swk,
+    NSEG: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """x @ w_i.T for NSEG (2 or 3) weights of one input in one launch (q/k/v, gate/up): the N tiles of w0, then
+    w1's, then w2's along program axis 1, each output o_i [M, N_i] contiguous, no bias. A tile's reduction is
+    ``_mm_acc``'s, as in ``matmul_kernel``: more programs a launch and fewer launches, the same sums."""
+    pid = tl.program_id(1)
+    t0 = tl.cdiv(N0, BLOCK_N)
+    t1 = tl.cdiv(N1, BLOCK_N)
+    w_ptr, o_ptr, N, swn, pid_n = w0_ptr, o0_ptr, N0, sw0, pid
+    if pid >= t0:
+        w_ptr, o_ptr, N, swn, pid_n = w1_ptr, o1_ptr, N1, sw1, pid - t0
+    if NSEG == 3:
+        if pid >= t0 + t1:
+            w_ptr, o_ptr, N, swn, pid_n = w2_ptr, o2_ptr, N2, sw2, pid - t0 - t1
+    acc, rm, rn = _mm_acc(
+        x_ptr, w_ptr, M, N, K, sxm, sxk, swn, swk, tl.program_id(0), pid_n, UPCAST, IEEE, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K
+    )  # fmt: skip
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    tl.store(o_ptr + rm[:, None] * N + rn[None, :], acc.to(o_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["R"])

@@ -70,6 +70,53 @@ class _Linear(torch.autograd.Function):
         return gx, gw, gb, None, grad if ctx.needs_input_grad[4] else None
 
 
+class _LinearSegments(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, *ws):
+        ctx.save_for_backward(x, *ws)
+        x_MK = x.reshape(-1, x.shape[-1])
+        M, Kd = x_MK.shape
+        outs = [torch.empty(M, w.shape[0], dtype=x.dtype, device=x.device) for w in ws]
+        if M:
+            upcast, ieee = _flags(x.dtype)
+            pad = (ws + (ws[0],) * 3)[:3]
+            opad = (tuple(outs) + (outs[0],) * 3)[:3]
+            ns = [w.shape[0] for w in pad]
+            tiles = sum(triton_cdiv(w.shape[0], K.MM_BLOCK_N) for w in ws)
+            K.matmul_segments_kernel[(triton_cdiv(M, K.MM_BLOCK_M), tiles)](
+                x_MK, *pad, *opad, M, *ns, Kd, x_MK.stride(0), x_MK.stride(1), *(w.stride(0) for w in pad), 1,
+                NSEG=len(ws), UPCAST=upcast, IEEE=ieee, EVEN_K=Kd % K.MM_BLOCK_K == 0,
+                BLOCK_M=K.MM_BLOCK_M, BLOCK_N=K.MM_BLOCK_N, BLOCK_K=K.MM_BLOCK_K, num_warps=K.MM_WARPS,
+                num_stages=K.MM_STAGES,
+            )  # fmt: skip
+        return tuple(o.view(*x.shape[:-1], o.shape[1]) for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *ws = ctx.saved_tensors
+        x_MK = x.reshape(-1, x.shape[-1])
+        gx, gws = None, []
+        for i, (w, g) in enumerate(zip(ws, grads, strict=True)):
+            g_MN = g.reshape(-1, g.shape[-1])
+            if ctx.needs_input_grad[0]:
+                part = g_MN.to(w.dtype) @ w
+                gx = part if gx is None else gx + part
+            gws.append((g_MN.T.to(x.dtype) @ x_MK).to(w.dtype) if ctx.needs_input_grad[1 + i] else None)
+        return (None if gx is None else gx.view(x.shape).to(x.dtype)), *gws
+
+
+def linear_segments(x: torch.Tensor, *ws_NK: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tuple(linear(x, w) for w in ws_NK)`` (2 or 3 weights, no bias, x's dtype) in one launch: each output column
+    is summed exactly as ``linear`` sums it (the same tile reduction), with more programs a launch (q/k/v, gate/up
+    of a decode step). Weights [N_i, K] with contiguous rows."""
+    check_device(x)
+    if not 2 <= len(ws_NK) <= 3 or any(w.stride(1) != 1 for w in ws_NK):
+        raise ValueError(
+            f"linear_segments: 2 or 3 weights with contiguous rows, got {[tuple(w.stride()) for w in ws_NK]}"
+        )
+    return _LinearSegments.apply(x, *ws_NK)
+
+
 def linear(
     x: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None = None, out_dtype=None, residual=None
 ) -> torch.Tensor:

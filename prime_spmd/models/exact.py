@@ -109,9 +109,11 @@ def layer_qkv(layer: nn.Module, x: torch.Tensor, rope: tuple[torch.Tensor, torch
     h = op.rms_norm(x, layer.input_layernorm.weight, _eps(layer.input_layernorm))
     lead = x.shape[:-1]
     dh = attn.head_dim
-    q = op.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(*lead, -1, dh)
-    k = op.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(*lead, -1, dh)
-    v = op.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(*lead, -1, dh)
+    projs = (attn.q_proj, attn.k_proj, attn.v_proj)
+    if all(m.bias is None for m in projs):  # one launch (the same sums as three: op.linear_segments)
+        q, k, v = (t.view(*lead, -1, dh) for t in op.linear_segments(h, *(m.weight for m in projs)))
+    else:
+        q, k, v = (op.linear(h, m.weight, m.bias).view(*lead, -1, dh) for m in projs)
     cos, sin = rope
     if getattr(attn, "q_norm", None) is not None:  # Qwen3: norm and RoPE in one launch
         q = op.rms_norm_rope(q, attn.q_norm.weight, _eps(attn.q_norm), cos, sin, pos)
@@ -129,7 +131,7 @@ def layer_out(layer: nn.Module, x: torch.Tensor, o: torch.Tensor) -> torch.Tenso
     attn, mlp = layer.self_attn, layer.mlp
     x = op.linear(o, attn.o_proj.weight, attn.o_proj.bias, residual=x)
     h = op.rms_norm(x, layer.post_attention_layernorm.weight, _eps(layer.post_attention_layernorm))
-    gated = op.silu_mul(op.linear(h, mlp.gate_proj.weight), op.linear(h, mlp.up_proj.weight))
+    gated = op.silu_mul(*op.linear_segments(h, mlp.gate_proj.weight, mlp.up_proj.weight))
     return op.linear(gated, mlp.down_proj.weight, residual=x)
 
 

@@ -319,6 +319,11 @@ def batch_invariant_variants():
                sig("x_ptr w_ptr b_ptr res_ptr out_ptr M N K sxm sxk swn swk srm som son",
                    f"*bf16 *bf16 *bf16 *bf16 *{out} " + "i32 " * 10),
                {**mm, "HAS_BIAS": bias, "HAS_RES": res}, {"num_warps": bi.MM_WARPS, "num_stages": bi.MM_STAGES})  # fmt: skip
+    for nseg in (2, 3):
+        yield (f"batch_invariant matmul {nseg} segments", bi.matmul_segments_kernel,
+               sig("x_ptr w0_ptr w1_ptr w2_ptr o0_ptr o1_ptr o2_ptr M N0 N1 N2 K sxm sxk sw0 sw1 sw2 swk",
+                   "*bf16 " * 7 + "i32 " * 11),
+               {**{k: v for k, v in mm.items()}, "NSEG": nseg}, {"num_warps": bi.MM_WARPS, "num_stages": bi.MM_STAGES})  # fmt: skip
     for d in (128, 1024):
         yield (f"batch_invariant rms_norm D {d}", bi.rms_norm_kernel,
                sig("x_ptr w_ptr out_ptr R D sx so eps", "*bf16 *bf16 *bf16 i32 i32 i32 i32 fp32"),

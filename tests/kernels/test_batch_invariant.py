@@ -67,6 +67,29 @@ def test_linear_backward(device, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,ns", [(1, (96, 40, 40)), (70, (130, 64)), (129, (257, 65, 1))])
+def test_linear_segments_equal_separate_linears(device, dtype, m, ns):
+    """One launch for q/k/v or gate/up: each output is ``linear``'s, bit for bit, at any row count; gradients as
+    torch's."""
+    gen = torch.Generator().manual_seed(m + sum(ns))
+    x = _rand(gen, m, 96, dtype=dtype, device=device)
+    ws = [_rand(gen, n, 96, dtype=dtype, device=device) for n in ns]
+    got = op.linear_segments(x, *ws)
+    for y, w in zip(got, ws, strict=True):
+        assert y.shape == (m, w.shape[0]) and torch.equal(y, op.linear(x, w))
+    assert all(torch.equal(a[-1:], b) for a, b in zip(got, op.linear_segments(x[-1:], *ws)))  # a row alone
+    xg = x.detach().requires_grad_()
+    wg = [w.detach().requires_grad_() for w in ws]
+    gs = [_rand(gen, m, w.shape[0], dtype=dtype, device=device) for w in ws]
+    got = torch.autograd.grad(op.linear_segments(xg, *wg), (xg, *wg), gs)
+    want = torch.autograd.grad([ref.linear_reference(xg, w) for w in wg], (xg, *wg), gs)
+    for a, e in zip(got, want, strict=True):
+        assert _rel(a, e) < RTOL[dtype]
+    with pytest.raises(ValueError, match="linear_segments: 2 or 3 weights"):
+        op.linear_segments(x, ws[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,d", [(1, 16), (37, 24), (300, 64), (5, 1024)])
 def test_rms_norm(device, dtype, rows, d):
     gen = torch.Generator().manual_seed(rows + d)
