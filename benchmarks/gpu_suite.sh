@@ -195,7 +195,12 @@ case $PART in
     # text-only, the encoder's ms a prompt, a bare trainer step's time and memory, then 6 RL steps (prime_spmd rl,
     # visual env, 448x448 images, colocated): time split, memory, mismatch KL; ~6 min. vlm.json holds the engine's
     # numbers before the RL run starts.
+    # First the CUDA test of the VL fast decode (graphs, slot and paged, against the trainer); last the eager decode
+    # (--no-cuda-graphs) beside it, engine rows only, if the call has time left (~9 min in all).
+    run tests_vlm 90 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/gpu/test_vlm_gpu.py
     run vlm 420 python3 benchmarks/vlm.py --device cuda --shape qwen3-vl-2b --images 0,1 --train \
-      --rl-steps 6 --rl-limit-s 210 --tokenizer-files .whl/qwen3-tokenizer --out "$OUT/vlm.json" ;;
+      --rl-steps 6 --rl-limit-s 210 --tokenizer-files .whl/qwen3-tokenizer --out "$OUT/vlm.json"
+    run vlm_eager 90 python3 benchmarks/vlm.py --device cuda --shape qwen3-vl-2b --images 0,1 --no-cuda-graphs \
+      --tokenizer-files .whl/qwen3-tokenizer --out "$OUT/vlm_eager.json" ;;
   *) echo "unknown part $PART (see the header)" >&2; exit 2 ;;
 esac
