@@ -359,18 +359,7 @@ class LlamaStyleRunner:
         elif self.attention == "triton_qkv":  # the models' own modules compute q/k: the kernel cannot take them over
             self.attention = "triton"
         self.fp8 = self._setup_quantization(quantization)
-        # the Triton decode path (decode linears triton: CUDA's default at hidden size <= 1024) also takes the step's
-        # inputs and the engine's state advance from kernels/decode_glue: one launch each instead of five and four
-        self.glue = (
-            self.layer_args is not None
-            and self.linear == "triton"
-            and self.attention in ("triton", "triton_qkv")
-            and type(self.inner.embed_tokens) is torch.nn.Embedding
-        )
-        if self.glue:
-            from prime_spmd.kernels.decode_glue.kernel import step_inputs
-
-            self.step_inputs = step_inputs
+        self._setup_glue()
         self.prefill_layer = None
         if prefill_layer_fn is None:
             prefill_layer_fn = (device.type == "cuda" or self.fp8 is not None) and self.layer_args is not None
@@ -383,6 +372,21 @@ class LlamaStyleRunner:
                 raise ValueError(f"prefill layer_fn needs a dense Llama-style decoder, not {type(model).__name__}")
             fn = make_prefill_layer(self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale)
             self.prefill_layer = compile_exact(fn) if compile_decode and device.type == "cuda" else fn
+
+    def _setup_glue(self) -> None:
+        """The Triton decode path (the fused layer with decode linears triton: CUDA's default at hidden size <= 1024)
+        also takes the step's inputs and the engine's state advance from kernels/decode_glue: one launch each instead
+        of five and four (``self.glue``, ``self.step_inputs``)."""
+        self.glue = (
+            self.layer_args is not None
+            and self.linear == "triton"
+            and self.attention in ("triton", "triton_qkv")
+            and type(self.inner.embed_tokens) is torch.nn.Embedding
+        )
+        if self.glue:
+            from prime_spmd.kernels.decode_glue.kernel import step_inputs
+
+            self.step_inputs = step_inputs
 
     def _setup_fused_decode(self, model: torch.nn.Module, compile_decode: bool) -> None:
         layers = model.model.layers
@@ -648,7 +652,16 @@ def build_runner(
         from prime_spmd.inference.vision_kv_runner import VisionKVRunner
 
         return VisionKVRunner(
-            model, num_slots, max_len, device, compile_decode, attention, linear, kv_cache, kv_block_size, kv_cache_tokens
+            model,
+            num_slots,
+            max_len,
+            device,
+            compile_decode,
+            attention,
+            linear,
+            kv_cache,
+            kv_block_size,
+            kv_cache_tokens,
         )
     if adapter_for(model).supports_slot_cache():
         return LlamaStyleRunner(

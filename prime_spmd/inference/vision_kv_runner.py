@@ -32,7 +32,7 @@ from prime_spmd.inference.runner import (
     LlamaStyleRunner,
     resolve_decode_attention,
 )
-from prime_spmd.models.adapter import plain_projections
+from prime_spmd.models.adapter import plain_decoder_layers
 from prime_spmd.models.common.rope import rotate
 from prime_spmd.models.vision import VisionInputs
 from prime_spmd.models.vlm import mrope_positions
@@ -77,15 +77,9 @@ class VisionKVRunner(LlamaStyleRunner):
             self.attention = resolve_decode_attention(attention, device)  # the base took triton_qkv back to triton
             # _setup_fused_decode reads ``.model.layers`` and ``.model.norm``: the language model's
             self._setup_fused_decode(SimpleNamespace(model=self.inner), compile_decode and device.type == "cuda")
-            self.glue = (
-                self.linear == "triton"
-                and self.attention in ("triton", "triton_qkv")
-                and type(self.inner.embed_tokens) is torch.nn.Embedding
-            )
+            self._setup_glue()
             if self.glue:
-                from prime_spmd.kernels.decode_glue.kernel import step_inputs
-
-                self.step_inputs = self._shifted_step_inputs(step_inputs)
+                self.step_inputs = self._shifted_step_inputs(self.step_inputs)
         self.delta_S = torch.zeros(num_slots, dtype=torch.long, device=device)
         self.slot_keys: list[str | None] = [None] * num_slots
         self._next_vision: dict[int, VisionInputs | None] = {}
@@ -193,13 +187,4 @@ def fused_decode_ok(model: torch.nn.Module) -> bool:
     cfg = model.config.text_config
     if getattr(cfg, "num_experts", 0) or getattr(cfg, "hidden_act", None) != "silu":
         return False
-    eps = float(cfg.rms_norm_eps)
-    for layer in model.model.language_model.layers:
-        if not plain_projections(layer):
-            return False
-        attn = layer.self_attn
-        norms = [layer.input_layernorm, layer.post_attention_layernorm]
-        norms += [getattr(attn, n) for n in ("q_norm", "k_norm") if hasattr(attn, n)]
-        if not all(type(n).__name__.endswith("RMSNorm") and getattr(n, "variance_epsilon", None) == eps for n in norms):
-            return False
-    return True
+    return plain_decoder_layers(model.model.language_model.layers, float(cfg.rms_norm_eps))

@@ -86,6 +86,20 @@ def plain_projections(layer: nn.Module) -> bool:
     return all(type(m) is nn.Linear for m in lins) and all(m.bias is None for m in lins[4:])
 
 
+def plain_decoder_layers(layers, eps: float) -> bool:
+    """Whether every decoder layer of ``layers`` has the plain shape the fused decode layer reads
+    (``plain_projections``) and RMSNorms (input, post-attention, q/k where present) of epsilon ``eps``."""
+    for layer in layers:
+        if not plain_projections(layer):
+            return False
+        attn = layer.self_attn
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        norms += [getattr(attn, n) for n in ("q_norm", "k_norm") if hasattr(attn, n)]
+        if not all(type(n).__name__.endswith("RMSNorm") and getattr(n, "variance_epsilon", None) == eps for n in norms):
+            return False
+    return True
+
+
 class ModelAdapter:
     """One model family's answers; ``lm`` is the causal LM (not a wrapper of it). Subclasses implement
     the methods that raise ``NotImplementedError`` and override the defaults that do not fit."""

@@ -162,34 +162,22 @@ def block_forward(
     return layer_out(layer, x_BTD, o.reshape(B, T, -1))
 
 
-def forward_hidden(lm: nn.Module, input_ids_BT: torch.Tensor) -> torch.Tensor:
+def forward_hidden(
+    lm: nn.Module, input_ids_BT: torch.Tensor, pos_1N: torch.Tensor | None = None, shared: SharedRows | None = None
+) -> torch.Tensor:
     """Final-norm hidden states [B, T, D] of rows that each hold one document from position 0 (right padding is
-    harmless: causal). Layers are called as modules (FSDP2's hooks gather their weights) and dispatch to
+    harmless: causal), or with ``shared`` of its one flat row of prefix and suffix rows ([1, N]; ``pos_1N``: each
+    token's position). Layers are called as modules (FSDP2's hooks gather their weights) and dispatch to
     ``block_forward`` on the ``ExactContext``."""
     from prime_spmd.kernels.batch_invariant import op  # lazily: Triton loads only in exact mode
 
     B, T = input_ids_BT.shape
     inner = lm.model
     x = inner.embed_tokens(input_ids_BT)
+    pos_BT = torch.arange(T, device=x.device).expand(B, T) if shared is None else pos_1N
     attn = inner.layers[0].self_attn
-    rope = rope_tables(attn.head_dim, rope_theta(lm), T, x.device, x.dtype)
-    pos_BT = torch.arange(T, device=x.device).expand(B, T)
-    ctx = ExactContext(start_B=torch.zeros(B, dtype=torch.long, device=x.device), pos_BT=pos_BT)
-    for layer in inner.layers:
-        x = layer(x, rope, ctx)
-    return op.rms_norm(x, inner.norm.weight, _eps(inner.norm))
-
-
-def forward_hidden_shared(lm: nn.Module, input_ids_1N: torch.Tensor, pos_1N: torch.Tensor, shared: SharedRows):
-    """``forward_hidden`` over the flat row of ``shared``'s prefix and suffix rows (``pos_1N``: each token's position):
-    final-norm hidden states [1, N, D]."""
-    from prime_spmd.kernels.batch_invariant import op  # lazily: Triton loads only in exact mode
-
-    inner = lm.model
-    x = inner.embed_tokens(input_ids_1N)
-    attn = inner.layers[0].self_attn
-    rope = rope_tables(attn.head_dim, rope_theta(lm), int(pos_1N.max()) + 1, x.device, x.dtype)
-    ctx = ExactContext(start_B=torch.zeros(1, dtype=torch.long, device=x.device), pos_BT=pos_1N, shared=shared)
+    rope = rope_tables(attn.head_dim, rope_theta(lm), T if shared is None else int(pos_BT.max()) + 1, x.device, x.dtype)
+    ctx = ExactContext(start_B=torch.zeros(B, dtype=torch.long, device=x.device), pos_BT=pos_BT, shared=shared)
     for layer in inner.layers:
         x = layer(x, rope, ctx)
     return op.rms_norm(x, inner.norm.weight, _eps(inner.norm))

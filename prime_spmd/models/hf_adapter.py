@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from prime_spmd.models.adapter import ModelAdapter, ModelDims, ModelOutput, plain_projections
+from prime_spmd.models.adapter import ModelAdapter, ModelDims, ModelOutput, plain_decoder_layers
 from prime_spmd.models.common.moe import load_balance_loss
 
 LLAMA_STYLE = {"qwen3", "qwen2", "llama", "mistral"}
@@ -120,19 +120,7 @@ class HFAdapter(ModelAdapter):
     def supports_fused_decode(self) -> bool:
         if not self.supports_slot_cache() or getattr(self.lm.config, "hidden_act", None) != "silu":
             return False
-        eps = self.dims().rms_norm_eps
-        for layer in self.lm.model.layers:
-            if not plain_projections(layer):
-                return False
-            attn = layer.self_attn
-            norms = [layer.input_layernorm, layer.post_attention_layernorm] + [
-                getattr(attn, n) for n in ("q_norm", "k_norm") if hasattr(attn, n)
-            ]
-            if not all(type(n).__name__.endswith("RMSNorm") and hasattr(n, "variance_epsilon") for n in norms):
-                return False
-            if any(n.variance_epsilon != eps for n in norms):
-                return False
-        return True
+        return plain_decoder_layers(self.lm.model.layers, self.dims().rms_norm_eps)
 
     def rope_tables(self, max_len: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         pos = torch.arange(max_len, device=device)[None]

@@ -14,8 +14,10 @@ import torch
 from torch import nn
 
 from prime_spmd.models.adapter import ModelOutput
-from prime_spmd.models.exact import SharedRows, check_exact_model, forward_hidden, forward_hidden_shared
+from prime_spmd.models.exact import SharedRows, check_exact_model, forward_hidden
 from prime_spmd.trainer.packing import _doc_bounds, _first_trained, row_layout
+
+POSITIONS_ERROR = "--model.exact: every document must start at position 0 and count up by one"
 
 
 def check_trainer_model(lm: nn.Module) -> None:
@@ -34,11 +36,14 @@ def _share_plan(
     """Prompt sharing for a packed row whose documents run from position 0: (flat ids [1, N], positions [1, N],
     ``SharedRows``, index [P] of each packed token's hidden state in the flat row, packed tokens not run), or None
     when no two documents share the tokens before their first trained one, or the padded rows would not be fewer
-    tokens than the unshared path's (one row a document, padded to the longest). A document's prefix is its tokens before its first trained token; documents with
-    equal prefixes form a group whose prefix runs once (``models/exact.py``, ``SharedRows``)."""
+    tokens than the unshared path's (one row a document, padded to the longest); ValueError when a document does not
+    start at position 0. A document's prefix is its tokens before its first trained token; documents with equal
+    prefixes form a group whose prefix runs once (``models/exact.py``, ``SharedRows``)."""
     ids, pos = input_ids_1P[0].tolist(), position_ids_1P[0].tolist()
     trained = loss_mask_P.bool().tolist()
     docs = _doc_bounds(pos)
+    if any(pos[a] != 0 for a, _ in docs):  # documents count up by one from their start (_doc_bounds)
+        raise ValueError(POSITIONS_ERROR)
     groups: dict[tuple[int, ...], int] = {}
     doc_group, prefix_len = [], []
     for a, b in docs:
@@ -87,22 +92,17 @@ def exact_hidden(
     rows of ``_share_plan`` when documents share a prompt; every document must run positions 0, 1, 2, ...
     (ValueError otherwise: the engine's positions start at 0)."""
     if loss_mask_T is not None and input_ids_BT.shape[0] == 1:
-        pos = position_ids_BT[0]
-        starts = torch.ones_like(pos, dtype=torch.bool)
-        starts[1:] = pos[1:] != pos[:-1] + 1
-        if not bool((pos[starts] == 0).all()):
-            raise ValueError("--model.exact: every document must start at position 0 and count up by one")
         plan = _share_plan(input_ids_BT, position_ids_BT, loss_mask_T)
         if plan is not None:
             ids_1N, pos_1N, shared, index_P, not_run = plan
-            hidden_1ND = forward_hidden_shared(lm, ids_1N, pos_1N, shared)
+            hidden_1ND = forward_hidden(lm, ids_1N, pos_1N, shared)
             return hidden_1ND[0][index_P], ModelOutput(hidden_1ND), not_run
     layout = row_layout(position_ids_BT, max_pad_factor=math.inf) if input_ids_BT.shape[0] == 1 else None
     ids, pos = (
         (input_ids_BT, position_ids_BT) if layout is None else (layout.to_rows(input_ids_BT), layout.position_ids_ST)
     )
     if not torch.equal(pos, torch.arange(pos.shape[1], device=pos.device).expand_as(pos)):
-        raise ValueError("--model.exact: every document must start at position 0 and count up by one")
+        raise ValueError(POSITIONS_ERROR)
     hidden_BTD = forward_hidden(lm, ids)
     D = hidden_BTD.shape[-1]
     hidden_TD = hidden_BTD.reshape(-1, D) if layout is None else layout.from_rows(hidden_BTD)
