@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_suite.sh PART OUTDIR [VARIANT]
 # PART: tests ["kernels unit" | "gpu exact"] | engine | prefill | loss | moe | train_step | weight_sync | env_bridge
 #       | rl_e2e [reverse_text | number_list] | sft_probe ["a b c" | name:steps:batch:lr:min_items:max_items]
-#       | scale [small | large | moe | h200] | fp8 [ops] | exact [tiles] | vlm
+#       | scale [small | large | moe | h200] | fp8 [ops] | exact [tiles] | vlm [rl]
 # Each step has its own time limit, so that one slow step does not lose the others' results.
 set -uo pipefail
 PART=$1; OUT=${2:-/tmp/gpu_out}; VARIANT=${3:-}; mkdir -p "$OUT"
@@ -197,6 +197,12 @@ case $PART in
     # numbers before the RL run starts.
     # First the CUDA test of the VL fast decode (graphs, slot and paged, against the trainer); last the eager decode
     # (--no-cuda-graphs) beside it, engine rows only, if the call has time left (~9 min in all).
+    # VARIANT rl: only the RL steps (one engine row with one image before them; ~4 min)
+    if [ "$VARIANT" = rl ]; then
+      run vlm_rl 300 python3 benchmarks/vlm.py --device cuda --shape qwen3-vl-2b --images 1 --rl-steps 6 --rl-limit-s 240 \
+        --tokenizer-files .whl/qwen3-tokenizer --out "$OUT/vlm_rl.json"
+      exit 0
+    fi
     run tests_vlm 90 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/gpu/test_vlm_gpu.py
     run vlm 420 python3 benchmarks/vlm.py --device cuda --shape qwen3-vl-2b --images 0,1 --train \
       --rl-steps 6 --rl-limit-s 210 --tokenizer-files .whl/qwen3-tokenizer --out "$OUT/vlm.json"

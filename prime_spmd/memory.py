@@ -91,12 +91,15 @@ class MemoryPlan:
 
 def model_shape(path: str, trust_remote_code: bool = False) -> ModelShape:
     """Count the parameters of the model at ``path`` on the meta device (no weights read, no memory)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     text = getattr(cfg, "text_config", cfg)
+    # a vision-language model (a vision tower beside the text model) has no causal-LM class in every transformers
+    # release (5.17 refuses Qwen3-VL there): build it as image-text-to-text, as models/loading.py loads it
+    auto = AutoModelForImageTextToText if hasattr(cfg, "vision_config") else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=trust_remote_code)
+        model = auto.from_config(cfg, trust_remote_code=trust_remote_code)
     num_params = sum(p.numel() for p in model.parameters())
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads

@@ -19,6 +19,20 @@ def test_model_shape_counts_the_real_parameters(tmp_path) -> None:
     assert (shape.num_layers, shape.hidden_size, shape.num_kv_heads) == (2, 64, 2)
 
 
+def test_model_shape_of_a_vision_language_model(tmp_path) -> None:
+    """A Qwen3-VL counts its vision tower too; transformers 5.17 has no causal-LM class for it (the H100 run of
+    benchmarks/vlm.py --rl-steps failed there), so the count builds it as image-text-to-text."""
+    from transformers import AutoModelForImageTextToText
+
+    from prime_spmd.models.vlm import build_tiny_vlm
+
+    path = build_tiny_vlm(tmp_path / "vl")
+    shape = memory.model_shape(str(path))
+    model = AutoModelForImageTextToText.from_pretrained(path)
+    assert shape.num_params == sum(p.numel() for p in model.parameters())
+    assert shape.num_params > sum(p.numel() for p in model.model.language_model.parameters())
+
+
 def _shape() -> memory.ModelShape:  # the Qwen3-4B shape's counts
     return memory.ModelShape(
         num_params=4_022_468_096, num_layers=36, hidden_size=2560, intermediate_size=9728,
