@@ -3,6 +3,8 @@ a refusal that names the flags, and an out-of-memory error that names its phase.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -31,6 +33,11 @@ def test_model_shape_of_a_vision_language_model(tmp_path) -> None:
     model = AutoModelForImageTextToText.from_pretrained(path)
     assert shape.num_params == sum(p.numel() for p in model.parameters())
     assert shape.num_params > sum(p.numel() for p in model.model.language_model.parameters())
+    assert shape.vision and not memory.model_shape(str(build_tiny_model(tmp_path / "m", preset="qwen3-nano"))).vision
+    kw = dict(num_trainable=shape.num_params, lora=False, offload="none", share_weights=True, kv_cache_tokens=64,
+              micro_batch_tokens=1024, activation_checkpointing=False)  # fmt: skip
+    text = memory.estimate(dataclasses.replace(shape, vision=False), **kw).train["activations"]
+    assert memory.estimate(shape, **kw).train["activations"] == memory.VISION_ACTIVATION_FACTOR * text
 
 
 def _shape() -> memory.ModelShape:  # the Qwen3-4B shape's counts
