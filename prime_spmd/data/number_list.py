@@ -83,8 +83,10 @@ class NumberListTask:
     """Fewest digits an item has (no leading zeros: a d-digit item lies in [10^(d-1), 10^d), 1 digit: [0, 9])."""
     max_digits: int = 2
     """Most digits an item has."""
-    transform: Literal["reverse", "sort", "mixed"] = "reverse"
-    """reverse the list, sort it ascending, or one of the two per example (seeded; named in the prompt)."""
+    transform: Literal["reverse", "sort", "mixed", "count"] = "reverse"
+    """reverse the list, sort it ascending, or one of the two per example (seeded; named in the prompt); count: the
+    prompt names two integers of min_digits to max_digits digits, ``"count: 347 to 512"``, min_items to max_items
+    apart, and the answer counts from the first to the second (items=numbers only)."""
     sep: str = " "
     """Separator between items, in the prompt and the answer."""
     items: Literal["numbers", "words"] = "numbers"
@@ -100,8 +102,15 @@ class NumberListTask:
             raise ValueError(
                 f"number_list args: need 1 <= min_digits <= max_digits <= 9, got {self.min_digits}, {self.max_digits}"
             )
-        if self.transform not in (*TRANSFORMS, "mixed"):
-            raise ValueError(f"number_list args: transform {self.transform!r}: choose reverse, sort or mixed")
+        if self.transform not in (*TRANSFORMS, "mixed", "count"):
+            raise ValueError(f"number_list args: transform {self.transform!r}: choose reverse, sort, mixed or count")
+        if self.transform == "count" and self.items != "numbers":
+            raise ValueError(f"number_list args: transform count counts integers: items {self.items!r} needs numbers")
+        if self.transform == "count" and self.max_items > 10**self.max_digits - 10 ** (self.max_digits - 1):
+            raise ValueError(
+                f"number_list args: transform count: {self.max_items} items do not fit between two "
+                f"{self.max_digits}-digit integers (raise max_digits or lower max_items)"
+            )
         if not self.sep or any(c.isdigit() or c.isalpha() or c == "-" for c in self.sep):
             raise ValueError(f"number_list args: sep {self.sep!r} must be non-empty, without digits, letters or '-'")
         if self.items not in ("numbers", "words"):
@@ -139,6 +148,12 @@ def example_rng(seed: int, split: str, index: int) -> random.Random:
 def number_list_example(rng: random.Random, task: NumberListTask) -> tuple[str, str]:
     """(prompt text, answer text) of one example drawn from ``rng``."""
     n = rng.randint(task.min_items, task.max_items)
+    if task.transform == "count":  # every item of the answer stays within the start's number of digits
+        lo_d = max(task.min_digits, min(d for d in range(1, 10) if 10**d - (10 ** (d - 1) if d > 1 else 0) >= n))
+        d = rng.randint(min(lo_d, task.max_digits), task.max_digits)
+        lo = 0 if d == 1 else 10 ** (d - 1)
+        start = rng.randint(lo, 10**d - n)
+        return f"count: {start} to {start + n - 1}", task.sep.join(map(str, range(start, start + n)))
     items: list = []
     if task.items == "words":
         items = rng.sample(WORDS, n)
