@@ -232,11 +232,13 @@ class RowLayout:
         return x_STD.reshape(self.num_rows * self.row_len, -1)[self.flat_index_P]
 
 
-def row_layout(position_ids_1P: torch.Tensor, max_pad_factor: float = 2.0) -> RowLayout | None:
+def row_layout(position_ids_1P: torch.Tensor, max_pad_factor: float = 2.0, row_multiple: int = 1) -> RowLayout | None:
     """The ``RowLayout`` of a packed row, or None when it holds one document or when padding to the
     longest document would make more than ``max_pad_factor * P`` tokens (the MLPs then do more extra
     work than the attention saves). Documents start where the position is not the previous plus one
-    (``models/common/attention.py``). Syncs with the host once (the document lengths)."""
+    (``models/common/attention.py``). Rows are right-padded to the longest document rounded up to a multiple of
+    ``row_multiple`` (``policy.COMPILED_ROW_MULTIPLE``: compiled blocks). Syncs with the host once (the document
+    lengths)."""
     pos_P = position_ids_1P[0]
     P = pos_P.numel()
     starts_P = torch.ones_like(pos_P, dtype=torch.bool)
@@ -244,6 +246,7 @@ def row_layout(position_ids_1P: torch.Tensor, max_pad_factor: float = 2.0) -> Ro
     start_idx_S = starts_P.nonzero().flatten()
     lengths = torch.diff(start_idx_S, append=start_idx_S.new_tensor([P])).tolist()
     S, T = len(lengths), max(lengths)
+    T += -T % row_multiple
     if S == 1 or S * T > max_pad_factor * P:
         return None
     doc_P = starts_P.cumsum(0) - 1

@@ -32,11 +32,13 @@ from prime_spmd.trainer.loss import TokenLoss
 from prime_spmd.trainer.packing import row_layout, share_layout
 
 COMPILED_ROW_MULTIPLE = 8
-"""With compiled blocks, a row that attention reads under a mask (a packed row, shared-prompt rows) is padded to a
-multiple of this many tokens. Inductor on CUDA guards on the SDPA bias's strides being multiples of 8
+"""With compiled blocks, every row the blocks run (a packed row, shared-prompt rows, RowLayout's one-document rows)
+is padded to a multiple of this many tokens. Inductor on CUDA guards on the SDPA bias's strides being multiples of 8
 (``torch/_inductor/lowering.py: sdpa_constraint``, ``ir.is_aligned_realized_tensor``: "guard to recompile when
 necessary"), so with T tokens a row it compiled again the first time T % 8 changed class (torch 2.11, H100: 7-9 s;
-/work/notes/recompile-log.md). Padded, the guard holds for every row. At most 7 pad tokens a row."""
+/work/notes/recompile-log.md). The guard also stands on unmasked rows' T: SFT on the H100 (b30072c) hit dynamo's
+recompile limit on ``x_BTD.size()[1] % 8`` while RowLayout rows were not padded. Padded, the guard holds for every
+row. At most 7 pad tokens a row."""
 
 
 class _ZeroLoss(TokenLoss):
@@ -208,7 +210,7 @@ class PolicyModel(nn.Module):
                 return shared.from_rows(out.hidden_BTD), out, shared.num_shared_tokens
         layout = None
         if self.unpack_documents and input_ids_BT.shape[0] == 1:
-            layout = row_layout(position_ids_BT)
+            layout = row_layout(position_ids_BT, row_multiple=multiple)
         if layout is None:
             B, P = input_ids_BT.shape
             pad = -P % multiple if B == 1 else 0

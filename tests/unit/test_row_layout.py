@@ -29,6 +29,13 @@ def test_row_layout_round_trip() -> None:
     assert torch.equal(layout.from_rows(rows[..., None].float())[:, 0], ids[0].float())
     assert row_layout(torch.arange(7)[None]) is None  # one document: nothing to unpack
     assert row_layout(torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 0, 0]])) is None  # 3 rows x 8 > 2 x 10 tokens
+    # compiled blocks: rows rounded up to a multiple (6 -> 8), the pads continue each row's positions
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5]])
+    layout = row_layout(pos, row_multiple=8)
+    assert layout is not None and (layout.num_rows, layout.row_len) == (3, 8)
+    assert layout.position_ids_ST[1].tolist() == list(range(8))
+    ids = torch.arange(17)[None]
+    assert torch.equal(layout.from_rows(layout.to_rows(ids, pad=-1)[..., None])[:, 0], ids[0])
 
 
 @pytest.mark.parametrize("impl", ["hf", "custom"])

@@ -116,4 +116,6 @@ def test_compiled_trainer_compiles_in_the_first_step_only() -> None:
     # every masked row the compiled blocks saw has a multiple of 8 tokens (inductor's SDPA bias alignment guard)
     masked = [(b, t) for b, t, m in seen if m]
     assert masked and all(t % COMPILED_ROW_MULTIPLE == 0 for _, t in masked), masked
+    # and every unmasked one (RowLayout rows, one document): the guard stands on x_BTD.size(1) too (SFT on the H100)
+    assert all(t % COMPILED_ROW_MULTIPLE == 0 for _, t, _m in seen), seen
     assert {b for b, _ in masked} > {1} and {b for b, _, m in seen if not m} > {1}  # one row and several
