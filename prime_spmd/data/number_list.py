@@ -14,6 +14,13 @@ rather than matching multi-token items among repeated digits: a 0.6B model from 
 entropy on integer lists within the one-call SFT budget (docs/benchmarks.md, "Learning benchmark"). With
 ``sep=", "`` a word costs 2 tokens: 128-480 words give ~256-960 answer tokens.
 
+``transform="count"``: the prompt names two integers, ``"count: 317 to 519"``, and the answer counts from one to the
+other (min_items to max_items items, all with the start's number of digits). Each item follows from the one before
+it at a fixed offset, with no lookup into the prompt but its two ends: a 0.6B model from scratch learns it within
+~65 SFT steps on an H100 where both reversals stayed at the items' entropy. With 3-digit items and ``sep=", "`` an
+item costs 5 tokens: 50-200 items give ~250-1000 answer tokens. An answer that stops early, runs past the end or
+skips a number keeps partial credit for every number in order.
+
 Reward: the LCS ratio over the item sequences, ``2 * LCS(answer items, output items) / (len(answer) +
 len(output))``: 1.0 for the exact list, partial credit for every answer item written in the right relative
 order, and a penalty for missing and extra items alike. Chosen over "fraction of positions right", which gives
@@ -106,7 +113,7 @@ class NumberListTask:
             raise ValueError(f"number_list args: transform {self.transform!r}: choose reverse, sort, mixed or count")
         if self.transform == "count" and self.items != "numbers":
             raise ValueError(f"number_list args: transform count counts integers: items {self.items!r} needs numbers")
-        if self.transform == "count" and self.max_items > 10**self.max_digits - 10 ** (self.max_digits - 1):
+        if self.transform == "count" and self.max_items > _count_capacity(self.max_digits):
             raise ValueError(
                 f"number_list args: transform count: {self.max_items} items do not fit between two "
                 f"{self.max_digits}-digit integers (raise max_digits or lower max_items)"
@@ -117,6 +124,11 @@ class NumberListTask:
             raise ValueError(f"number_list args: items {self.items!r}: choose numbers or words")
         if self.items == "words" and self.max_items > len(WORDS):
             raise ValueError(f"number_list args: items=words draws distinct words: max_items <= {len(WORDS)}")
+
+
+def _count_capacity(digits: int) -> int:
+    """How many integers have ``digits`` digits (0-9 for one digit)."""
+    return 10 if digits == 1 else 9 * 10 ** (digits - 1)
 
 
 def parse_task_args(args: dict[str, str] | None, flag: str) -> tuple[NumberListTask, dict[str, str]]:
@@ -149,7 +161,7 @@ def number_list_example(rng: random.Random, task: NumberListTask) -> tuple[str, 
     """(prompt text, answer text) of one example drawn from ``rng``."""
     n = rng.randint(task.min_items, task.max_items)
     if task.transform == "count":  # every item of the answer stays within the start's number of digits
-        lo_d = max(task.min_digits, min(d for d in range(1, 10) if 10**d - (10 ** (d - 1) if d > 1 else 0) >= n))
+        lo_d = max(task.min_digits, min(d for d in range(1, 10) if _count_capacity(d) >= n))
         d = rng.randint(min(lo_d, task.max_digits), task.max_digits)
         lo = 0 if d == 1 else 10 ** (d - 1)
         start = rng.randint(lo, 10**d - n)

@@ -51,6 +51,32 @@ def test_examples_are_seeded_split_and_in_range():
         env.example("eval", 40)
 
 
+def test_count_examples_stay_in_range_and_score():
+    """transform=count: the prompt names two integers min_items..max_items apart, the answer counts between them
+    without leaving the start's number of digits; a count that stops early or drifts gets partial credit."""
+    args = {"min_items": "50", "max_items": "200", "min_digits": "3", "max_digits": "3", "transform": "count", "sep": ", "}
+    env = NumberListEnv(seed=0, num_eval_examples=30, args=args)
+    for i in range(30):
+        e = env.example("eval", i)
+        text = e["prompt"][0]["content"]
+        assert text.startswith("count: ")
+        a, _, b = text.removeprefix("count: ").partition(" to ")
+        want = list(range(int(a), int(b) + 1))
+        assert 50 <= len(want) <= 200 and 100 <= want[0] and want[-1] <= 999
+        assert e["answer"] == ", ".join(map(str, want))
+        assert env.score(e["answer"], e["answer"]) == (1.0, 1.0)
+        half = ", ".join(map(str, want[: len(want) // 2]))
+        assert env.score(e["answer"], half)[0] == pytest.approx(2 * (len(want) // 2) / (len(want) + len(want) // 2))
+    # one-digit counts: 1..10 items fit 0..9
+    rng = random.Random(0)
+    task = NumberListTask(min_items=10, max_items=10, min_digits=1, max_digits=1, transform="count")
+    assert number_list_example(rng, task) == ("count: 0 to 9", "0 1 2 3 4 5 6 7 8 9")
+    with pytest.raises(ValueError, match="transform count counts integers"):
+        NumberListEnv(args={"transform": "count", "items": "words"})
+    with pytest.raises(ValueError, match="do not fit between two 1-digit integers"):
+        NumberListEnv(args={"transform": "count", "max_digits": "1", "max_items": "11"})
+
+
 def test_bad_args_name_the_flag():
     with pytest.raises(ValueError, match="--env.args: unknown keys"):
         NumberListEnv(args={"max_len": "3"})
