@@ -474,6 +474,8 @@ def parse_args() -> argparse.Namespace:
                    "samples in one batch (per_device_train_batch_size = prompts x group size); a value >= the step's "
                    "tokens gives ours the same single forward/backward")  # fmt: skip
     p.add_argument("--ours-flag", dest="ours_flags", action="append", default=[], help="extra `rl` flag (repeat)")
+    p.add_argument("--sft-flag", dest="sft_flags", action="append", default=[],
+                   help="extra `sft` flag (repeat), e.g. --sft-flag=--trainer.compile=off")  # fmt: skip
     args = p.parse_args()
     if args.random_init and not args.no_sft:
         p.error("--random-init needs --no-sft (it replaces the random --shape model's weights on disk)")
@@ -542,6 +544,7 @@ def prepare_model(args: argparse.Namespace, out: Path, res: dict, save) -> Path:
             ]  # fmt: skip  (eval_sft below scores the model, sampled as RL does)
         elif args.sft_steps_cpu:  # the demo model: the recipe's steps unless asked
             sft += ["--trainer.max_steps", str(args.sft_steps_cpu)]
+        sft += args.sft_flags
         res["phases"]["sft"] = run_logged("sft", sft, out, args.sft_limit_s)
         metrics = out / "sft" / "metrics.jsonl"
         if metrics.is_file():  # the loss curve, to choose --sft-steps (RL needs a task that is not yet solved)
