@@ -345,7 +345,7 @@ class InferenceConfig:
     engine: Literal["native", "vllm"] = "native"
     """Inference engine: our PyTorch engine (any device) or vLLM (CUDA, optional extra)."""
     quantization: Literal["none", "fp8"] = "none"
-    """Generation weights: none (the model's dtype) or fp8 (decoder-layer linears in float8 e4m3 with a scale per output channel, quantized at load and at every weight sync; embeddings, norms and LM head stay bf16; native: dense Llama-style models on CPU or CUDA of compute capability >= 8.9; vllm: its quantization="fp8"). docs/inference.md."""
+    """Generation weights: none (the model's dtype) or fp8 (decoder-layer linears in float8 e4m3 with a scale per output channel, quantized at load and at every weight sync; embeddings, norms and LM head stay bf16; native: dense Llama-style models on CPU or CUDA of compute capability >= 8.9; vllm: its quantization="fp8", on a GPU build with bf16 or fp16 weights; refused on vLLM's CPU build, which has no FP8 kernels). docs/inference.md."""
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     """KV cache: auto (the model's dtype) or fp8 (K and V in float8 e4m3 with an fp32 scale per position and kv head, set when the position is written: about half the KV bytes, twice the tokens in the same memory; native: decode attention dequantizes in the kernel, prefill attends its fresh K/V; text Llama-style models on CPU or CUDA of compute capability >= 8.9; not with --model.exact; vllm: its kv_cache_dtype="fp8"). docs/inference.md."""
     max_batch_size: int = 64
