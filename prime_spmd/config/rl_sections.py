@@ -14,8 +14,8 @@ class RolloutConfig:
     """Prompts per training batch; each is sampled --rollout.group_size times."""
     group_size: int = 8
     """Completions per prompt (the group of group-relative advantages)."""
-    max_async: int = 1
-    """Off-policy bound k: batch j is generated with weights w_max(0, j-k); 0 is synchronous on-policy."""
+    max_async: int | None = None
+    """Off-policy bound k: batch j is generated with weights w_max(0, j-k); 0 is synchronous on-policy. Unset: 0 when the engine and the trainer share the ranks (colocated: one process generates and trains in turn, so a lag overlaps nothing and only makes the batch older; H100, 0.6B: 695 samples/s at 0 against 598 at 1), 1 in disjoint mode (the engines generate batch j+1 while the trainer steps on batch j)."""
     std_normalize: bool = False
     """Divide advantages by the group's reward std (GRPO) instead of only subtracting the mean (the same as --rollout.advantage std)."""
     advantage: str = "mean"
@@ -47,7 +47,7 @@ class RolloutConfig:
         )
         _check(self.prompts_per_step >= 1, "rollout.prompts_per_step", self.prompts_per_step, "must be >= 1")
         _check(self.group_size >= 1, "rollout.group_size", self.group_size, "must be >= 1")
-        _check(self.max_async >= 0, "rollout.max_async", self.max_async, "must be >= 0")
+        _check(self.max_async is None or self.max_async >= 0, "rollout.max_async", self.max_async, "must be >= 0")
         _check(self.length_penalty >= 0, "rollout.length_penalty", self.length_penalty, "must be >= 0")
         _check(
             self.advantage in ("mean", "std", "rloo") or ":" in self.advantage,

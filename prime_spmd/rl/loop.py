@@ -422,6 +422,14 @@ def check_colocated_memory(cfg: RLJobConfig, ctx: DistContext) -> memory.MemoryP
     return plan
 
 
+def resolve_max_async(max_async: int | None, mode: str) -> int:
+    """``--rollout.max_async``, or where unset its default for the topology ``mode``: 0 colocated (generation and
+    training take turns in one process, so a lag overlaps nothing), 1 disjoint (config/rl_sections.py)."""
+    if max_async is not None:
+        return max_async
+    return 0 if mode == "colocated" else 1
+
+
 def run_rl(cfg: RLJobConfig) -> dict[str, float]:
     """Run the RL job on every rank; returns the last step's metrics on the controller ({} elsewhere).
 
@@ -435,6 +443,7 @@ def _run_rl(cfg: RLJobConfig, stop: StopSignal) -> dict[str, float]:
     set_threads(cfg.trainer.num_threads)
     ctx = init_distributed(cfg.topology, bridge_timeout_s=bridge_timeout_s(cfg))
     topo = ctx.topo
+    cfg.rollout.max_async = resolve_max_async(cfg.rollout.max_async, topo.mode)
     out = Path(cfg.output_dir)
     if topo.rank == 0:
         write_resolved_config(cfg, out)

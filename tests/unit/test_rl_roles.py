@@ -67,3 +67,13 @@ def test_disjoint_runs_the_stop_go_protocol_on_the_controller_only(is_controller
     assert ctx.store.check([stop_go.go_key(5)]) is is_controller
     if is_controller:
         assert not stop_go.wait_go(ctx.store, 5)
+
+
+def test_max_async_default_follows_the_topology() -> None:
+    """Unset, --rollout.max_async is 0 colocated (nothing overlaps a lag) and 1 disjoint; a set value stays."""
+    from prime_spmd.rl.loop import resolve_max_async
+
+    assert RLJobConfig().rollout.max_async is None
+    assert resolve_max_async(None, "colocated") == 0
+    assert resolve_max_async(None, "disjoint") == 1
+    assert resolve_max_async(2, "colocated") == 2 and resolve_max_async(0, "disjoint") == 0
