@@ -67,8 +67,10 @@ TASKS = {
     ),
     "number_list": (
         dict(args=dict(min_items=4, max_items=10, min_digits=1, max_digits=1, transform="reverse"), prompt_tokens=0),
-        dict(args=dict(min_items=50, max_items=200, min_digits=3, max_digits=3, transform="count", sep=", "),
-             prompt_tokens=0),  # fmt: skip
+        dict(
+            args=dict(min_items=50, max_items=200, min_digits=3, max_digits=3, transform="count", sep=", "),
+            prompt_tokens=0,
+        ),  # fmt: skip
     ),
 }
 

@@ -138,7 +138,9 @@ class SFTDataset:
             if rest:
                 raise ValueError(f"--data.args: unknown keys {sorted(rest)} for visual")
             if processor is None:
-                raise ValueError("--data.source=visual needs a vision-language model (e.g. --model.init_tiny qwen3-vl-nano)")
+                raise ValueError(
+                    "--data.source=visual needs a vision-language model (e.g. --model.init_tiny qwen3-vl-nano)"
+                )
         if self.rows is not None and not self.rows:
             raise ValueError(f"--data.path={cfg.path!r} has no rows")
         if self.rows is not None:

@@ -54,7 +54,14 @@ def test_examples_are_seeded_split_and_in_range():
 def test_count_examples_stay_in_range_and_score():
     """transform=count: the prompt names two integers min_items..max_items apart, the answer counts between them
     without leaving the start's number of digits; a count that stops early or drifts gets partial credit."""
-    args = {"min_items": "50", "max_items": "200", "min_digits": "3", "max_digits": "3", "transform": "count", "sep": ", "}
+    args = {
+        "min_items": "50",
+        "max_items": "200",
+        "min_digits": "3",
+        "max_digits": "3",
+        "transform": "count",
+        "sep": ", ",
+    }
     env = NumberListEnv(seed=0, num_eval_examples=30, args=args)
     for i in range(30):
         e = env.example("eval", i)
