@@ -61,9 +61,10 @@ case $PART in
       # SFT_LR / SFT_MIN_ITEMS set the start reward, SFT_FLAG adds one `sft` flag (e.g. --trainer.compile=off); RL_STEPS / RL_LIMIT_S (a side's limit) / BUDGET_S (the whole run's). Reversing integer lists and one-token words stayed at the items'
       # entropy through 120-150 s of SFT on the H100 (five recipes, sft_probe); counting is learned from the item before
       # (0.6B: loss 0.49 at step 60 of 65, 0.01 by step 100 of 150: 65 steps, the default, leave RL room).
+      # TORCH_LOGS=recompiles: the SFT and RL logs name every recompile's guard (SFT recompiled after step 0 on the H100).
       R=/tmp/learning_out; rm -rf "$R"; mkdir -p "$R" "$OUT/learning"
       (while true; do cp "$R/results.json" "$OUT/learning/" 2> /dev/null; sleep 5; done) & copier=$!
-      run learning $(( ${BUDGET_S:-550} + 15 )) python3 benchmarks/rl_e2e.py --device cuda --task number_list --shape qwen3-0.6b --out "$R" \
+      run learning $(( ${BUDGET_S:-550} + 15 )) env TORCH_LOGS=recompiles python3 benchmarks/rl_e2e.py --device cuda --task number_list --shape qwen3-0.6b --out "$R" \
         --trl-python python3 --sides "${SIDES:-ours0,ours1,trl}" --seeds "${SEEDS:-0}" --tokenizer-files .whl/qwen3-tokenizer \
         --sft-steps "${SFT_STEPS:-65}" --sft-batch 32 --sft-lr "${SFT_LR:-1e-3}" --sft-warmup-steps 20 --sft-limit-s 150 \
         --sft-task-arg "min_items=${SFT_MIN_ITEMS:-8}" ${SFT_FLAG:+--sft-flag=$SFT_FLAG} \
@@ -105,7 +106,7 @@ case $PART in
       esac
       IFS=: read -r name steps batch lr lo hi <<< "$cand"
       R=/tmp/sft_probe_$name; rm -rf "$R"; mkdir -p "$R" "$OUT/sft_probe_$name"
-      run "sft_probe_$name" 175 python3 benchmarks/rl_e2e.py --device cuda --task number_list --shape qwen3-0.6b \
+      run "sft_probe_$name" 175 env TORCH_LOGS=recompiles python3 benchmarks/rl_e2e.py --device cuda --task number_list --shape qwen3-0.6b \
         --out "$R" --sides none --tokenizer-files .whl/qwen3-tokenizer --sft-steps "$steps" --sft-batch "$batch" \
         --sft-lr "$lr" --sft-warmup-steps 20 --sft-limit-s 120 --sft-task-arg "min_items=$lo" --sft-task-arg "max_items=$hi" \
         --max-tokens 1000 --eval-examples 16 --eval-sft-limit-s 90 --budget-s 170 \
