@@ -1,10 +1,12 @@
 """Batch-invariant Triton kernels: every output row is reduced in an order fixed by the tile constants below, never
-by how many rows, tokens or sequences a launch holds (no split-K, no split-KV, no shape-dependent config).
+by how many rows, tokens or sequences a launch holds (no split-KV, no shape-dependent config).
 
 What makes a row's value independent of the launch: one tile shape per kernel (constants, not autotuned), the
 reduction dims (K of a matmul, D of a norm, KV positions of attention, V of the log-softmax) walked in fixed blocks
 from index 0 in one order, and no argument specialization that could pick another instruction (``do_not_specialize``
-on the row counts). Rows that share a tile are independent in ``tl.dot`` and in row reductions.
+on the row counts). Rows that share a tile are independent in ``tl.dot`` and in row reductions. The matmul's K is
+cut into fixed chunks (MM_CHUNK_K) whose fp32 sums are added in chunk order; small launches (decode) split the
+chunks over programs and add them in a second kernel, large ones loop over them in one program: the same additions.
 
 Under TRITON_INTERPRET=1 (CPU tests) ``tl.dot`` of bf16 is not usable, so ``UPCAST`` loads bf16 and multiplies in
 fp32: bf16 x bf16 products are exact in fp32, accumulation stays fp32, as on the GPU's tensor cores.
@@ -33,6 +35,17 @@ MM_BLOCK_N = int(os.environ.get("PRIME_SPMD_EXACT_MM_BLOCK_N", "64"))
 if MM_BLOCK_N not in (16, 32, 64, 128):
     raise ValueError(f"PRIME_SPMD_EXACT_MM_BLOCK_N={MM_BLOCK_N}: choose 16, 32, 64 or 128")
 MM_WARPS, MM_STAGES = 4, 3
+# the matmul's K order (``_mm_sum``): K cut into fixed chunks of MM_CHUNK_K from 0 (the last may be partial), each
+# chunk summed from zero in BLOCK_K steps, the chunk sums added in chunk order. Fixed chunks let a launch with one M
+# tile (decode) run one program per (N tile, chunk) and still add the same fp32 numbers in the same order as the
+# trainer's one program per tile: 256 = 4 BLOCK_K steps gives Qwen3-0.6B's batch-1 decode matmuls 128-384 programs
+# (o_proj: 16 N tiles x 8 chunks) for the H100's 132 SMs, where whole-K tiles gave 16-96.
+MM_CHUNK_K = 4 * MM_BLOCK_K
+# launches with at most this many rows (one M tile) run split over chunks plus a reduce kernel; larger ones (the
+# trainer's micro-batches, prefill) fused, one program a tile looping over the chunks. The choice changes no bit.
+MM_SPLIT_MAX_M = MM_BLOCK_M
+# elements per program of the matmul's split-K reduce kernel (element-wise: any value gives the same bits)
+MM_REDUCE_BLOCK = 256
 # elements per program of the row-wise kernels (norm, SiLU-gate): rows per program = ROW_ELEMS // the padded row
 # length, a function of the row length only
 ROW_ELEMS = 4096
@@ -43,21 +56,22 @@ LOGPROB_BLOCK_V = 2048
 
 
 @triton.jit
-def _mm_acc(
-    x_ptr, w_ptr, M, N, K, sxm, sxk, swn, swk, pid_m, pid_n,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _mm_chunk(
+    x_ptr, w_ptr, M, N, K, sxm, sxk, swn, swk, rm, rn, k_lo, k_hi,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """The fp32 tile x[rm] @ w[rn].T of program (pid_m, pid_n), summed over K in BLOCK_K steps from 0: the one
-    reduction every matmul here runs. Rows and columns past the edges read rows M - ... again (index modulo M, N:
-    unmasked loads the loop can pipeline); EVEN_K (K % BLOCK_K == 0, a property of the weight) drops the K mask."""
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    """The fp32 partial x[rm, k_lo:k_hi] @ w[rn, k_lo:k_hi].T, summed from zero in BLOCK_K steps from k_lo: one
+    chunk of ``_mm_sum``. Rows and columns past the edges read rows M - ... again (index modulo M, N: unmasked loads
+    the loop can pipeline); EVEN_K (K % BLOCK_K == 0, a property of the weight) drops the K mask. The bounds are
+    runtime values, so the loop stays a loop: a one-step chunk is not folded into a bare ``dot(x, w, 0)``, which
+    Triton's combine pass would merge with the caller's ``total + partial`` into ``dot(x, w, total)`` (another
+    order)."""
     rk = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + (rm % M)[:, None] * sxm + rk[None, :] * sxk
-    w_ptrs = w_ptr + (rn % N)[None, :] * swn + rk[:, None] * swk
+    x_ptrs = x_ptr + (rm % M)[:, None] * sxm + (k_lo + rk)[None, :] * sxk
+    w_ptrs = w_ptr + (rn % N)[None, :] * swn + (k_lo + rk)[:, None] * swk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs)
             w = tl.load(w_ptrs)
@@ -72,55 +86,141 @@ def _mm_acc(
             acc = tl.dot(x, w, acc)
         x_ptrs += BLOCK_K * sxk
         w_ptrs += BLOCK_K * swk
+    return acc
+
+
+@triton.jit
+def _mm_sum(
+    x_ptr, w_ptr, M, N, K, sxm, sxk, swn, swk, pid_m, pid_n, pid_s,
+    SPLIT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_K: tl.constexpr,
+):  # fmt: skip
+    """The fp32 tile x[rm] @ w[rn].T of program (pid_m, pid_n) in the one K order every matmul here has: chunk
+    partials p_s over K in CHUNK_K pieces (``_mm_chunk``), total = ((p0 + p1) + p2) + ... Fused (SPLIT False): the
+    whole total, the chunks in a loop. SPLIT: only p_{pid_s}, which the caller stores for ``matmul_reduce_kernel`` to
+    add in the same order; each chunk runs the same loop on the same tile either way, so the partials are the same
+    bits."""
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if SPLIT:
+        k_lo = pid_s * CHUNK_K
+        acc = _mm_chunk(
+            x_ptr, w_ptr, M, N, K, sxm, sxk, swn, swk, rm, rn, k_lo, tl.minimum(k_lo + CHUNK_K, K),
+            UPCAST, IEEE, EVEN_K, BLOCK_K, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+    else:
+        acc = _mm_chunk(
+            x_ptr, w_ptr, M, N, K, sxm, sxk, swn, swk, rm, rn, 0, tl.minimum(CHUNK_K, K),
+            UPCAST, IEEE, EVEN_K, BLOCK_K, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+        for c0 in range(CHUNK_K, K, CHUNK_K):
+            acc = acc + _mm_chunk(
+                x_ptr, w_ptr, M, N, K, sxm, sxk, swn, swk, rm, rn, c0, tl.minimum(c0 + CHUNK_K, K),
+                UPCAST, IEEE, EVEN_K, BLOCK_K, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
     return acc, rm, rn
+
+
+@triton.jit
+def _mm_epilogue(acc, col, col_ok, b_ptr, res_ptrs, mask, out_ptr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+    """The matmul's output from its fp32 sum: + b[col], one rounding to out_ptr's dtype; with HAS_RES, + res rounded
+    again (torch's ``res + linear(x)``: two roundings). The fused and the reduce kernel both end here."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + col, mask=col_ok, other=0.0).to(tl.float32)
+    out = acc.to(out_ptr.dtype.element_ty)
+    if HAS_RES:
+        res = tl.load(res_ptrs, mask=mask, other=0.0)
+        out = (out.to(tl.float32) + res.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    return out
 
 
 @triton.jit(do_not_specialize=["M"])
 def matmul_kernel(
-    x_ptr, w_ptr, b_ptr, res_ptr, out_ptr, M, N, K, sxm, sxk, swn, swk, srm, som, son,
-    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, w_ptr, b_ptr, res_ptr, out_ptr, ws_ptr, M, N, K, sxm, sxk, swn, swk, srm, som, son,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    CHUNK_K: tl.constexpr,
 ):  # fmt: skip
-    """out[M, N] = x[M, K] @ w[N, K].T (+ b[N]), fp32 accumulation over K in BLOCK_K steps from 0 (``_mm_acc``),
-    rounded once; with HAS_RES, then + res[M, N] rounded again (torch's ``res + linear(x)``: two roundings). Rows and
-    columns past the edges are not stored."""
-    acc, rm, rn = _mm_acc(
-        x_ptr, w_ptr, M, N, K, sxm, sxk, swn, swk, tl.program_id(0), tl.program_id(1),
-        UPCAST, IEEE, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
+    """out[M, N] = x[M, K] @ w[N, K].T (+ b[N]) summed in ``_mm_sum``'s order, rounded once; with HAS_RES, then
+    + res[M, N] rounded again. Program (M tile, N tile). SPLIT: program (M tile, N tile, chunk s) stores only its
+    chunk's fp32 partial into ws [S, M, N] (contiguous); ``matmul_reduce_kernel`` finishes. Rows and columns past the
+    edges are not stored."""
+    acc, rm, rn = _mm_sum(
+        x_ptr, w_ptr, M, N, K, sxm, sxk, swn, swk, tl.program_id(0), tl.program_id(1), tl.program_id(2),
+        SPLIT, UPCAST, IEEE, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, CHUNK_K,
     )  # fmt: skip
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     mask = (rm[:, None] < M) & (rn[None, :] < N)
-    out = acc.to(out_ptr.dtype.element_ty)
-    if HAS_RES:
-        res = tl.load(res_ptr + rm[:, None] * srm + rn[None, :], mask=mask, other=0.0)
-        out = (out.to(tl.float32) + res.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rm[:, None] * som + rn[None, :] * son, out, mask=mask)
+    if SPLIT:
+        ws_ptr += tl.program_id(2).to(tl.int64) * M * N
+        tl.store(ws_ptr + rm[:, None] * N + rn[None, :], acc, mask=mask)
+    else:
+        out = _mm_epilogue(
+            acc, rn[None, :], (rn < N)[None, :], b_ptr, res_ptr + rm[:, None] * srm + rn[None, :], mask, out_ptr,
+            HAS_BIAS, HAS_RES,
+        )  # fmt: skip
+        tl.store(out_ptr + rm[:, None] * som + rn[None, :] * son, out, mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
 def matmul_segments_kernel(
-    x_ptr, w0_ptr, w1_ptr, w2_ptr, o0_ptr, o1_ptr, o2_ptr, M, N0, N1, N2, K, sxm, sxk, sw0, sw1, sw2, swk,
-    NSEG: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, w0_ptr, w1_ptr, w2_ptr, o0_ptr, o1_ptr, o2_ptr, ws_ptr, M, N0, N1, N2, K, sxm, sxk, sw0, sw1, sw2, swk,
+    NSEG: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_K: tl.constexpr,
 ):  # fmt: skip
     """x @ w_i.T for NSEG (2 or 3) weights of one input in one launch (q/k/v, gate/up): the N tiles of w0, then
-    w1's, then w2's along program axis 1, each output o_i [M, N_i] contiguous, no bias. A tile's reduction is
-    ``_mm_acc``'s, as in ``matmul_kernel``: more programs a launch and fewer launches, the same sums."""
+    w1's, then w2's along program axis 1, each output o_i [M, N_i] contiguous, no bias (N2 0 when NSEG is 2). A
+    tile's sum is ``_mm_sum``'s, as in ``matmul_kernel``: more programs a launch and fewer launches, the same sums.
+    SPLIT: chunk partials into ws [S, M, N0 + N1 + N2] (segment i's columns after those of the ones before it) for
+    ``matmul_reduce_kernel``."""
     pid = tl.program_id(1)
     t0 = tl.cdiv(N0, BLOCK_N)
     t1 = tl.cdiv(N1, BLOCK_N)
-    w_ptr, o_ptr, N, swn, pid_n = w0_ptr, o0_ptr, N0, sw0, pid
+    w_ptr, o_ptr, N, swn, pid_n, c0 = w0_ptr, o0_ptr, N0, sw0, pid, 0
     if pid >= t0:
-        w_ptr, o_ptr, N, swn, pid_n = w1_ptr, o1_ptr, N1, sw1, pid - t0
+        w_ptr, o_ptr, N, swn, pid_n, c0 = w1_ptr, o1_ptr, N1, sw1, pid - t0, N0
     if NSEG == 3:
         if pid >= t0 + t1:
-            w_ptr, o_ptr, N, swn, pid_n = w2_ptr, o2_ptr, N2, sw2, pid - t0 - t1
-    acc, rm, rn = _mm_acc(
-        x_ptr, w_ptr, M, N, K, sxm, sxk, swn, swk, tl.program_id(0), pid_n, UPCAST, IEEE, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K
+            w_ptr, o_ptr, N, swn, pid_n, c0 = w2_ptr, o2_ptr, N2, sw2, pid - t0 - t1, N0 + N1
+    acc, rm, rn = _mm_sum(
+        x_ptr, w_ptr, M, N, K, sxm, sxk, swn, swk, tl.program_id(0), pid_n, tl.program_id(2),
+        SPLIT, UPCAST, IEEE, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, CHUNK_K,
     )  # fmt: skip
     mask = (rm[:, None] < M) & (rn[None, :] < N)
-    tl.store(o_ptr + rm[:, None] * N + rn[None, :], acc.to(o_ptr.dtype.element_ty), mask=mask)
+    if SPLIT:
+        NT = N0 + N1 + N2
+        ws_ptr += tl.program_id(2).to(tl.int64) * M * NT
+        tl.store(ws_ptr + rm[:, None] * NT + (c0 + rn)[None, :], acc, mask=mask)
+    else:
+        tl.store(o_ptr + rm[:, None] * N + rn[None, :], acc.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def matmul_reduce_kernel(
+    ws_ptr, b_ptr, res_ptr, o0_ptr, o1_ptr, o2_ptr, M, N0, N1, N2, S, srm,
+    NSEG: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """The second half of a SPLIT matmul: total = ((p0 + p1) + p2) + ... of the S chunk partials ws [S, M, NT]
+    (NT = N0 + N1 + N2) in chunk order, then ``_mm_epilogue`` (bias / residual: NSEG 1 only), as the fused program
+    would. Element-wise over BLOCK flat (row, column) indices; column c of a row goes to o0 [M, N0] (c < N0), o1
+    [M, N1] or o2 [M, N2], each contiguous."""
+    NT = N0 + N1 + N2
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < M * NT
+    row, col = idx // NT, idx % NT
+    p_ptrs = ws_ptr + idx
+    acc = tl.load(p_ptrs, mask=ok, other=0.0)
+    for _ in range(1, S):
+        p_ptrs += M * NT
+        acc = acc + tl.load(p_ptrs, mask=ok, other=0.0)
+    if NSEG == 1:
+        out = _mm_epilogue(acc, col, ok, b_ptr, res_ptr + row * srm + col, ok, o0_ptr, HAS_BIAS, HAS_RES)
+        tl.store(o0_ptr + row * N0 + col, out, mask=ok)
+    else:
+        out = acc.to(o0_ptr.dtype.element_ty)
+        tl.store(o0_ptr + row * N0 + col, out, mask=ok & (col < N0))
+        tl.store(o1_ptr + row * N1 + (col - N0), out, mask=ok & (col >= N0) & (col < N0 + N1))
+        if NSEG == 3:
+            tl.store(o2_ptr + row * N2 + (col - N0 - N1), out, mask=ok & (col >= N0 + N1))
 
 
 @triton.jit(do_not_specialize=["R"])

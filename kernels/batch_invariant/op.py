@@ -27,24 +27,83 @@ def _flags(dtype: torch.dtype) -> tuple[bool, bool]:
     return K.INTERPRET and dtype != torch.float32, dtype == torch.float32
 
 
+def _use_split(M: int, split: bool | None) -> bool:
+    """Split-K (chunk partials + reduce kernel) or fused: by the row count only (kernel.MM_SPLIT_MAX_M); ``split``
+    forces one (tests). The two give the same bits."""
+    return M <= K.MM_SPLIT_MAX_M if split is None else split
+
+
+def _num_chunks(Kd: int) -> int:
+    return max(1, triton_cdiv(Kd, K.MM_CHUNK_K))
+
+
+def _mm_meta(dtype: torch.dtype, Kd: int, split: bool) -> dict:
+    """The constexprs and launch options every matmul launch shares: one tile config, fused or split."""
+    upcast, ieee = _flags(dtype)
+    return dict(
+        SPLIT=split, UPCAST=upcast, IEEE=ieee, EVEN_K=Kd % K.MM_BLOCK_K == 0, BLOCK_M=K.MM_BLOCK_M,
+        BLOCK_N=K.MM_BLOCK_N, BLOCK_K=K.MM_BLOCK_K, CHUNK_K=K.MM_CHUNK_K, num_warps=K.MM_WARPS,
+        num_stages=K.MM_STAGES,
+    )  # fmt: skip
+
+
 def _launch_linear(
-    x_MK: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None, out_dtype, res_MN: torch.Tensor | None = None
+    x_MK: torch.Tensor,
+    w_NK: torch.Tensor,
+    b_N: torch.Tensor | None,
+    out_dtype,
+    res_MN: torch.Tensor | None = None,
+    split: bool | None = None,
 ) -> torch.Tensor:
+    """out [M, N] (contiguous) = x @ w.T (+ b) (+ res) in ``out_dtype``: ``matmul_kernel`` fused, or split over K
+    chunks into an fp32 workspace [S, M, N] then ``matmul_reduce_kernel`` (``_use_split``)."""
     M, Kd = x_MK.shape
     N = w_NK.shape[0]
     out = torch.empty(M, N, dtype=out_dtype, device=x_MK.device)
     if M == 0:
         return out
-    upcast, ieee = _flags(x_MK.dtype)
-    grid = (triton_cdiv(M, K.MM_BLOCK_M), triton_cdiv(N, K.MM_BLOCK_N))
-    K.matmul_kernel[grid](
-        x_MK, w_NK, b_N if b_N is not None else x_MK, res_MN if res_MN is not None else out, out, M, N, Kd,
-        x_MK.stride(0), x_MK.stride(1), w_NK.stride(0), w_NK.stride(1),
+    split = _use_split(M, split)
+    S = _num_chunks(Kd) if split else 1
+    work = torch.empty(S, M, N, dtype=torch.float32, device=x_MK.device) if split else out
+    b = b_N if b_N is not None else x_MK
+    res = res_MN if res_MN is not None else out
+    K.matmul_kernel[(triton_cdiv(M, K.MM_BLOCK_M), triton_cdiv(N, K.MM_BLOCK_N), S)](
+        x_MK, w_NK, b, res, out, work, M, N, Kd, x_MK.stride(0), x_MK.stride(1), w_NK.stride(0), w_NK.stride(1),
         res_MN.stride(0) if res_MN is not None else 0, out.stride(0), out.stride(1),
-        HAS_BIAS=b_N is not None, HAS_RES=res_MN is not None, UPCAST=upcast, IEEE=ieee, EVEN_K=Kd % K.MM_BLOCK_K == 0,
-        BLOCK_M=K.MM_BLOCK_M, BLOCK_N=K.MM_BLOCK_N, BLOCK_K=K.MM_BLOCK_K, num_warps=K.MM_WARPS, num_stages=K.MM_STAGES,
+        HAS_BIAS=b_N is not None, HAS_RES=res_MN is not None, **_mm_meta(x_MK.dtype, Kd, split),
     )  # fmt: skip
+    if split:
+        K.matmul_reduce_kernel[(triton_cdiv(M * N, K.MM_REDUCE_BLOCK),)](
+            work, b, res, out, out, out, M, N, 0, 0, S, res_MN.stride(0) if res_MN is not None else 0,
+            NSEG=1, HAS_BIAS=b_N is not None, HAS_RES=res_MN is not None, BLOCK=K.MM_REDUCE_BLOCK,
+        )  # fmt: skip
     return out
+
+
+def _launch_segments(x_MK: torch.Tensor, ws_NK: tuple[torch.Tensor, ...], split: bool | None = None):
+    """[x @ w.T for w in ws_NK] (2 or 3 weights, x's dtype, each [M, N_i] contiguous) in one
+    ``matmul_segments_kernel`` launch, fused or split (then one ``matmul_reduce_kernel``), as ``_launch_linear``."""
+    M, Kd = x_MK.shape
+    outs = [torch.empty(M, w.shape[0], dtype=x_MK.dtype, device=x_MK.device) for w in ws_NK]
+    if M == 0:
+        return outs
+    split = _use_split(M, split)
+    S = _num_chunks(Kd) if split else 1
+    pad = (ws_NK + (ws_NK[0],) * 3)[:3]
+    opad = (tuple(outs) + (outs[0],) * 3)[:3]
+    ns = ([w.shape[0] for w in ws_NK] + [0])[:3]  # N2 = 0 for two segments: the workspace has N0 + N1 + N2 columns
+    work = torch.empty(S, M, sum(ns), dtype=torch.float32, device=x_MK.device) if split else outs[0]
+    tiles = sum(triton_cdiv(n, K.MM_BLOCK_N) for n in ns)
+    K.matmul_segments_kernel[(triton_cdiv(M, K.MM_BLOCK_M), tiles, S)](
+        x_MK, *pad, *opad, work, M, *ns, Kd, x_MK.stride(0), x_MK.stride(1), *(w.stride(0) for w in pad), 1,
+        NSEG=len(ws_NK), **_mm_meta(x_MK.dtype, Kd, split),
+    )  # fmt: skip
+    if split:
+        K.matmul_reduce_kernel[(triton_cdiv(M * sum(ns), K.MM_REDUCE_BLOCK),)](
+            work, work, work, *opad, M, *ns, S, 0, NSEG=len(ws_NK), HAS_BIAS=False, HAS_RES=False,
+            BLOCK=K.MM_REDUCE_BLOCK,
+        )  # fmt: skip
+    return outs
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -74,21 +133,7 @@ class _LinearSegments(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, *ws):
         ctx.save_for_backward(x, *ws)
-        x_MK = x.reshape(-1, x.shape[-1])
-        M, Kd = x_MK.shape
-        outs = [torch.empty(M, w.shape[0], dtype=x.dtype, device=x.device) for w in ws]
-        if M:
-            upcast, ieee = _flags(x.dtype)
-            pad = (ws + (ws[0],) * 3)[:3]
-            opad = (tuple(outs) + (outs[0],) * 3)[:3]
-            ns = [w.shape[0] for w in pad]
-            tiles = sum(triton_cdiv(w.shape[0], K.MM_BLOCK_N) for w in ws)
-            K.matmul_segments_kernel[(triton_cdiv(M, K.MM_BLOCK_M), tiles)](
-                x_MK, *pad, *opad, M, *ns, Kd, x_MK.stride(0), x_MK.stride(1), *(w.stride(0) for w in pad), 1,
-                NSEG=len(ws), UPCAST=upcast, IEEE=ieee, EVEN_K=Kd % K.MM_BLOCK_K == 0,
-                BLOCK_M=K.MM_BLOCK_M, BLOCK_N=K.MM_BLOCK_N, BLOCK_K=K.MM_BLOCK_K, num_warps=K.MM_WARPS,
-                num_stages=K.MM_STAGES,
-            )  # fmt: skip
+        outs = _launch_segments(x.reshape(-1, x.shape[-1]), ws)
         return tuple(o.view(*x.shape[:-1], o.shape[1]) for o in outs)
 
     @staticmethod

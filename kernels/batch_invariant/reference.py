@@ -1,5 +1,6 @@
 """Plain PyTorch spec of the batch-invariant ops (kernel.py): the math each kernel computes, not its reduction order
-(so kernel and reference agree to rounding, and the kernel alone is batch-invariant). Runs on any device.
+(so kernel and reference agree to rounding, and the kernel alone is batch-invariant), except the matmul's order of
+K chunks (``linear_chunked_reference``), which its split and fused launches share. Runs on any device.
 
 Legend: M rows, N output columns, K reduction dim; D normalized dim; B rows (sequences), Tq query tokens, Tk key
 positions, N query heads, Nkv kv heads, Dh head dim; R rows of logits, V vocab.
@@ -14,6 +15,22 @@ import torch.nn.functional as F
 def linear_reference(x_MK: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None = None, out_dtype=None):
     """x @ w.T (+ b) in fp32, rounded once to ``out_dtype`` (default x's dtype)."""
     out = x_MK.float() @ w_NK.float().T
+    if b_N is not None:
+        out = out + b_N.float()
+    return out.to(out_dtype or x_MK.dtype)
+
+
+def linear_chunked_reference(
+    x_MK: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None = None, *, chunk_k: int, out_dtype=None
+) -> torch.Tensor:
+    """``linear_reference`` in the kernels' K order: fp32 partials over K chunks of ``chunk_k`` from 0 (the last may
+    be partial), added in chunk order (((p0 + p1) + p2) + ...), + b, rounded once. Inside a chunk torch's own order
+    (the kernel's: BLOCK_K steps from the chunk's start), so the two agree to fp32 rounding of a chunk's sum."""
+    x32, w32 = x_MK.float(), w_NK.float()
+    out = None
+    for k0 in range(0, max(1, x_MK.shape[1]), chunk_k):
+        part = x32[:, k0 : k0 + chunk_k] @ w32[:, k0 : k0 + chunk_k].T
+        out = part if out is None else out + part
     if b_N is not None:
         out = out + b_N.float()
     return out.to(out_dtype or x_MK.dtype)

@@ -313,17 +313,27 @@ def batch_invariant_variants():
     """kernels/batch_invariant (--model.exact) as op.py launches them in bf16 at the Qwen3-0.6B shape (Dh 128, G 2)."""
     bi = batch_invariant
     mm = {"BLOCK_M": bi.MM_BLOCK_M, "BLOCK_N": bi.MM_BLOCK_N, "BLOCK_K": bi.MM_BLOCK_K, "UPCAST": False, "IEEE": False,
-          "EVEN_K": True}  # fmt: skip
-    for out, bias, res in (("bf16", False, True), ("fp32", True, False)):
-        yield (f"batch_invariant matmul {out} out", bi.matmul_kernel,
-               sig("x_ptr w_ptr b_ptr res_ptr out_ptr M N K sxm sxk swn swk srm som son",
-                   f"*bf16 *bf16 *bf16 *bf16 *{out} " + "i32 " * 10),
-               {**mm, "HAS_BIAS": bias, "HAS_RES": res}, {"num_warps": bi.MM_WARPS, "num_stages": bi.MM_STAGES})  # fmt: skip
-    for nseg in (2, 3):
-        yield (f"batch_invariant matmul {nseg} segments", bi.matmul_segments_kernel,
-               sig("x_ptr w0_ptr w1_ptr w2_ptr o0_ptr o1_ptr o2_ptr M N0 N1 N2 K sxm sxk sw0 sw1 sw2 swk",
-                   "*bf16 " * 7 + "i32 " * 11),
-               {**{k: v for k, v in mm.items()}, "NSEG": nseg}, {"num_warps": bi.MM_WARPS, "num_stages": bi.MM_STAGES})  # fmt: skip
+          "EVEN_K": True, "CHUNK_K": bi.MM_CHUNK_K}  # fmt: skip
+    mm_opts = {"num_warps": bi.MM_WARPS, "num_stages": bi.MM_STAGES}
+    # fused (the trainer's launches) and split over K chunks (decode's), each followed by the reduce kernel below
+    for split in (False, True):
+        mode = " split" if split else ""
+        for out, bias, res in (("bf16", False, True), ("fp32", True, False)):
+            yield (f"batch_invariant matmul {out} out{mode}", bi.matmul_kernel,
+                   sig("x_ptr w_ptr b_ptr res_ptr out_ptr ws_ptr M N K sxm sxk swn swk srm som son",
+                       f"*bf16 *bf16 *bf16 *bf16 *{out} *fp32 " + "i32 " * 10),
+                   {**mm, "HAS_BIAS": bias, "HAS_RES": res, "SPLIT": split}, mm_opts)  # fmt: skip
+        for nseg in (2, 3):
+            yield (f"batch_invariant matmul {nseg} segments{mode}", bi.matmul_segments_kernel,
+                   sig("x_ptr w0_ptr w1_ptr w2_ptr o0_ptr o1_ptr o2_ptr ws_ptr M N0 N1 N2 K sxm sxk sw0 sw1 sw2 swk",
+                       "*bf16 " * 7 + "*fp32 " + "i32 " * 11),
+                   {**mm, "NSEG": nseg, "SPLIT": split}, mm_opts)  # fmt: skip
+    for name, out, nseg, bias, res in (("bf16 out", "bf16", 1, False, True), ("fp32 out", "fp32", 1, True, False),
+                                       ("3 segments", "bf16", 3, False, False)):  # fmt: skip
+        yield (f"batch_invariant matmul reduce {name}", bi.matmul_reduce_kernel,
+               sig("ws_ptr b_ptr res_ptr o0_ptr o1_ptr o2_ptr M N0 N1 N2 S srm",
+                   f"*fp32 *bf16 *bf16 *{out} *{out} *{out} " + "i32 " * 6),
+               {"NSEG": nseg, "HAS_BIAS": bias, "HAS_RES": res, "BLOCK": bi.MM_REDUCE_BLOCK}, {"num_warps": 4})  # fmt: skip
     for d in (128, 1024):
         yield (f"batch_invariant rms_norm D {d}", bi.rms_norm_kernel,
                sig("x_ptr w_ptr out_ptr R D sx so eps", "*bf16 *bf16 *bf16 i32 i32 i32 i32 fp32"),
