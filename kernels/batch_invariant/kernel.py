@@ -44,6 +44,9 @@ MM_CHUNK_K = 4 * MM_BLOCK_K
 # launches with at most this many rows (one M tile) run split over chunks plus a reduce kernel; larger ones (the
 # trainer's micro-batches, prefill) fused, one program a tile looping over the chunks. The choice changes no bit.
 MM_SPLIT_MAX_M = MM_BLOCK_M
+# ... and whose N tiles alone fill fewer programs than this: a wider launch (the LM head: 2,374 tiles at V = 151,936)
+# has the parallelism already, and split would write and read an fp32 workspace of S x M x N (156 MB at 64 rows)
+MM_SPLIT_MAX_N_TILES = 512
 # elements per program of the matmul's split-K reduce kernel (element-wise: any value gives the same bits)
 MM_REDUCE_BLOCK = 256
 # elements per program of the row-wise kernels (norm, SiLU-gate): rows per program = ROW_ELEMS // the padded row

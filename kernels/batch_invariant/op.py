@@ -27,10 +27,12 @@ def _flags(dtype: torch.dtype) -> tuple[bool, bool]:
     return K.INTERPRET and dtype != torch.float32, dtype == torch.float32
 
 
-def _use_split(M: int, split: bool | None) -> bool:
-    """Split-K (chunk partials + reduce kernel) or fused: by the row count only (kernel.MM_SPLIT_MAX_M); ``split``
-    forces one (tests). The two give the same bits."""
-    return M <= K.MM_SPLIT_MAX_M if split is None else split
+def _use_split(M: int, N: int, split: bool | None) -> bool:
+    """Split-K (chunk partials + reduce kernel) or fused: split for launches of one M tile whose N tiles are few
+    (kernel.MM_SPLIT_MAX_M, MM_SPLIT_MAX_N_TILES); ``split`` forces one (tests). The two give the same bits."""
+    if split is not None:
+        return split
+    return M <= K.MM_SPLIT_MAX_M and triton_cdiv(N, K.MM_BLOCK_N) < K.MM_SPLIT_MAX_N_TILES
 
 
 def _num_chunks(Kd: int) -> int:
@@ -62,7 +64,7 @@ def _launch_linear(
     out = torch.empty(M, N, dtype=out_dtype, device=x_MK.device)
     if M == 0:
         return out
-    split = _use_split(M, split)
+    split = _use_split(M, N, split)
     S = _num_chunks(Kd) if split else 1
     work = torch.empty(S, M, N, dtype=torch.float32, device=x_MK.device) if split else out
     b = b_N if b_N is not None else x_MK
@@ -87,7 +89,7 @@ def _launch_segments(x_MK: torch.Tensor, ws_NK: tuple[torch.Tensor, ...], split:
     outs = [torch.empty(M, w.shape[0], dtype=x_MK.dtype, device=x_MK.device) for w in ws_NK]
     if M == 0:
         return outs
-    split = _use_split(M, split)
+    split = _use_split(M, sum(w.shape[0] for w in ws_NK), split)
     S = _num_chunks(Kd) if split else 1
     pad = (ws_NK + (ws_NK[0],) * 3)[:3]
     opad = (tuple(outs) + (outs[0],) * 3)[:3]

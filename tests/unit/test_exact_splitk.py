@@ -76,8 +76,10 @@ def test_segments_split_equals_fused(device, dtype, ns):
                 assert torch.equal(s, op._launch_linear(x, w, None, dtype, split=False)), (m, k)
 
 
-def test_split_is_chosen_by_rows_only():
-    """One M tile (decode) splits; more rows run fused; ``split`` forces either."""
-    assert op._use_split(1, None) and op._use_split(K.MM_SPLIT_MAX_M, None)
-    assert not op._use_split(K.MM_SPLIT_MAX_M + 1, None)
-    assert op._use_split(1000, True) and not op._use_split(1, False)
+def test_split_is_chosen_by_shape():
+    """One M tile (decode) of a layer linear splits; more rows, or an LM head's many N tiles, run fused; ``split``
+    forces either."""
+    assert op._use_split(1, 1024, None) and op._use_split(K.MM_SPLIT_MAX_M, 3072, None)
+    assert not op._use_split(K.MM_SPLIT_MAX_M + 1, 1024, None)
+    assert not op._use_split(1, 151_936, None)  # the LM head: 2,374 N tiles of 64
+    assert op._use_split(1000, 1024, True) and not op._use_split(1, 1024, False)
