@@ -58,7 +58,9 @@ case $PART in
       # (and TRL if the budget leaves room) with held-out evals every 6 steps against wall-clock time; the task counts
       # between two 3-digit integers 50-200 apart (~250-1000 answer tokens), up to 1000 new tokens. SEEDS=1
       # SIDES=ours0,ours1 for the spread (a second device call: one seed of all three sides fills one); SFT_STEPS /
-      # SFT_LR / SFT_MIN_ITEMS set the start reward, SFT_FLAG adds one `sft` flag (e.g. --trainer.compile=off); RL_STEPS / RL_LIMIT_S (a side's limit) / BUDGET_S (the whole run's). Reversing integer lists and one-token words stayed at the items'
+      # SFT_LR / SFT_MIN_ITEMS set the start reward, SFT_FLAG adds one `sft` flag (e.g. --trainer.compile=off);
+      # RL_STEPS / RL_LIMIT_S (a side's limit) / BUDGET_S (the whole run's). Reversing integer lists and one-token
+      # words stayed at the items'
       # entropy through 120-150 s of SFT on the H100 (five recipes, sft_probe); counting is learned from the item before
       # (0.6B: loss 0.49 at step 60 of 65, 0.01 by step 100 of 150: 65 steps, the default, leave RL room).
       # TORCH_LOGS=recompiles: the SFT and RL logs name every recompile's guard (SFT recompiled after step 0 on the H100).
