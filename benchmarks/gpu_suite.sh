@@ -60,10 +60,10 @@ case $PART in
       # SIDES=ours0,ours1 for the spread (a second device call: one seed of all three sides fills one); SFT_STEPS /
       # SFT_LR / SFT_MIN_ITEMS set the start reward, SFT_FLAG adds one `sft` flag (e.g. --trainer.compile=off);
       # RL_STEPS / RL_LIMIT_S (a side's limit) / BUDGET_S (the whole run's). Reversing integer lists and one-token
-      # words stayed at the items'
-      # entropy through 120-150 s of SFT on the H100 (five recipes, sft_probe); counting is learned from the item before
-      # (0.6B: loss 0.49 at step 60 of 65, 0.01 by step 100 of 150: 65 steps, the default, leave RL room).
-      # TORCH_LOGS=recompiles: the SFT and RL logs name every recompile's guard (SFT recompiled after step 0 on the H100).
+      # words stayed at the items' entropy through 120-150 s of SFT on the H100 (five recipes, sft_probe); counting is
+      # learned from the item before (0.6B: loss 0.49 at step 60 of 65, 0.01 by step 100 of 150: 65 steps, the
+      # default, leave RL room). TORCH_LOGS=recompiles: the SFT and RL logs name every recompile's guard (SFT
+      # recompiled after step 0 on the H100).
       R=/tmp/learning_out; rm -rf "$R"; mkdir -p "$R" "$OUT/learning"
       (while true; do cp "$R/results.json" "$OUT/learning/" 2> /dev/null; sleep 5; done) & copier=$!
       run learning $(( ${BUDGET_S:-550} + 15 )) env TORCH_LOGS=recompiles python3 benchmarks/rl_e2e.py --device cuda --task number_list --shape qwen3-0.6b --out "$R" \
