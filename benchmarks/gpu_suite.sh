@@ -60,7 +60,7 @@ case $PART in
       # SIDES=ours0,ours1 for the spread (a second device call: one seed of all three sides fills one); SFT_STEPS /
       # SFT_LR / SFT_MIN_ITEMS set the start reward, SFT_FLAG adds one `sft` flag (e.g. --trainer.compile=off);
       # RL_STEPS / RL_LIMIT_S (a side's limit) / BUDGET_S (the whole run's) / RL_LR (5e-5: a side gets ~25 steps in
-      # its 150 s, and the CPU count proxy rose 0.46 -> 0.59 in 40 steps at lr 1e-4, a tenth of its SFT lr). Reversing integer lists and one-token
+      # its 150 s; the CPU count proxy rose 0.46 -> 0.59 in 40 steps at lr 1e-4, 1/30 of its SFT lr; 5e-5 is 1/20). Reversing integer lists and one-token
       # words stayed at the items' entropy through 120-150 s of SFT on the H100 (five recipes, sft_probe); counting is
       # learned from the item before (0.6B: loss 0.49 at step 60 of 65, 0.01 by step 100 of 150: 65 steps, the
       # default, leave RL room). TORCH_LOGS=recompiles: the SFT and RL logs name every recompile's guard (SFT
