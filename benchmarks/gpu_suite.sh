@@ -123,9 +123,10 @@ case $PART in
     # 8 prompts x 8 samples, 256 new tokens a sample (a random model never stops early), 6 steps, rates from step 2;
     # random weights score 0: benchmarks/speed_advantages.py gives every group nonzero advantages, so every step runs
     # the whole backward and optimizer update
+    # (TORCH_LOGS=recompiles: a recompile after step 0 shows in the run's log with its guard)
     scale() {  # name, rl_e2e flags; the run's limit: SCALE_LIMIT_S (240 s unless the variant or the caller sets it)
       local name=$1 lim=${SCALE_LIMIT_S:-240}; shift
-      run "$name" $((lim + 30)) python3 benchmarks/rl_e2e.py --device cuda --no-sft --sides ours0 --no-eval \
+      run "$name" $((lim + 30)) env TORCH_LOGS=recompiles python3 benchmarks/rl_e2e.py --device cuda --no-sft --sides ours0 --no-eval \
         --tokenizer-files .whl/qwen3-tokenizer --steps 6 --warmup 2 --prompts 8 --group-size 8 --max-tokens 256 --lr 1e-6 \
         --rl-limit-s "$lim" --budget-s $((lim + 20)) --ours-flag=--rollout.advantage \
         --ours-flag=benchmarks/speed_advantages.py:alternating --out "/tmp/$name" "$@"
