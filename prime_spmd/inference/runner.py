@@ -636,49 +636,27 @@ def build_runner(
     ``prefill_layer_fn``, ``quantization``, ``kv_cache_dtype``: see ``LlamaStyleRunner``; the generic runner keeps
     token ids, no KV cache, and ignores the first three; ``prefill_layer_fn`` None is off there; ``quantization`` and
     ``kv_cache_dtype`` must be "none" / "auto" there and for vision-language models)."""
-    if kv_cache_dtype != "auto" and (
-        adapter_for(model).family == "vlm" or not adapter_for(model).supports_slot_cache()
-    ):
+    adapter = adapter_for(model)
+    if kv_cache_dtype != "auto" and (adapter.family == "vlm" or not adapter.supports_slot_cache()):
         raise ValueError(
             f"--inference.kv_cache_dtype {kv_cache_dtype} needs a text decoder with the native KV cache (Llama-style), "
             f"not {type(model).__name__}: use --inference.kv_cache_dtype auto"
         )
-    if quantization != "none" and not adapter_for(model).supports_fused_decode():
+    if quantization != "none" and not adapter.supports_fused_decode():
         raise ValueError(
             f"--inference.quantization {quantization} needs a dense Llama-style decoder (the native engine's fused "
             f"decode layer), not {type(model).__name__}: use --inference.quantization none"
         )
-    if adapter_for(model).family == "vlm":  # images in the prompt, then the KV-cache decode: vision_kv_runner.py
+    # the KV-cache runners' shared arguments (VisionKVRunner is a LlamaStyleRunner taking no others)
+    kv_args = (model, num_slots, max_len, device, compile_decode, attention, linear, kv_cache, kv_block_size,
+               kv_cache_tokens)  # fmt: skip
+    if adapter.family == "vlm":  # images in the prompt, then the KV-cache decode: vision_kv_runner.py
         from prime_spmd.inference.vision_kv_runner import VisionKVRunner
 
-        return VisionKVRunner(
-            model,
-            num_slots,
-            max_len,
-            device,
-            compile_decode,
-            attention,
-            linear,
-            kv_cache,
-            kv_block_size,
-            kv_cache_tokens,
-        )
-    if adapter_for(model).supports_slot_cache():
+        return VisionKVRunner(*kv_args)
+    if adapter.supports_slot_cache():
         return LlamaStyleRunner(
-            model,
-            num_slots,
-            max_len,
-            device,
-            compile_decode,
-            attention,
-            linear,
-            kv_cache,
-            kv_block_size,
-            kv_cache_tokens,
-            prefill_layer_fn,
-            quantization=quantization,
-            exact=exact,
-            kv_cache_dtype=kv_cache_dtype,
+            *kv_args, prefill_layer_fn, quantization=quantization, exact=exact, kv_cache_dtype=kv_cache_dtype
         )
     if exact:
         raise ValueError(f"--model.exact needs a Llama-style decoder with a KV cache, not {type(model).__name__}")
