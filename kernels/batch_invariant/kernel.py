@@ -105,17 +105,15 @@ def _mm_sum(
     bits."""
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if SPLIT:
+    if SPLIT:  # this program's chunk only
         k_lo = pid_s * CHUNK_K
-        acc = _mm_chunk(
-            x_ptr, w_ptr, M, N, K, sxm, sxk, swn, swk, rm, rn, k_lo, tl.minimum(k_lo + CHUNK_K, K),
-            UPCAST, IEEE, EVEN_K, BLOCK_K, BLOCK_M, BLOCK_N,
-        )  # fmt: skip
-    else:
-        acc = _mm_chunk(
-            x_ptr, w_ptr, M, N, K, sxm, sxk, swn, swk, rm, rn, 0, tl.minimum(CHUNK_K, K),
-            UPCAST, IEEE, EVEN_K, BLOCK_K, BLOCK_M, BLOCK_N,
-        )  # fmt: skip
+    else:  # the first chunk, then the others in order
+        k_lo = 0
+    acc = _mm_chunk(
+        x_ptr, w_ptr, M, N, K, sxm, sxk, swn, swk, rm, rn, k_lo, tl.minimum(k_lo + CHUNK_K, K),
+        UPCAST, IEEE, EVEN_K, BLOCK_K, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
+    if not SPLIT:
         for c0 in range(CHUNK_K, K, CHUNK_K):
             acc = acc + _mm_chunk(
                 x_ptr, w_ptr, M, N, K, sxm, sxk, swn, swk, rm, rn, c0, tl.minimum(c0 + CHUNK_K, K),
