@@ -177,7 +177,7 @@ class TrainerConfig:
     max_skipped_steps: int = 5
     """Stop the run after this many optimizer steps in a row were skipped for a non-finite loss or gradient (0: never)."""
     share_prompts: bool = True
-    """Forward a prompt shared by documents of a micro-batch (a GRPO group) once, via an attention mask; dense custom Qwen3 only."""
+    """Forward a prompt shared by documents of a micro-batch (a GRPO group) once, via an attention mask; dense custom Qwen3 only; RL only (SFT packs no share groups and builds its trainer without it)."""
     offload: Literal["none", "optimizer"] = "none"
     """optimizer: AdamW's moments (8 bytes a trained parameter) live in pinned host memory and stream through the device in chunks at each step (docs/memory.md)."""
     compile: Literal["auto", "on", "off"] = "auto"

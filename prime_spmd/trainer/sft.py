@@ -8,6 +8,7 @@ greedy exact-match evaluation of the exported model.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -59,10 +60,9 @@ def _run_sft(cfg: SFTJobConfig, stop: StopSignal) -> dict[str, float]:
     topo = ctx.topo
     out = Path(cfg.output_dir)
     prepare_model_dir(cfg.model, ctx, cfg.trainer.seed)
-    parts = build_trainer(cfg.model, cfg.trainer, cfg.optim, ctx)
-    # SFT packs without share groups (``pack`` below): no row shares a prompt, so the compiled blocks' step-0 warm-up
-    # leaves out the shared-prompt kinds (one graph fewer: several masked rows)
-    parts.policy.share_prompts = False
+    # SFT packs without share groups (``pack`` below): built without prompt sharing, the compiled blocks' step-0
+    # warm-up leaves out the shared-prompt kinds (one graph fewer: several masked rows)
+    parts = build_trainer(cfg.model, dataclasses.replace(cfg.trainer, share_prompts=False), cfg.optim, ctx)
     if topo.rank == 0:
         settings = resolved_settings(cfg, ctx.device, topology=topo, backend=ctx.backend, policy=parts.policy)
         logger.info(f"resolved config written to {write_resolved_config(cfg, out, settings)}")
