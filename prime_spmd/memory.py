@@ -106,7 +106,8 @@ def model_shape(path: str, trust_remote_code: bool = False) -> ModelShape:
     text = getattr(cfg, "text_config", cfg)
     # a vision-language model (a vision tower beside the text model) has no causal-LM class in every transformers
     # release (5.17 refuses Qwen3-VL there): build it as image-text-to-text, as models/loading.py loads it
-    auto = AutoModelForImageTextToText if hasattr(cfg, "vision_config") else AutoModelForCausalLM
+    vision = hasattr(cfg, "vision_config")
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     with torch.device("meta"):
         model = auto.from_config(cfg, trust_remote_code=trust_remote_code)
     num_params = sum(p.numel() for p in model.parameters())
@@ -123,7 +124,7 @@ def model_shape(path: str, trust_remote_code: bool = False) -> ModelShape:
         vocab_size=text.vocab_size,
         num_heads=heads,
         moe=bool(getattr(text, "num_experts", 0)),
-        vision=hasattr(cfg, "vision_config"),
+        vision=vision,
     )
 
 

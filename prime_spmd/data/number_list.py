@@ -162,7 +162,7 @@ def number_list_example(rng: random.Random, task: NumberListTask) -> tuple[str, 
     n = rng.randint(task.min_items, task.max_items)
     if task.transform == "count":  # every item of the answer stays within the start's number of digits
         lo_d = max(task.min_digits, min(d for d in range(1, 10) if _count_capacity(d) >= n))
-        d = rng.randint(min(lo_d, task.max_digits), task.max_digits)
+        d = rng.randint(lo_d, task.max_digits)  # lo_d <= max_digits: __post_init__ checks max_items fits
         lo = 0 if d == 1 else 10 ** (d - 1)
         start = rng.randint(lo, 10**d - n)
         return f"count: {start} to {start + n - 1}", task.sep.join(map(str, range(start, start + n)))
