@@ -89,9 +89,10 @@ def resolve_task(name: str, shape: bool, overrides: list[str], max_tokens: int) 
     if name == "number_list":  # "reverse: " + items and separators, + the chat template (~20)
         sep = args.get("sep", " ")
         per_item = (1 if args.get("items") == "words" else int(args.get("max_digits", 2))) + len(sep.strip() or " ")
-        prompt = 40 + int(args["max_items"]) * per_item
         if args.get("transform") == "count":  # "count: 317 to 519": two integers
             prompt = 40 + 2 * int(args.get("max_digits", 2))
+        else:
+            prompt = 40 + int(args["max_items"]) * per_item
     return dict(name=name, args=args, seq_len=prompt + max_tokens)
 
 
@@ -553,17 +554,18 @@ def prepare_model(args: argparse.Namespace, out: Path, res: dict, save) -> Path:
             rows = [json.loads(x) for x in metrics.read_text().splitlines()]
             res["phases"]["sft"]["curve"] = [{k: r.get(k) for k in ("step", "loss", "lr", "step_time_s")} for r in rows]
         model = out / "sft" / "hf"
-        if res["phases"]["sft"]["rc"] != 0 and (model / "config.json").is_file():
+        failed = res["phases"]["sft"]["rc"] != 0
+        if failed and (model / "config.json").is_file():
             # the limit struck after the final weights were written (save_hf renames a complete dir into place):
             # on the H100 a 65-step SFT wrote them 1 s before its limit and was killed in its teardown
             res["phases"]["sft"]["killed_after_final_weights"] = True
             print(
                 f"[rl_e2e] sft: rc {res['phases']['sft']['rc']} after writing {model}; RL goes on from it", flush=True
             )
-        elif res["phases"]["sft"]["rc"] != 0:
-            save()
-            raise SystemExit(f"SFT failed (see {out / 'sft.log'})")
+            failed = False
         save()
+        if failed:
+            raise SystemExit(f"SFT failed (see {out / 'sft.log'})")
     return model
 
 

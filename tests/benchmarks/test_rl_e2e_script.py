@@ -87,3 +87,32 @@ def test_rl_e2e_budget_skips_what_does_not_fit(tmp_path) -> None:
     (run,) = res["runs"]
     assert run["rc"] is None and run["skipped"] == "budget" and run["steps"] == []
     assert res["summary"][0]["steps_timed"] == 0 and res["summary"][0]["steps_done"] == 0
+
+
+@pytest.mark.parametrize("weights_written", [True, False])
+def test_sft_killed_at_its_limit_goes_on_only_with_its_final_weights(tmp_path, monkeypatch, weights_written) -> None:
+    """An SFT phase killed by its time limit (rc 124) after save_hf renamed the final weights into place goes on to
+    RL from them (and says so in results); without them the benchmark stops."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import rl_e2e
+
+    monkeypatch.setattr(sys, "argv", ["rl_e2e.py", "--device", "cpu", "--task", "number_list", "--out", str(tmp_path)])
+    args = rl_e2e.parse_args()
+    out = rl_e2e.setup_run(args)
+
+    def killed(name, cmd, out_dir, limit_s, **kw):
+        if weights_written:
+            (out_dir / "sft" / "hf").mkdir(parents=True)
+            (out_dir / "sft" / "hf" / "config.json").write_text("{}")
+        return {"rc": 124, "wall_s": limit_s}
+
+    monkeypatch.setattr(rl_e2e, "run_logged", killed)
+    res, saves = {"phases": {}}, []
+    if weights_written:
+        assert rl_e2e.prepare_model(args, out, res, lambda: saves.append(1)) == out / "sft" / "hf"
+        assert res["phases"]["sft"]["killed_after_final_weights"] is True
+    else:
+        with pytest.raises(SystemExit, match="SFT failed"):
+            rl_e2e.prepare_model(args, out, res, lambda: saves.append(1))
+        assert "killed_after_final_weights" not in res["phases"]["sft"]
+    assert saves  # the phase is recorded either way
