@@ -58,7 +58,8 @@ case $PART in
       # (and TRL if the budget leaves room) with held-out evals every 6 steps against wall-clock time; the task counts
       # between two 3-digit integers 50-200 apart (~250-1000 answer tokens), up to 1000 new tokens. SEEDS=1
       # SIDES=ours0,ours1 for the spread (a second device call: one seed of all three sides fills one); SFT_STEPS /
-      # SFT_LR / SFT_MIN_ITEMS set the start reward, SFT_FLAG adds one `sft` flag (e.g. --trainer.compile=off);
+      # SFT_LR / SFT_MIN_ITEMS set the start reward, SFT_FLAG adds one `sft` flag (e.g. --trainer.compile=off), OURS_FLAG one flag of
+      # our RL sides (e.g. --inference.native.warmup=off);
       # RL_STEPS / RL_LIMIT_S (a side's limit) / BUDGET_S (the whole run's) / RL_LR (5e-5: a side gets ~25 steps in
       # its 150 s; the CPU count proxy rose 0.46 -> 0.59 in 40 steps at lr 1e-4, 1/30 of its SFT lr; 5e-5 is 1/20). Reversing integer lists and one-token
       # words stayed at the items' entropy through 120-150 s of SFT on the H100 (five recipes, sft_probe); counting is
@@ -71,8 +72,8 @@ case $PART in
         --trl-python python3 --sides "${SIDES:-ours0,ours1,trl}" --seeds "${SEEDS:-0}" --tokenizer-files .whl/qwen3-tokenizer \
         --sft-steps "${SFT_STEPS:-65}" --sft-batch 32 --sft-lr "${SFT_LR:-1e-3}" --sft-warmup-steps 20 --sft-limit-s 150 \
         --sft-task-arg "min_items=${SFT_MIN_ITEMS:-8}" ${SFT_FLAG:+--sft-flag=$SFT_FLAG} \
-        --steps "${RL_STEPS:-24}" --warmup 3 --prompts 16 --group-size 8 --max-tokens 1000 --lr "${RL_LR:-5e-5}" --micro-batch-tokens 32768 \
-        --ours-flag=--rollout.std_normalize --eval-interval 6 --eval-examples 32 --eval-samples 2 --no-eval \
+        --steps "${RL_STEPS:-24}" --warmup 3 --prompts 16 --group-size 8 --max-tokens 1000 --lr "${RL_LR:-5e-5}" --micro-batch-tokens 16384 \
+        --ours-flag=--rollout.std_normalize ${OURS_FLAG:+--ours-flag=$OURS_FLAG} --eval-interval 6 --eval-examples 32 --eval-samples 2 --no-eval \
         --rl-limit-s "${RL_LIMIT_S:-150}" --budget-s "${BUDGET_S:-550}" --compile-cache /tmp/rl_e2e_compile_cache
       kill "$copier" 2> /dev/null
       cp "$R/results.json" "$R"/*.png "$R"/*.log "$OUT/learning/" 2> /dev/null
