@@ -67,11 +67,24 @@ class ModelShape:
     """A vision-language model (a vision tower beside the text model; transformers' model code)."""
 
 
-VISION_ACTIVATION_FACTOR = 3
+VISION_ACTIVATION_FACTOR = 2
 """Activations of a vision-language model's train step over the text-layer count below: transformers' model code
-keeps fp32 norm and rotary intermediates, four MLP tensors and the vision tower's activations. Measured once: a
-Qwen3-VL-2B RL step on the H100 (8,192-token micro-batches, one 448px image a prompt, no activation checkpointing)
-ran out of memory at ~37 GiB of activations against the 12.25 GiB of the text-layer count (4604e6e, 2026-12-06)."""
+keeps fp32 norm and rotary intermediates and the vision tower's activations. Measured once: a Qwen3-VL-2B RL step on
+the H100 (8,192-token micro-batches, one 448px image a prompt, no activation checkpointing) ran out of memory at ~37
+GiB of activations against the 21 GiB of the text-layer count (4604e6e, 2026-12-06)."""
+
+
+def block_activation_elements(shape: ModelShape) -> int:
+    """Elements one token leaves inside one block for the backward (compute dtype): 5 of the hidden size (norm outputs,
+    attention output projection, residual sum), 4 of the query width (projection, normed, rotated, attention output),
+    4 of the key/value width (k projection, normed, rotated, v) and 4 of the MLP width (gate, up, SiLU, product).
+    Measured on the H100 (Qwen3-0.6B, compiled blocks, colocated RL, 2026-12-06): at 32,768-token micro-batches the
+    first train step ran out of memory with ~49.9 GiB of activations allocated (002d098; this count: 52.5 GiB, the
+    count before it, 4 of the hidden size and 3 of the MLP width: 24.5); at 8,192 the run's peak was 26.3 GiB
+    (4e1f824; the whole plan with this count: ~25.7 GiB, check_fits' headroom covers the rest)."""
+    q = (shape.num_heads or shape.hidden_size // shape.head_dim) * shape.head_dim
+    kv = shape.num_kv_heads * shape.head_dim
+    return 5 * shape.hidden_size + 4 * q + 4 * kv + 4 * shape.intermediate_size
 
 
 @dataclass(kw_only=True, slots=True)
@@ -172,10 +185,8 @@ def estimate(
     kv *= kv_cache_tokens
     (plan.generate if release_kv_cache else plan.parts)["KV cache"] = kv
     per_token = shape.num_layers * shape.hidden_size * param_bytes  # each layer's input, kept for backward
-    if activation_checkpointing:
-        per_token += (4 * shape.hidden_size + 3 * shape.intermediate_size) * param_bytes  # one block's internals
-    else:
-        per_token += shape.num_layers * (4 * shape.hidden_size + 3 * shape.intermediate_size) * param_bytes
+    internals = block_activation_elements(shape) * param_bytes
+    per_token += internals if activation_checkpointing else shape.num_layers * internals  # one block's, or every one's
     if shape.vision:
         per_token *= VISION_ACTIVATION_FACTOR
     plan.train["activations"] = per_token * micro_batch_tokens

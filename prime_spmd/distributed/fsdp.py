@@ -84,9 +84,27 @@ def compile_block_forwards(blocks: list[nn.Module], backend: str = "inductor") -
     change length every step). The module itself stays (parameter names, hooks: FSDP2's and AC's wrappers
     run eagerly around the compiled forward). The blocks share one code object, so dynamo compiles it once
     per input kind (plain causal, masked, varlen) and reuses that graph in every block: parameters are graph
-    inputs (``inline_inbuilt_nn_modules``), not constants."""
+    inputs (``inline_inbuilt_nn_modules``), not constants. Inductor options: ``block_compile_options``."""
+    options = block_compile_options(backend)
     for block in blocks:
-        block.forward = torch.compile(block.forward, backend=backend, dynamic=True)
+        block.forward = torch.compile(block.forward, backend=backend, dynamic=True, options=options)
+
+
+def block_compile_options(backend: str) -> dict | None:
+    """Inductor options of the compiled blocks: none that guard on the micro-batch's size. Inductor fuses the
+    two reductions of a norm's backward (over rows for the input's gradient, over tokens for the weight's:
+    "mix-order reduction", CUDA only) when the tensor is large, and in strict mode it guards on that size
+    (``1024*x_BTD.size()[1]*x_BTD.size()[0] < 5242880``, torch 2.11 on the H100, 2026-12-06): the step-0
+    warm-up's tiny rows compile the unfused form and every micro-batch of 5,120 tokens or more recompiles each
+    block-input kind, past dynamo's recompile limit in a short SFT. Non-strict mode fuses at any size, no
+    guard. Torch builds without the option get none."""
+    if backend != "inductor":
+        return None
+    from torch._inductor import config
+
+    if not hasattr(config.triton, "mix_order_reduction_non_strict_mode"):
+        return None
+    return {"triton.mix_order_reduction_non_strict_mode": True}
 
 
 def apply_activation_checkpointing(blocks: list[nn.Module], parent_lists: list[nn.ModuleList]) -> None:

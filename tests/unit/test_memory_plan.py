@@ -99,3 +99,20 @@ def test_plan_of_an_rl_job_counts_the_adapted_linears(tmp_path) -> None:
     assert plan.parts["trained weights (fp32)"] == 4 * 4 * 2 * ((64 + 64) + (128 + 64))
     two_ranks = memory.plan_rl_job(cfg, num_trainer_ranks=2)  # no sharing across ranks: the engine keeps its copy
     assert two_ranks.parts["engine weights"] == 2 * memory.model_shape(str(path)).num_params
+
+
+def test_activation_count_covers_the_measured_h100_runs() -> None:
+    """The Qwen3-0.6B shape's colocated RL on the H100 (compiled blocks, no checkpointing): 32,768-token micro-batches
+    ran out of memory with ~49.9 GiB of activations allocated (002d098), and the run at 8,192 peaked at 26.3 GiB
+    (4e1f824). The activation term must cover the first; the count before (4 x hidden + 3 x MLP width a block) gave
+    24.5 GiB and let the run start."""
+    shape = memory.ModelShape(
+        num_params=596_049_920, num_layers=28, hidden_size=1024, intermediate_size=3072, num_kv_heads=8,
+        head_dim=128, vocab_size=151_936, num_heads=16,
+    )  # fmt: skip
+    kw = dict(num_trainable=shape.num_params, lora=False, offload="none", share_weights=False,
+              kv_cache_tokens=0, activation_checkpointing=False)  # fmt: skip
+    gib = 2**30
+    assert memory.estimate(shape, micro_batch_tokens=32768, **kw).train["activations"] > 49.9 * gib
+    small = memory.estimate(shape, micro_batch_tokens=8192, **kw).train["activations"]
+    assert 12 * gib < small < 16 * gib  # the 26.3 GiB peak less ~12.6 GiB of weights, moments, gradients, KV cache

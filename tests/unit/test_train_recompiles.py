@@ -119,3 +119,23 @@ def test_compiled_trainer_compiles_in_the_first_step_only() -> None:
     # and every unmasked one (RowLayout rows, one document): the guard stands on x_BTD.size(1) too (SFT on the H100)
     assert all(t % COMPILED_ROW_MULTIPLE == 0 for _, t, _m in seen), seen
     assert {b for b, _ in masked} > {1} and {b for b, _, m in seen if not m} > {1}  # one row and several
+
+
+def test_blocks_compile_without_size_guarded_fusion(monkeypatch):
+    """Inductor's strict mix-order reduction (a norm backward's two reductions fused only above a size) guards on
+    the micro-batch's token count: on the H100 every micro-batch of >= 5,120 tokens recompiled the blocks that the
+    step-0 warm-up had compiled on tiny rows. The blocks compile in non-strict mode (no size guard) where torch
+    has it. CUDA-only lowering: checked here by the options each block's torch.compile receives."""
+    from torch._inductor import config
+
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
+    policy = _policy()
+    blocks = list(policy.lm.model.layers)
+    compile_block_forwards(blocks, "inductor")
+    assert len(seen) == len(blocks)
+    want = {"triton.mix_order_reduction_non_strict_mode": True}
+    if hasattr(config.triton, "mix_order_reduction_non_strict_mode"):
+        assert all(kw["options"] == want and kw["dynamic"] for kw in seen)
+    compile_block_forwards(_policy().lm.model.layers, "aot_eager")
+    assert seen[-1]["options"] is None  # other backends take no inductor options
