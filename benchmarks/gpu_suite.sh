@@ -57,21 +57,23 @@ case $PART in
       # the learning benchmark: number_list at the 0.6B shape (real tokenizer): SFT from scratch, then RL ours k=0/1
       # (and TRL if the budget leaves room) with held-out evals every 6 steps against wall-clock time; the task counts
       # between two 3-digit integers 50-200 apart (~250-1000 answer tokens), up to 1000 new tokens. SEEDS=1
-      # SIDES=ours0,ours1 for the spread (a second device call: one seed of all three sides fills one); SFT_STEPS /
-      # SFT_LR / SFT_MIN_ITEMS set the start reward, SFT_FLAG adds one `sft` flag (e.g. --trainer.compile=off), OURS_FLAG one flag of
-      # our RL sides (e.g. --inference.native.warmup=off);
-      # RL_STEPS / RL_LIMIT_S (a side's limit) / BUDGET_S (the whole run's) / RL_LR (5e-5: a side gets ~25 steps in
-      # its 150 s; the CPU count proxy rose 0.46 -> 0.59 in 40 steps at lr 1e-4, 1/30 of its SFT lr; 5e-5 is 1/20). Reversing integer lists and one-token
-      # words stayed at the items' entropy through 120-150 s of SFT on the H100 (five recipes, sft_probe); counting is
-      # learned from the item before (0.6B: loss 0.49 at step 60 of 65, 0.01 by step 100 of 150: 65 steps, the
-      # default, leave RL room). TORCH_LOGS=recompiles: the SFT and RL logs name every recompile's guard (SFT
-      # recompiled after step 0 on the H100).
+      # SIDES=ours0,ours1 for the spread (a second device call: one seed of all three sides fills one). SFT: SFT_STEPS
+      # (100) / SFT_LR / SFT_MIN_ITEMS set the start reward; SFT_FLAG is one `sft` flag, by default
+      # --trainer.compile=off (eager: 65 steps in ~55 s at ~29k tokens/s, where the compiled blocks' step 0 alone took
+      # 60-80 s on the H100); 65 eager steps ended at loss 0.62 and a held-out reward of 0.04 (002d098), too low a
+      # start. OURS_FLAG: one flag of our RL sides (e.g. --inference.native.warmup=off: graphs captured as buckets
+      # come up; the warm-up captured 65 variants in 43 s cold at 002d098). RL_STEPS / RL_LIMIT_S (a side's limit) /
+      # BUDGET_S (the whole run's) / RL_LR (5e-5; the CPU count proxy rose 0.46 -> 0.59 in 40 steps at lr 1e-4, 1/30 of
+      # its SFT lr). Reversing integer lists and one-token words stayed at the items' entropy through 120-150 s of SFT
+      # on the H100 (five recipes, sft_probe); counting is learned from the item before. 16,384-token micro-batches:
+      # 32,768 ran out of memory in the first RL step (002d098). TORCH_LOGS=recompiles: the logs name every
+      # recompile's guard.
       R=/tmp/learning_out; rm -rf "$R"; mkdir -p "$R" "$OUT/learning"
-      (while true; do cp "$R/results.json" "$OUT/learning/" 2> /dev/null; sleep 5; done) & copier=$!
+      (while true; do cp "$R/results.json" "$R"/*.log "$OUT/learning/" 2> /dev/null; sleep 5; done) & copier=$!
       run learning $(( ${BUDGET_S:-550} + 15 )) env TORCH_LOGS=recompiles python3 benchmarks/rl_e2e.py --device cuda --task number_list --shape qwen3-0.6b --out "$R" \
         --trl-python python3 --sides "${SIDES:-ours0,ours1,trl}" --seeds "${SEEDS:-0}" --tokenizer-files .whl/qwen3-tokenizer \
-        --sft-steps "${SFT_STEPS:-65}" --sft-batch 32 --sft-lr "${SFT_LR:-1e-3}" --sft-warmup-steps 20 --sft-limit-s 150 \
-        --sft-task-arg "min_items=${SFT_MIN_ITEMS:-8}" ${SFT_FLAG:+--sft-flag=$SFT_FLAG} \
+        --sft-steps "${SFT_STEPS:-100}" --sft-batch 32 --sft-lr "${SFT_LR:-1e-3}" --sft-warmup-steps 20 --sft-limit-s 150 \
+        --sft-task-arg "min_items=${SFT_MIN_ITEMS:-8}" --sft-flag="${SFT_FLAG:---trainer.compile=off}" \
         --steps "${RL_STEPS:-24}" --warmup 3 --prompts 16 --group-size 8 --max-tokens 1000 --lr "${RL_LR:-5e-5}" --micro-batch-tokens 16384 \
         --ours-flag=--rollout.std_normalize ${OURS_FLAG:+--ours-flag=$OURS_FLAG} --eval-interval 6 --eval-examples 32 --eval-samples 2 --no-eval \
         --rl-limit-s "${RL_LIMIT_S:-150}" --budget-s "${BUDGET_S:-550}" --compile-cache /tmp/rl_e2e_compile_cache
@@ -147,7 +149,7 @@ case $PART in
         scale scale_8b_lora --shape qwen3-8b --micro-batch-tokens 4096 --ours-flag=--model.lora.rank --ours-flag=16
         scale scale_4b_no_offload --shape qwen3-4b --micro-batch-tokens 4096 ;;
       moe)  # weights drawn at load (--model.random_init: 61 GB of bf16 fit no disk twice); activation checkpointing:
-        # the plan says 71.1 GiB without it (of 72.8 usable), 61.6 GiB with it; the experts backward computes no
+        # the plan says ~81 GiB without it (of 72.8 usable), ~62 GiB with it (2047de8); the experts backward computes no
         # gradients for the frozen expert weights (kernels/moe/op.py), so it has no per-layer transient to add
         SCALE_LIMIT_S=${SCALE_LIMIT_S:-480}
         scale scale_30b_a3b_lora --shape qwen3-30b-a3b --random-init --micro-batch-tokens 4096 --ours-flag=--model.lora.rank \
