@@ -500,3 +500,25 @@ def test_released_kv_cache_comes_back_for_the_next_generation(model_dir, device,
         kv_bytes = 2 * cache.k.numel() * cache.k.element_size()
         assert eng.release_memory() == kv_bytes > 0
         assert cache.k is None and eng.release_memory() == 0  # released once
+
+
+def test_fused_decode_compiles_with_dynamic_shapes(model_dir, monkeypatch) -> None:
+    """The fused decode layer and the final norm compile with dynamic rows and lengths from their first call:
+    automatic dynamic shapes compiled a static first graph, then recompiled each row range for the length (8 decode
+    graphs against 4 in the cold warm-up). Checked by the options torch.compile receives (compiling is CUDA-only:
+    the CPU runner's setup is called as CUDA's is)."""
+    seen = []
+
+    def record(fn, **kw):
+        seen.append((getattr(fn, "__name__", ""), kw))
+        return fn
+
+    model, _ = _load(model_dir)
+    run = runner_mod.LlamaStyleRunner(model, 2, 64, torch.device("cpu"))
+    assert run.layer_args is not None
+    monkeypatch.setattr(torch, "compile", record)
+    run._setup_fused_decode(model, compile_decode=True)
+    names = dict(seen)
+    assert names["layer"]["dynamic"] is True and names["layer"]["fullgraph"] is True
+    assert names["rms_norm"]["dynamic"] is True
+    assert all(kw["options"] == {"emulate_precision_casts": True} for _, kw in seen)
