@@ -371,7 +371,7 @@ class LlamaStyleRunner:
             if self.layer_args is None:
                 raise ValueError(f"prefill layer_fn needs a dense Llama-style decoder, not {type(model).__name__}")
             fn = make_prefill_layer(self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale)
-            self.prefill_layer = compile_exact(fn, dynamic=True) if compile_decode and device.type == "cuda" else fn
+            self.prefill_layer = compile_exact(fn) if compile_decode and device.type == "cuda" else fn
 
     def _setup_glue(self) -> None:
         """The Triton decode path (the fused layer with decode linears triton: CUDA's default at hidden size <= 1024)
@@ -393,17 +393,14 @@ class LlamaStyleRunner:
         fn = make_decode_layer(
             self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale, self.attention, self.linear
         )
-        # one compiled graph serves all layers (same shapes, weights passed as arguments); B and Tkv are dynamic from
-        # the first compile (dynamic=True), so every (rows, length) bucket reuses the graph of its side of the fused
-        # kernels' row bounds, and one row its own (dynamo specializes a size of 1): 4 graphs. Automatic dynamic
-        # shapes compiled a static first graph and recompiled each row range once more for the length (kv_len ==
-        # 256 guard): 8 graphs, in a 43 s cold warm-up on the H100 (0.6B, 65 decode variants, 002d098)
-        self.decode_layer = compile_exact(fn, fullgraph=True, dynamic=True) if compile_decode else fn
+        # one compiled graph serves all layers (same shapes, weights passed as arguments); B and Tkv
+        # become dynamic after the first recompile, so every (rows, length) bucket reuses it
+        self.decode_layer = compile_exact(fn, fullgraph=True) if compile_decode else fn
         # the final norm, compiled with the layers: eager, HF's RMSNorm is ~6 kernels a step (0.6B, batch 1, H200:
         # ~2 us each, next to a ~0.85 ms step)
         final = model.model.norm
         self.final_norm_args = (final.weight, getattr(final, "variance_epsilon", getattr(final, "eps", self.eps)))
-        self.final_norm = compile_exact(rms_norm, dynamic=True) if compile_decode else rms_norm
+        self.final_norm = compile_exact(rms_norm) if compile_decode else rms_norm
         self.layer_args = []
         with torch.no_grad():
             for layer in layers:

@@ -502,23 +502,15 @@ def test_released_kv_cache_comes_back_for_the_next_generation(model_dir, device,
         assert cache.k is None and eng.release_memory() == 0  # released once
 
 
-def test_fused_decode_compiles_with_dynamic_shapes(model_dir, monkeypatch) -> None:
-    """The fused decode layer and the final norm compile with dynamic rows and lengths from their first call:
-    automatic dynamic shapes compiled a static first graph, then recompiled each row range for the length (8 decode
-    graphs against 4 in the cold warm-up). Checked by the options torch.compile receives (compiling is CUDA-only:
-    the CPU runner's setup is called as CUDA's is)."""
+def test_warmup_varies_the_length_before_the_rows(model_dir, monkeypatch) -> None:
+    """The warm-up runs every length bucket of one row bucket before the next row bucket: the compiled decode layer
+    (automatic dynamic shapes) then sees the length change first and compiles each row range once, with the length
+    dynamic (5 graphs where lengths-outer compiled 8 on the H100)."""
+    eng, _, _ = _engine(model_dir, torch.device("cpu"), max_batch_size=4, max_model_len=1024)
+    assert len(eng.batch_buckets) > 1 and len(eng.len_buckets) > 1
     seen = []
-
-    def record(fn, **kw):
-        seen.append((getattr(fn, "__name__", ""), kw))
-        return fn
-
-    model, _ = _load(model_dir)
-    run = runner_mod.LlamaStyleRunner(model, 2, 64, torch.device("cpu"))
-    assert run.layer_args is not None
-    monkeypatch.setattr(torch, "compile", record)
-    run._setup_fused_decode(model, compile_decode=True)
-    names = dict(seen)
-    assert names["layer"]["dynamic"] is True and names["layer"]["fullgraph"] is True
-    assert names["rms_norm"]["dynamic"] is True
-    assert all(kw["options"] == {"emulate_precision_casts": True} for _, kw in seen)
+    monkeypatch.setattr(eng, "_decode_step", lambda *key: seen.append(key))
+    eng.warmup()
+    single = [(nb, kv) for nb, kv, _, _, steps in seen if steps == 1]
+    assert single == [(nb, kv) for nb in eng.batch_buckets for kv in eng.len_buckets]
+    assert single[0][0] == single[1][0] and single[0][1] != single[1][1]
