@@ -61,13 +61,15 @@ case $PART in
       # (100) / SFT_LR / SFT_MIN_ITEMS set the start reward; SFT_FLAG is one `sft` flag, by default
       # --trainer.compile=off (eager: 65 steps in ~55 s at ~29k tokens/s, where the compiled blocks' step 0 alone took
       # 60-80 s on the H100); 65 eager steps ended at loss 0.62 and a held-out reward of 0.04 (002d098), too low a
-      # start. OURS_FLAG: one flag of our RL sides (e.g. --inference.native.warmup=off: graphs captured as buckets
+      # start. OURS_FLAG: flags of our RL sides, space-separated, each KEY=VALUE (e.g. "--inference.native.warmup=off
+      # --trainer.compile=off"; warmup off: graphs captured as buckets
       # come up; the warm-up captured 65 variants in 43 s cold at 002d098). RL_STEPS / RL_LIMIT_S (a side's limit) /
       # BUDGET_S (the whole run's) / RL_LR (5e-5; the CPU count proxy rose 0.46 -> 0.59 in 40 steps at lr 1e-4, 1/30 of
       # its SFT lr). Reversing integer lists and one-token words stayed at the items' entropy through 120-150 s of SFT
       # on the H100 (five recipes, sft_probe); counting is learned from the item before. 16,384-token micro-batches:
       # 32,768 ran out of memory in the first RL step (002d098). TORCH_LOGS=recompiles: the logs name every
       # recompile's guard.
+      ours_flags=(); for f in ${OURS_FLAG:-}; do ours_flags+=("--ours-flag=$f"); done
       R=/tmp/learning_out; rm -rf "$R"; mkdir -p "$R" "$OUT/learning"
       (while true; do cp "$R/results.json" "$R"/*.log "$OUT/learning/" 2> /dev/null; sleep 5; done) & copier=$!
       run learning $(( ${BUDGET_S:-550} + 15 )) env TORCH_LOGS=recompiles python3 benchmarks/rl_e2e.py --device cuda --task number_list --shape qwen3-0.6b --out "$R" \
@@ -75,7 +77,7 @@ case $PART in
         --sft-steps "${SFT_STEPS:-100}" --sft-batch 32 --sft-lr "${SFT_LR:-1e-3}" --sft-warmup-steps 20 --sft-limit-s 150 \
         --sft-task-arg "min_items=${SFT_MIN_ITEMS:-8}" --sft-flag="${SFT_FLAG:---trainer.compile=off}" \
         --steps "${RL_STEPS:-24}" --warmup 3 --prompts 16 --group-size 8 --max-tokens 1000 --lr "${RL_LR:-5e-5}" --micro-batch-tokens 16384 \
-        --ours-flag=--rollout.std_normalize ${OURS_FLAG:+--ours-flag=$OURS_FLAG} --eval-interval 6 --eval-examples 32 --eval-samples 2 --no-eval \
+        --ours-flag=--rollout.std_normalize "${ours_flags[@]}" --eval-interval 6 --eval-examples 32 --eval-samples 2 --no-eval \
         --rl-limit-s "${RL_LIMIT_S:-150}" --budget-s "${BUDGET_S:-550}" --compile-cache /tmp/rl_e2e_compile_cache
       kill "$copier" 2> /dev/null
       cp "$R/results.json" "$R"/*.png "$R"/*.log "$OUT/learning/" 2> /dev/null
