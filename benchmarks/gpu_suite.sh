@@ -68,12 +68,13 @@ case $PART in
       # its SFT lr). Reversing integer lists and one-token words stayed at the items' entropy through 120-150 s of SFT
       # on the H100 (five recipes, sft_probe); counting is learned from the item before. 16,384-token micro-batches:
       # 32,768 ran out of memory in the first RL step (002d098). TORCH_LOGS=recompiles: the logs name every
-      # recompile's guard.
+      # recompile's guard. TRL_CB=1: TRL generates with transformers' continuous batching instead of `generate` (82 s
+      # for 128 x 1000 tokens at 002d098; continuous batching not yet run on a GPU).
       ours_flags=(); for f in ${OURS_FLAG:-}; do ours_flags+=("--ours-flag=$f"); done
       R=/tmp/learning_out; rm -rf "$R"; mkdir -p "$R" "$OUT/learning"
       (while true; do cp "$R/results.json" "$R"/*.log "$OUT/learning/" 2> /dev/null; sleep 5; done) & copier=$!
       run learning $(( ${BUDGET_S:-550} + 15 )) env TORCH_LOGS=recompiles python3 benchmarks/rl_e2e.py --device cuda --task number_list --shape qwen3-0.6b --out "$R" \
-        --trl-python python3 --sides "${SIDES:-ours0,ours1,trl}" --seeds "${SEEDS:-0}" --tokenizer-files .whl/qwen3-tokenizer \
+        --trl-python python3 ${TRL_CB:+--trl-continuous-batching} --sides "${SIDES:-ours0,ours1,trl}" --seeds "${SEEDS:-0}" --tokenizer-files .whl/qwen3-tokenizer \
         --sft-steps "${SFT_STEPS:-100}" --sft-batch 32 --sft-lr "${SFT_LR:-1e-3}" --sft-warmup-steps 20 --sft-limit-s 150 \
         --sft-task-arg "min_items=${SFT_MIN_ITEMS:-8}" --sft-flag="${SFT_FLAG:---trainer.compile=off}" \
         --steps "${RL_STEPS:-24}" --warmup 3 --prompts 16 --group-size 8 --max-tokens 1000 --lr "${RL_LR:-5e-5}" --micro-batch-tokens 16384 \

@@ -381,6 +381,7 @@ def run_trl(rep: int, seed: int, model: Path, args: argparse.Namespace, out: Pat
                 max_tokens=args.max_tokens, lr=args.lr, seed=seed, task=args.task, device=args.device,
                 save=rep == args.num_runs - 1, root=str(ROOT), eval_interval=args.eval_interval,
                 eval_examples=args.eval_examples, eval_samples=args.eval_samples,
+                continuous_batching=args.trl_continuous_batching,
                 # stop in time to save and exit: 25 s before this side's limit (wall clock, from its launch)
                 stop_at_unix=time.time() + min(args.rl_limit_s, DEADLINE["t"] - time.perf_counter() - 5) - 25)  # fmt: skip
     d.mkdir(parents=True, exist_ok=True)
@@ -435,6 +436,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sft-warmup-steps", type=int, default=20)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--trl-python", default="", help="interpreter with TRL installed ('' = skip TRL)")
+    p.add_argument(
+        "--trl-continuous-batching",
+        action="store_true",
+        help="TRL generates with transformers' continuous batching (GRPOConfig.use_transformers_continuous_batching) "
+        "instead of `generate`: its fastest path without vLLM",
+    )
     p.add_argument("--sides", default="trl,ours0,ours1", help="comma list of trl, ours0 (max_async 0), ours1")
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the rates")

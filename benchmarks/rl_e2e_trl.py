@@ -38,7 +38,8 @@ def train_order(seed: int, label: str, n: int, count: int) -> list[int]:
 
 def grpo_config(s: dict, out: Path, cuda: bool):
     """TRL's GRPOConfig matching ours' run: group size, max new tokens, T=1, constant lr, AdamW betas, grad
-    clipping, steps and seed; one batch per step (per_device_train_batch_size = prompts x group size)."""
+    clipping, steps and seed; one batch per step (per_device_train_batch_size = prompts x group size). Generation:
+    transformers' ``generate``, or its continuous batching engine with ``continuous_batching`` (--trl-continuous-batching)."""
     from trl import GRPOConfig
 
     return GRPOConfig(
@@ -48,6 +49,7 @@ def grpo_config(s: dict, out: Path, cuda: bool):
         max_grad_norm=1.0, max_steps=s["steps"], beta=0.0, logging_steps=1, save_strategy="no", report_to=[],
         bf16=cuda, use_cpu=not cuda, seed=s["seed"], shuffle_dataset=False, disable_tqdm=True,
         gradient_accumulation_steps=1, dataloader_num_workers=0,
+        use_transformers_continuous_batching=bool(s.get("continuous_batching")),
     )  # fmt: skip
 
 
