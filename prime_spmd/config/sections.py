@@ -182,6 +182,8 @@ class TrainerConfig:
     """optimizer: AdamW's moments (8 bytes a trained parameter) live in pinned host memory and stream through the device in chunks at each step (docs/memory.md)."""
     compile: Literal["auto", "on", "off"] = "auto"
     """torch.compile each transformer block's forward for training (inductor, dynamic shapes): fewer kernels per step. auto: on for our dense model code (--model.impl custom/auto) on CUDA; off on CPU (compiling costs more than it saves at CPU sizes), for MoE and for transformers models."""
+    compile_warmup: bool = True
+    """With compiled blocks: the first step also compiles every kind of block input a micro-batch can give (one document, several, a packed row under a mask, shared prompts), so no later step recompiles; off: each kind compiles in the step that first meets it (a short run pays only for the kinds it meets)."""
 
     def __post_init__(self) -> None:
         _check(self.max_steps >= 1, "trainer.max_steps", self.max_steps, "must be >= 1")

@@ -107,6 +107,7 @@ def build_trainer(
         unpack_documents=not varlen_attention(model_cfg, device),
         share_prompts=trainer_cfg.share_prompts,
         exact=model_cfg.exact,
+        compile_warmup=trainer_cfg.compile_warmup,
     )
     mesh = build_trainer_mesh(ctx.topo, device)
     # EP (mesh with an ep axis) -> activation checkpointing -> FSDP2 per block -> root

@@ -124,6 +124,8 @@ class PolicyModel(nn.Module):
 
     ``exact`` (``--model.exact``): the forward and the logprobs run the engine's batch-invariant kernels
     (``trainer/exact.py``), bit-equal to the logprobs the native engine sampled with; the two options above are unused.
+
+    ``compile_warmup`` (``--trainer.compile_warmup``): ``warm_up_compiled_blocks`` runs in the first step (off: never).
     """
 
     def __init__(
@@ -134,6 +136,7 @@ class PolicyModel(nn.Module):
         unpack_documents: bool = True,
         share_prompts: bool = True,
         exact: bool = False,
+        compile_warmup: bool = True,
     ) -> None:
         super().__init__()
         self.lm = lm
@@ -146,7 +149,7 @@ class PolicyModel(nn.Module):
         assert router_aux_coef == 0 or self.adapter.has_router_aux(), "resolve_router_aux_coef decides it"
         self.router_aux_coef = router_aux_coef
         self.share_prompts = share_prompts and self.adapter.supports_prefix_sharing()
-        self._warmed_up = False
+        self._warmed_up = not compile_warmup  # --trainer.compile_warmup off: nothing to warm up
 
     def blocks_compiled(self) -> bool:
         """Whether a module's ``forward`` is a torch.compile'd function (``--trainer.compile``:

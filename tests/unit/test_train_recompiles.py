@@ -139,3 +139,26 @@ def test_blocks_compile_without_size_guarded_fusion(monkeypatch):
         assert all(kw["options"] == want and kw["dynamic"] for kw in seen)
     compile_block_forwards(_policy().lm.model.layers, "aot_eager")
     assert seen[-1]["options"] is None  # other backends take no inductor options
+
+
+def test_compile_warmup_off_compiles_only_the_kinds_a_run_meets() -> None:
+    """--trainer.compile_warmup off: the first step compiles only the input kinds its micro-batches have (here one:
+    rows of shared prompts, against 4 with the warm-up); a later step with a new kind compiles it then."""
+    torch._dynamo.reset()
+    lm = _policy().lm
+    policy = PolicyModel(lm, compile_warmup=False)
+    compile_block_forwards(policy.lm.blocks(), backend="aot_eager")
+    loss_fn = make_rl_loss(LossConfig())
+    opt = torch.optim.SGD(policy.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    steps = _steps()
+    for samples, budget, ranks in steps[:2]:  # rows of shared prompts only
+        train_step(policy, opt, sched, pack(samples, budget, ranks, share_prompts=True)[-1], loss_fn,
+                   device=torch.device("cpu"))  # fmt: skip
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    samples, budget, ranks = steps[3]  # nothing shared: RowLayout rows, a kind not met before
+    train_step(policy, opt, sched, pack(samples, budget, ranks, share_prompts=True)[-1], loss_fn,
+               device=torch.device("cpu"))  # fmt: skip
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
