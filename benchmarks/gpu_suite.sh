@@ -61,8 +61,8 @@ case $PART in
       # (100) / SFT_LR / SFT_MIN_ITEMS set the start reward; SFT_FLAG is one `sft` flag, by default
       # --trainer.compile=off (eager: 65 steps in ~55 s at ~29k tokens/s, where the compiled blocks' step 0 alone took
       # 60-80 s on the H100); 65 eager steps ended at loss 0.62 and a held-out reward of 0.04 (002d098), too low a
-      # start. OURS_FLAG: flags of our RL sides, space-separated, each KEY=VALUE (e.g. "--inference.native.warmup=off
-      # --trainer.compile=off"; warmup off: graphs captured as buckets
+      # start. OURS_FLAG: flags of our RL sides, space-separated, each one word (e.g. "--inference.native.warmup=off
+      # --trainer.no_compile_warmup": no up-front compile or capture; warmup off: graphs captured as buckets
       # come up; the warm-up captured 65 variants in 43 s cold at 002d098). RL_STEPS / RL_LIMIT_S (a side's limit) /
       # BUDGET_S (the whole run's) / RL_LR (5e-5; the CPU count proxy rose 0.46 -> 0.59 in 40 steps at lr 1e-4, 1/30 of
       # its SFT lr). Reversing integer lists and one-token words stayed at the items' entropy through 120-150 s of SFT
