@@ -59,7 +59,7 @@ case $PART in
       # between two 3-digit integers 50-200 apart (~250-1000 answer tokens), up to 1000 new tokens. SEEDS=1
       # SIDES=ours0,ours1 for the spread (a second device call: one seed of all three sides fills one). SFT: SFT_STEPS
       # (100) / SFT_LR / SFT_MIN_ITEMS set the start reward; SFT_FLAG is one `sft` flag, by default
-      # --trainer.compile=off (eager: 65 steps in ~55 s at ~29k tokens/s, where the compiled blocks' step 0 alone took
+      # --trainer.compile=off (eager: 65 steps in 52 s at ~29k tokens/s, where the compiled blocks' step 0 alone took
       # 60-80 s on the H100); 65 eager steps ended at loss 0.62 and a held-out reward of 0.04 (002d098), too low a
       # start. OURS_FLAG: flags of our RL sides, space-separated, each one word (e.g. "--inference.native.warmup=off
       # --trainer.no_compile_warmup": no up-front compile or capture; warmup off: graphs captured as buckets
