@@ -561,17 +561,14 @@ def prepare_model(args: argparse.Namespace, out: Path, res: dict, save) -> Path:
             rows = [json.loads(x) for x in metrics.read_text().splitlines()]
             res["phases"]["sft"]["curve"] = [{k: r.get(k) for k in ("step", "loss", "lr", "step_time_s")} for r in rows]
         model = out / "sft" / "hf"
-        failed = res["phases"]["sft"]["rc"] != 0
-        if failed and (model / "config.json").is_file():
+        rc, weights_written = res["phases"]["sft"]["rc"], (model / "config.json").is_file()
+        if rc != 0 and weights_written:
             # the limit struck after the final weights were written (save_hf renames a complete dir into place):
             # on the H100 a 65-step SFT wrote them 1 s before its limit and was killed in its teardown
             res["phases"]["sft"]["killed_after_final_weights"] = True
-            print(
-                f"[rl_e2e] sft: rc {res['phases']['sft']['rc']} after writing {model}; RL goes on from it", flush=True
-            )
-            failed = False
+            print(f"[rl_e2e] sft: rc {rc} after writing {model}; RL goes on from it", flush=True)
         save()
-        if failed:
+        if rc != 0 and not weights_written:
             raise SystemExit(f"SFT failed (see {out / 'sft.log'})")
     return model
 
