@@ -116,3 +116,25 @@ def test_sft_killed_at_its_limit_goes_on_only_with_its_final_weights(tmp_path, m
             rl_e2e.prepare_model(args, out, res, lambda: saves.append(1))
         assert "killed_after_final_weights" not in res["phases"]["sft"]
     assert saves  # the phase is recorded either way
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_trl_continuous_batching_reaches_grpo_config(tmp_path, monkeypatch, flag) -> None:
+    """--trl-continuous-batching goes into the TRL worker's spec and from there into GRPOConfig's
+    use_transformers_continuous_batching (TRL is not installed here: a stand-in GRPOConfig records its arguments)."""
+    import types
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import rl_e2e, rl_e2e_trl
+
+    argv = ["rl_e2e.py", "--device", "cpu", "--out", str(tmp_path), "--trl-python", sys.executable]
+    monkeypatch.setattr(sys, "argv", argv + (["--trl-continuous-batching"] if flag else []))
+    args = rl_e2e.parse_args()
+    out = rl_e2e.setup_run(args)
+    monkeypatch.setattr(rl_e2e, "run_logged", lambda *a, **kw: {"rc": 0, "wall_s": 0.0})
+    rl_e2e.run_trl(0, 0, tmp_path / "model", args, out)
+    spec = json.loads((out / "trl_r0" / "spec.json").read_text())
+    assert spec["continuous_batching"] is flag
+    monkeypatch.setitem(sys.modules, "trl", types.SimpleNamespace(GRPOConfig=lambda **kw: kw))
+    config = rl_e2e_trl.grpo_config(spec, tmp_path, cuda=False)
+    assert config["use_transformers_continuous_batching"] is flag
