@@ -109,7 +109,7 @@ def run_native(
     quantization: str = "none",
     exact: bool = False,
     kv_cache_dtype: str = "auto",
-    fp8_tile_rows: str = "triton",
+    fp8_tile_rows: str = "scaled_mm",
 ) -> tuple[float, list]:
     """(seconds of the second ``generate``, its token ids per request, the attention / linear / sampler it ran).
     ``fp8_tile_rows``: kernels/fp8/op.py's ``TILE_ROWS_IMPL`` while this engine is built and runs (fp8 rows)."""
@@ -355,7 +355,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--fp8-tile-rows",
-        default="triton",
+        default="scaled_mm",
         help="fp8 rows: comma list of triton, scaled_mm (kernels/fp8/op.py TILE_ROWS_IMPL: decode steps of more than "
         "one row on the FP8 Triton tile kernel or torch._scaled_mm); crossed with the fp8 rows only",
     )

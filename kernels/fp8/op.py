@@ -28,14 +28,15 @@ from prime_spmd.kernels.fp8.reference import (
 Fp8Impl = Literal["reference", "triton"]
 Fp8LinearImpl = Literal["reference", "dequant", "scaled_mm"]
 TILE_ROWS_IMPLS = ("triton", "scaled_mm")
-TILE_ROWS_IMPL: str = os.environ.get("PRIME_SPMD_FP8_TILE_ROWS", "triton")
+TILE_ROWS_IMPL: str = os.environ.get("PRIME_SPMD_FP8_TILE_ROWS", "scaled_mm")
 """What ``fp8_fused_linear`` runs for bf16 steps the GEMV does not take (more than ``GEMV_MAX_ROWS`` rows, or K past
 ``GEMV_MAX_K``): "triton" (the FP8 tile kernel: bf16 activations times e4m3 weights, norm / SiLU-gate / residual
 fused) or "scaled_mm" (``fp8_linear``'s ``torch._scaled_mm``: activations quantized per row to e4m3, FP8 tensor
 cores; the norm, the quantize, SiLU-gate and residual are torch ops that torch.compile fuses around the GEMM). A
 benchmark setting, not a user flag: ``benchmarks/engine.py --fp8-tile-rows`` sets it (or the environment variable
-PRIME_SPMD_FP8_TILE_ROWS); it is read when the decode layer is traced (a compiled graph guards on it). H100, commit
-4e05028: the tile kernel reached 47% of its roofline at the Qwen3-8B shape, batch 64 (docs/benchmarks.md)."""
+PRIME_SPMD_FP8_TILE_ROWS); it is read when the decode layer is traced (a compiled graph guards on it). Default
+"scaled_mm": H100, commit 0c4ade1, batch 64, 256 new tokens: 9,593 tokens/s against the tile kernel's 7,580 at the
+Qwen3-8B shape (bf16: 8,001); 27,388 against 28,487 at the 0.6B shape (docs/benchmarks.md)."""
 GEMV_MAX_ROWS = 1
 GEMV_MAX_K = 16384
 """The FP8 GEMV (kernel.py) takes one row of K up to this: Qwen3-8B's down projection (K 12,288) included, which
