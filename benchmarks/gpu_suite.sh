@@ -54,32 +54,30 @@ case $PART in
     run env_bridge 300 python3 benchmarks/env_bridge.py --device cuda --preset qwen3-0.6b --max-tokens 32,128 --lengths fixed,varied --repeats 5 --out "$OUT/env_bridge.json" ;;
   rl_e2e)
     if [ "${VARIANT:-reverse_text}" = number_list ]; then
-      # the learning benchmark: number_list at the 0.6B shape (real tokenizer): SFT from scratch, then RL ours k=0/1
-      # (and TRL if the budget leaves room) with held-out evals every 6 steps against wall-clock time; the task counts
-      # between two 3-digit integers 50-200 apart (~250-1000 answer tokens), up to 1000 new tokens. SEEDS=1
-      # SIDES=ours0,ours1 for the spread (a second device call: one seed of all three sides fills one). SFT: SFT_STEPS
-      # (100) / SFT_LR / SFT_MIN_ITEMS set the start reward; SFT_FLAG is one `sft` flag, by default
-      # --trainer.compile=off (eager: 65 steps in 52 s at ~29k tokens/s, where the compiled blocks' step 0 alone took
-      # 60-80 s on the H100); 65 eager steps ended at loss 0.62 and a held-out reward of 0.04 (002d098), too low a
-      # start. OURS_FLAG: flags of our RL sides, space-separated, each one word (e.g. "--inference.native.warmup=off
-      # --trainer.no_compile_warmup": no up-front compile or capture; warmup off: graphs captured as buckets
-      # come up; the warm-up captured 65 variants in 43 s cold at 002d098). RL_STEPS / RL_LIMIT_S (a side's limit) /
-      # BUDGET_S (the whole run's) / RL_LR (5e-5; the CPU count proxy rose 0.46 -> 0.59 in 40 steps at lr 1e-4, 1/30 of
-      # its SFT lr). Reversing integer lists and one-token words stayed at the items' entropy through 120-150 s of SFT
-      # on the H100 (five recipes, sft_probe); counting is learned from the item before. 16,384-token micro-batches:
-      # 32,768 ran out of memory in the first RL step (002d098). TORCH_LOGS=recompiles: the logs name every
-      # recompile's guard. TRL_CB=1: TRL generates with transformers' continuous batching instead of `generate` (82 s
-      # for 128 x 1000 tokens at 002d098; continuous batching not yet run on a GPU).
+      # the learning benchmark: number_list at the 0.6B shape (real tokenizer): SFT from scratch, then RL sides with
+      # held-out evals every 6 steps against wall-clock time; the task counts between two 3-digit integers 50-200
+      # apart (~250-1000 answer tokens), up to 1000 new tokens. One call holds SFT (~150 s) and two RL sides of
+      # RL_LIMIT_S (190 s; a cold side spends ~120 s starting: 0c4ade1, H100): SIDES (ours0,ours1) splits the sides
+      # over calls, e.g. `SIDES=trl RL_LIMIT_S=380` for TRL (82 s a `generate` of 128 x 1000 tokens, 42 s its eval),
+      # `SEEDS=1` for the spread. SFT: SFT_STEPS (100: held-out start 0.39-0.50 at 0c4ade1) / SFT_LR / SFT_MIN_ITEMS;
+      # SFT_FLAG one `sft` flag, by default --trainer.compile=off (eager: ~1 s a step). OURS_FLAG: flags of our RL
+      # sides, space-separated, each one word (e.g. "--inference.native.warmup=off --trainer.no_compile_warmup": no
+      # up-front compile or capture). RL_STEPS / BUDGET_S (the whole run's) / RL_LR (5e-5). 16,384-token
+      # micro-batches (32,768 ran out of memory at 002d098). TORCH_LOGS=recompiles: the logs name every recompile's
+      # guard. TRL_CB=1: TRL generates with transformers' continuous batching (not yet run on a GPU). importtime.log:
+      # `python -X importtime` of our RL entry modules, run beside the SFT (imports took 14-21 s here at 0c4ade1).
+      (python3 -X importtime -c "import prime_spmd.rl.loop, prime_spmd.inference.factory, prime_spmd.trainer.build" \
+        2> "$OUT/importtime.log" > /dev/null &)
       ours_flags=(); for f in ${OURS_FLAG:-}; do ours_flags+=("--ours-flag=$f"); done
       R=/tmp/learning_out; rm -rf "$R"; mkdir -p "$R" "$OUT/learning"
       (while true; do cp "$R/results.json" "$R"/*.log "$OUT/learning/" 2> /dev/null; sleep 5; done) & copier=$!
       run learning $(( ${BUDGET_S:-550} + 15 )) env TORCH_LOGS=recompiles python3 benchmarks/rl_e2e.py --device cuda --task number_list --shape qwen3-0.6b --out "$R" \
-        --trl-python python3 ${TRL_CB:+--trl-continuous-batching} --sides "${SIDES:-ours0,ours1,trl}" --seeds "${SEEDS:-0}" --tokenizer-files .whl/qwen3-tokenizer \
+        --trl-python python3 ${TRL_CB:+--trl-continuous-batching} --sides "${SIDES:-ours0,ours1}" --seeds "${SEEDS:-0}" --tokenizer-files .whl/qwen3-tokenizer \
         --sft-steps "${SFT_STEPS:-100}" --sft-batch 32 --sft-lr "${SFT_LR:-1e-3}" --sft-warmup-steps 20 --sft-limit-s 150 \
         --sft-task-arg "min_items=${SFT_MIN_ITEMS:-8}" --sft-flag="${SFT_FLAG:---trainer.compile=off}" \
         --steps "${RL_STEPS:-24}" --warmup 3 --prompts 16 --group-size 8 --max-tokens 1000 --lr "${RL_LR:-5e-5}" --micro-batch-tokens 16384 \
         --ours-flag=--rollout.std_normalize "${ours_flags[@]}" --eval-interval 6 --eval-examples 32 --eval-samples 2 --no-eval \
-        --rl-limit-s "${RL_LIMIT_S:-150}" --budget-s "${BUDGET_S:-550}" --compile-cache /tmp/rl_e2e_compile_cache
+        --rl-limit-s "${RL_LIMIT_S:-190}" --budget-s "${BUDGET_S:-550}" --compile-cache /tmp/rl_e2e_compile_cache
       kill "$copier" 2> /dev/null
       cp "$R/results.json" "$R"/*.png "$R"/*.log "$OUT/learning/" 2> /dev/null
       for d in "$R"/ours_k*_r*; do cp "$d/metrics.jsonl" "$OUT/learning/$(basename "$d")_metrics.jsonl" 2> /dev/null; done
