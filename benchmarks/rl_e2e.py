@@ -382,6 +382,7 @@ def run_trl(rep: int, seed: int, model: Path, args: argparse.Namespace, out: Pat
                 save=rep == args.num_runs - 1, root=str(ROOT), eval_interval=args.eval_interval,
                 eval_examples=args.eval_examples, eval_samples=args.eval_samples,
                 continuous_batching=args.trl_continuous_batching,
+                eval_dtype="bfloat16" if args.device == "cuda" and not args.trl_eval_autocast else "float32",
                 # stop in time to save and exit: 25 s before this side's limit (wall clock, from its launch)
                 stop_at_unix=time.time() + min(args.rl_limit_s, DEADLINE["t"] - time.perf_counter() - 5) - 25)  # fmt: skip
     d.mkdir(parents=True, exist_ok=True)
@@ -441,6 +442,12 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="TRL generates with transformers' continuous batching (GRPOConfig.use_transformers_continuous_batching) "
         "instead of `generate`: its fastest path without vLLM",
+    )
+    p.add_argument(
+        "--trl-eval-autocast",
+        action="store_true",
+        help="on CUDA, TRL's held-out evals sample from its fp32 model under its bf16 autocast; by default from a bf16 "
+        "copy of its weights, in the numerics ours' evals sample in (a pure bf16 forward)",
     )
     p.add_argument("--sides", default="trl,ours0,ours1", help="comma list of trl, ours0 (max_async 0), ours1")
     p.add_argument("--steps", type=int, default=15)

@@ -53,16 +53,33 @@ def grpo_config(s: dict, out: Path, cuda: bool):
     )  # fmt: skip
 
 
-def trl_evaluate(trainer, tok, held_out: list, s: dict, lcs_ratio, sink, step: int) -> None:
+def eval_copy(model, cache: dict, dtype):
+    """``model``'s current weights in a second model of ``dtype`` (built once into ``cache``, refreshed each call):
+    a plain forward in that dtype, as ours' engine generates, with none of the trainer's autocast."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    if "model" not in cache:
+        cache["model"] = AutoModelForCausalLM.from_config(model.config, dtype=dtype).to(model.device).eval()
+        cache["model"].generation_config = copy.deepcopy(model.generation_config)
+    cache["model"].load_state_dict(model.state_dict())
+    return cache["model"]
+
+
+def trl_evaluate(trainer, tok, held_out: list, s: dict, lcs_ratio, sink, step: int, cache: dict) -> None:
     """Held-out reward of the current weights: each eval prompt sampled eval_samples times at T=1 with
-    transformers' generate (TRL's own generation path), the same scorer; one row of steps.jsonl."""
+    transformers' generate (TRL's own generation path), the same scorer; one row of steps.jsonl. With
+    ``s["eval_dtype"]`` bfloat16 (CUDA) a bf16 copy of the weights generates, in the numerics ours' evals sample in
+    (``eval_copy``); float32: TRL's fp32 model itself (under its bf16 autocast when it trains in bf16)."""
     import torch
 
     from prime_spmd.envs.base import completion_text
 
     cuda = s["device"] == "cuda"
     t = time.perf_counter()
-    m = trainer.model
+    dtype = getattr(torch, s.get("eval_dtype", "float32"))
+    m = trainer.model if dtype == torch.float32 else eval_copy(trainer.model, cache, dtype)
     was_training, side = m.training, tok.padding_side
     m.eval()
     tok.padding_side = "left"
@@ -195,8 +212,10 @@ def trl_worker(spec_path: str) -> None:
     time_generation(trainer, timing, cuda)
     sink = (out / "steps.jsonl").open("w")
 
+    eval_cache: dict = {}
+
     def evaluate(step: int) -> None:
-        trl_evaluate(trainer, tok, held_out, s, lcs_ratio, sink, step)
+        trl_evaluate(trainer, tok, held_out, s, lcs_ratio, sink, step, eval_cache)
 
     if s["eval_interval"]:
         evaluate(0)  # the SFT weights: the baseline, as ours' eval before its first step

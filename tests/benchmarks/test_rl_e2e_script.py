@@ -138,3 +138,58 @@ def test_trl_continuous_batching_reaches_grpo_config(tmp_path, monkeypatch, flag
     monkeypatch.setitem(sys.modules, "trl", types.SimpleNamespace(GRPOConfig=lambda **kw: kw))
     config = rl_e2e_trl.grpo_config(spec, tmp_path, cuda=False)
     assert config["use_transformers_continuous_batching"] is flag
+
+
+@pytest.mark.parametrize("device,autocast,want", [("cuda", False, "bfloat16"), ("cuda", True, "float32"),
+                                                  ("cpu", False, "float32")])  # fmt: skip
+def test_trl_eval_dtype_in_spec(tmp_path, monkeypatch, device, autocast, want) -> None:
+    """On CUDA the TRL side's held-out evals sample from a bf16 copy unless --trl-eval-autocast; on CPU (fp32 on both
+    sides) from TRL's model itself."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import rl_e2e
+
+    argv = ["rl_e2e.py", "--device", "cpu", "--out", str(tmp_path), "--trl-python", sys.executable]
+    monkeypatch.setattr(sys, "argv", argv + (["--trl-eval-autocast"] if autocast else []))
+    args = rl_e2e.parse_args()
+    out = rl_e2e.setup_run(args)
+    args.device = device  # the spec only; nothing runs
+    monkeypatch.setattr(rl_e2e, "run_logged", lambda *a, **kw: {"rc": 0, "wall_s": 0.0})
+    rl_e2e.run_trl(0, 0, tmp_path / "model", args, out)
+    assert json.loads((out / "trl_r0" / "spec.json").read_text())["eval_dtype"] == want
+
+
+def test_trl_eval_copy_follows_the_weights_in_bf16(qwen3_model, qwen3_tokenizer, tmp_path) -> None:
+    """eval_copy: a bf16 model holding the fp32 model's weights rounded to bf16, its generation config, built once and
+    refreshed at each call; trl_evaluate with eval_dtype bfloat16 samples from it and leaves TRL's model as it was."""
+    import copy
+    import types
+
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import rl_e2e_trl
+
+    model = copy.deepcopy(qwen3_model).train()
+    cache: dict = {}
+    first = rl_e2e_trl.eval_copy(model, cache, torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in first.parameters())
+    for name, p in model.state_dict().items():
+        assert torch.equal(first.state_dict()[name], p.to(torch.bfloat16)), name
+    assert first.generation_config.eos_token_id == model.generation_config.eos_token_id
+    with torch.no_grad():
+        model.model.embed_tokens.weight.add_(1.0)
+    again = rl_e2e_trl.eval_copy(model, cache, torch.bfloat16)
+    assert again is first
+    assert torch.equal(again.model.embed_tokens.weight, model.model.embed_tokens.weight.to(torch.bfloat16))
+
+    s = {"device": "cpu", "seed": 0, "max_tokens": 3, "eval_samples": 2, "eval_dtype": "bfloat16"}
+    sink = (tmp_path / "steps.jsonl").open("w")
+    trainer = types.SimpleNamespace(model=model)
+    held_out = [("count: 1 to 3", "1, 2, 3"), ("count: 5 to 6", "5, 6")]
+    fresh: dict = {}
+    rl_e2e_trl.trl_evaluate(trainer, qwen3_tokenizer, held_out, s, lambda a, t: 0.5, sink, 0, fresh)
+    sink.close()
+    assert "model" in fresh  # the bf16 copy generated
+    row = json.loads((tmp_path / "steps.jsonl").read_text())
+    assert row["eval_step"] == 0 and row["eval_reward"] == 0.5
+    assert model.training and next(model.parameters()).dtype == torch.float32
