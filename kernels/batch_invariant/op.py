@@ -301,18 +301,20 @@ def _launch_attention(q, k, v, start_B, scale):
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, start_B, scale):
+    def forward(ctx, q, k, v, start_B, scale, from_zero):
         ctx.save_for_backward(q, k, v, start_B)
         ctx.scale = scale
+        ctx.from_zero = from_zero
         return _launch_attention(q, k, v, start_B, scale)
 
     @staticmethod
     def backward(ctx, grad):
-        # torch's SDPA recomputes it for the gradient: plain causal attention for rows from position 0 with Tq == Tk
-        # (whole documents), else the mask "key j <= start + t" (suffix rows of exact mode's prompt sharing)
+        # torch's SDPA recomputes it for the gradient: plain causal attention for rows the caller says start at
+        # position 0 with Tq == Tk (whole documents), else the mask "key j <= start + t" (suffix rows of exact mode's
+        # prompt sharing). start_B is never read on the host: a read waits for the GPU, once a layer.
         q, k, v, start_B = ctx.saved_tensors
         Tq, Tk = q.shape[1], k.shape[2]
-        causal = Tq == Tk and not bool(start_B.any())
+        causal = Tq == Tk and ctx.from_zero
         mask = None
         if not causal:
             qpos = start_B[:, None] + torch.arange(Tq, device=q.device)
@@ -323,17 +325,23 @@ class _Attention(torch.autograd.Function):
                 qd.transpose(1, 2), kd, vd, attn_mask=mask, is_causal=causal, scale=ctx.scale, enable_gqa=True
             ).transpose(1, 2)
             gq, gk, gv = torch.autograd.grad(out, (qd, kd, vd), grad)
-        return gq, gk, gv, None, None
+        return gq, gk, gv, None, None, None
 
 
 def attention(
-    q_BTqNDh: torch.Tensor, k_BNkvTkDh: torch.Tensor, v_BNkvTkDh: torch.Tensor, start_B: torch.Tensor, scale: float
+    q_BTqNDh: torch.Tensor,
+    k_BNkvTkDh: torch.Tensor,
+    v_BNkvTkDh: torch.Tensor,
+    start_B: torch.Tensor,
+    scale: float,
+    from_zero: bool = False,
 ) -> torch.Tensor:
     """Causal GQA: query t of row b at position start_B[b] + t attends keys [0, position] of row b; k/v may be strided
     views (a KV cache's slots, or [B, Tk, Nkv, Dh] transposed). -> [B, Tq, N, Dh] in q's dtype; batch-invariant.
-    The backward recomputes it with torch's SDPA (causal; masked to keys <= start + t where rows start past 0)."""
+    The backward recomputes it with torch's SDPA: causal where ``from_zero`` (the caller knows every start is 0) and
+    Tq == Tk, else masked to keys <= start + t (the same gradient, a slower SDPA)."""
     check_device(q_BTqNDh)
-    return _Attention.apply(q_BTqNDh, k_BNkvTkDh, v_BNkvTkDh, start_B, scale)
+    return _Attention.apply(q_BTqNDh, k_BNkvTkDh, v_BNkvTkDh, start_B, scale, from_zero)
 
 
 @torch.no_grad()

@@ -150,13 +150,13 @@ def block_forward(
     q, k, v = layer_qkv(layer, x_BTD, rope, ctx.pos_BT)
     sh = ctx.shared
     if sh is None:
-        o = op.attention(q, k.transpose(1, 2), v.transpose(1, 2), ctx.start_B, attn_scale(layer))
+        o = op.attention(q, k.transpose(1, 2), v.transpose(1, 2), ctx.start_B, attn_scale(layer), from_zero=True)
         return layer_out(layer, x_BTD, o.reshape(B, T, -1))
     n = sh.num_groups * sh.prefix_len
     qp, kp, vp = (t[0, :n].unflatten(0, (sh.num_groups, sh.prefix_len)) for t in (q, k, v))
     qs, ks, vs = (t[0, n:].unflatten(0, (sh.num_suffixes, sh.suffix_len)) for t in (q, k, v))
     zeros = torch.zeros(sh.num_groups, dtype=torch.long, device=q.device)
-    o_pre = op.attention(qp, kp.transpose(1, 2), vp.transpose(1, 2), zeros, attn_scale(layer))
+    o_pre = op.attention(qp, kp.transpose(1, 2), vp.transpose(1, 2), zeros, attn_scale(layer), from_zero=True)
     o_suf = op.attention(qs, sh.keys(kp, ks), sh.keys(vp, vs), sh.start_S, attn_scale(layer))
     o = torch.cat([o_pre.flatten(0, 1), o_suf.flatten(0, 1)])
     return layer_out(layer, x_BTD, o.reshape(B, T, -1))

@@ -149,6 +149,39 @@ def test_attention_prefill_and_decode(device, dtype, n, nkv, dh):
         assert _rel(a, e) < (1e-4 if dtype == torch.float32 else 5e-2)
 
 
+class _NoHostRead(torch.Tensor):
+    """A tensor whose value the host must not read (a read waits for the GPU): any() / item() / bool() raise."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.any, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.tolist):
+            raise AssertionError(f"the host read start_B: {func.__name__}")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("from_zero", [True, False])
+def test_attention_backward_reads_no_start_on_the_host(device, from_zero):
+    """The backward picks SDPA's causal path from the caller's ``from_zero``, the mask path otherwise, never from
+    start_B's values (a host read is a GPU sync a layer); both paths give the reference gradient, rows from position 0
+    or past it (the mask path)."""
+    gen = torch.Generator().manual_seed(11)
+    B, T, n, nkv, dh = 2, 40, 4, 2, 16
+    q = _rand(gen, B, T, n, dh, dtype=torch.float32, device=device)
+    k, v = (_rand(gen, B, nkv, T, dh, dtype=torch.float32, device=device) for _ in range(2))
+    g = _rand(gen, B, T, n, dh, dtype=torch.float32, device=device)
+    starts = [torch.zeros(B, dtype=torch.long, device=device)]
+    if not from_zero:  # suffix rows: queries at positions start + t against T keys
+        starts.append(torch.tensor([0, 7], device=device))
+    for start in starts:
+        tq = T if not start.any() else T - 7
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q[:, :tq], k, v))
+        out = op.attention(qg, kg, vg, start.as_subclass(_NoHostRead), 0.25, from_zero=from_zero)
+        got = [t.as_subclass(torch.Tensor) for t in torch.autograd.grad(out, (qg, kg, vg), g[:, :tq])]
+        want = torch.autograd.grad(ref.attention_reference(qg, kg, vg, start, 0.25), (qg, kg, vg), g[:, :tq])
+        for a, e in zip(got, want):
+            assert _rel(a, e) < 1e-4
+
+
 def test_logprobs(device):
     gen = torch.Generator().manual_seed(3)
     R, V = 7, 5000  # V spans several vocab chunks and ends inside one
