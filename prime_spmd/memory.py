@@ -87,6 +87,14 @@ def block_activation_elements(shape: ModelShape) -> int:
     return 5 * shape.hidden_size + 4 * q + 4 * kv + 4 * shape.intermediate_size
 
 
+def masked_attention_elements(shape: ModelShape) -> int:
+    """Elements one token adds inside one block when attention runs with a mask (shared-prompt rows): SDPA's
+    memory-efficient kernel takes a mask but not grouped KV heads, so k and v are expanded to every query head
+    (``models/common/attention.py``) and those copies are kept for the backward. 0 without grouped heads."""
+    heads = shape.num_heads or shape.hidden_size // shape.head_dim
+    return 0 if heads == shape.num_kv_heads else 2 * heads * shape.head_dim
+
+
 @dataclass(kw_only=True, slots=True)
 class MemoryPlan:
     parts: dict[str, int] = field(default_factory=dict)
@@ -156,6 +164,7 @@ def estimate(
     param_bytes: int = 2,
     quantization: str = "none",
     kv_cache_dtype: str = "auto",
+    masked_row_tokens: int = 0,
 ) -> MemoryPlan:
     """Peak device bytes of a colocated run, by part.
 
@@ -167,6 +176,9 @@ def estimate(
     Gradients exist only in the train phase (``zero_grad(set_to_none=True)`` after each step). ``quantization`` "fp8":
     the native engine also holds FP8 copies of the layer linears (``fp8_weight_bytes``), beside its bf16 weights.
     ``kv_cache_dtype`` "fp8": the KV cache holds one byte an element plus an fp32 scale per position and kv head.
+    ``masked_row_tokens`` > 0: attention runs with a mask over rows of up to this many tokens (RL's shared prompts: a
+    group's prompt and its samples in one row): the expanded k/v of every block (``masked_attention_elements``) and
+    the one additive mask of a micro-batch (``param_bytes`` x its tokens x the row length).
     """
     plan = MemoryPlan()
     n, t = shape.num_params, num_trainable
@@ -186,10 +198,14 @@ def estimate(
     (plan.generate if release_kv_cache else plan.parts)["KV cache"] = kv
     per_token = shape.num_layers * shape.hidden_size * param_bytes  # each layer's input, kept for backward
     internals = block_activation_elements(shape) * param_bytes
+    if masked_row_tokens:
+        internals += masked_attention_elements(shape) * param_bytes
     per_token += internals if activation_checkpointing else shape.num_layers * internals  # one block's, or every one's
     if shape.vision:
         per_token *= VISION_ACTIVATION_FACTOR
     plan.train["activations"] = per_token * micro_batch_tokens
+    if masked_row_tokens:
+        plan.train["attention mask"] = param_bytes * micro_batch_tokens * min(masked_row_tokens, micro_batch_tokens)
     return plan
 
 
@@ -249,6 +265,7 @@ def plan_colocated_run(
     release_kv_cache: bool,
     quantization: str = "none",
     kv_cache_dtype: str = "auto",
+    masked_row_tokens: int = 0,
 ) -> MemoryPlan:
     """The plan of a colocated RL run from its settings (``estimate`` with the model's counts). With LoRA, the
     adapted linears are those of ``lora_targets`` among q/k/v/o and the dense MLP's gate/up/down (stacked MoE experts
@@ -276,6 +293,7 @@ def plan_colocated_run(
         release_kv_cache=release_kv_cache,
         quantization=quantization,
         kv_cache_dtype=kv_cache_dtype,
+        masked_row_tokens=masked_row_tokens,
     )
 
 
@@ -297,4 +315,6 @@ def plan_rl_job(cfg: RLJobConfig, num_trainer_ranks: int) -> MemoryPlan:
         release_kv_cache=nat.release_kv_cache,
         quantization=inf.quantization if inf.engine == "native" else "none",
         kv_cache_dtype=inf.kv_cache_dtype,
+        # shared prompts: a group's prompt and samples attend in one masked row (exact mode runs its own kernels)
+        masked_row_tokens=cfg.rollout.group_size * max_len if cfg.trainer.share_prompts and not cfg.model.exact else 0,
     )

@@ -41,3 +41,41 @@ def test_attention_avoids_cudnn_and_matches_math(device: torch.device) -> None:
             tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(out.float(), ref, **tol)
             q.grad = k.grad = v.grad = None
+
+
+def test_additive_mask_is_built_once_and_gives_the_bool_masks_values() -> None:
+    """build_attn_context hands every layer one additive mask (0 / -inf in the compute dtype, rows strided to a
+    multiple of MASK_ALIGN): the same outputs and gradients, bit for bit, as the bool mask, and the backward keeps one
+    mask, not one per layer (SDPA converts a bool mask in every call and saves each copy)."""
+    from prime_spmd.models.common.attention import MASK_ALIGN, build_attn_context
+
+    g = torch.Generator().manual_seed(1)
+    B, T, N, Nkv, Dh, L = 2, 37, 4, 2, 16, 6
+    mask = torch.ones(B, T, T, dtype=torch.bool).tril()
+    mask[:, 20:, 3:11] = False  # suffix rows skipping another sample's tokens, as a shared-prompt layout
+    pos = torch.arange(T).expand(B, T)
+    ctx = build_attn_context(pos, torch.float32, attn_mask_BTT=mask)
+    m = ctx.mask_B1TT
+    assert m.dtype == torch.float32 and m.shape == (B, 1, T, T) and m.stride(2) % MASK_ALIGN == 0
+    assert torch.equal(m == 0, mask[:, None]) and bool((m[~mask[:, None]] == float("-inf")).all())
+
+    def run(c):
+        x = torch.randn(B, T, N, Dh, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        saved: dict[int, int] = {}
+
+        def pack(t):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            h = x
+            for _ in range(L):
+                h = attention(h, h[:, :, :Nkv], h[:, :, Nkv:], c)
+        h.square().sum().backward()
+        return h.detach(), x.grad, sum(saved.values())
+
+    out_f, grad_f, bytes_f = run(ctx)
+    out_b, grad_b, bytes_b = run(AttnContext(mask_B1TT=mask[:, None]))
+    assert torch.equal(out_f, out_b) and torch.equal(grad_f, grad_b)
+    mask_bytes = B * T * T * 4
+    assert bytes_b - bytes_f >= (L - 2) * mask_bytes  # a converted mask kept a layer, against one

@@ -36,11 +36,31 @@ SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDP
 """The SDPA backends attention() lets torch choose from, in torch's own priority order (module docstring)."""
 
 
+MASK_ALIGN = 8
+"""Row stride, in elements, of the additive mask ``additive_mask`` makes: SDPA's memory-efficient CUDA path uses a
+bias whose strides are multiples of 8 as it is, and pads a copy of any other in every call (``preprocess_mask``)."""
+
+
+def additive_mask(mask_BTT: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, T, T] in ``dtype``: 0 where the bool ``mask_BTT`` attends, -inf elsewhere. SDPA turns a bool mask into
+    this in every call and keeps that copy for its backward: one [B, T, T] a layer (28 at Qwen3-0.6B's depth, ~10 GB
+    at 16k tokens of long GRPO groups). Made once a forward, every layer's SDPA reads and saves the same tensor: the
+    same values (0 added to a score is exact). Rows strided to a multiple of ``MASK_ALIGN`` (a view of a wider buffer
+    when T is not one)."""
+    B, T, _ = mask_BTT.shape
+    buf = torch.full((B, 1, T, T + (-T % MASK_ALIGN)), float("-inf"), dtype=dtype, device=mask_BTT.device)
+    mask_B1TT = buf[..., :T]
+    mask_B1TT.masked_fill_(mask_BTT[:, None], 0.0)
+    return mask_B1TT
+
+
 @dataclass(slots=True)
 class AttnContext:
     """Per-forward attention metadata, built once and shared by all layers."""
 
-    mask_B1TT: torch.Tensor | None = None  # SDPA bool mask (True = attend) when rows are packed
+    mask_B1TT: torch.Tensor | None = None
+    """SDPA mask when rows are packed: additive (``additive_mask``, the compute dtype) from ``build_attn_context``;
+    a bool one (True = attend) is taken too."""
     cu_seqlens_S1: torch.Tensor | None = None  # flash-attn varlen: int32 document offsets over B*T tokens
     max_seqlen: int = 0
 
@@ -60,14 +80,15 @@ def build_attn_context(
 ) -> AttnContext:
     """Attention metadata for ``position_ids``; syncs with the host once (packed or not, max length).
     ``attn_mask_BTT``: an explicit bool mask [B, T, T] (True = query t attends key t'), used as given
-    (no causal rule added; each query must attend at least one key, else SDPA returns NaN)."""
+    (no causal rule added; each query must attend at least one key, else SDPA returns NaN). Masks are handed to
+    the layers additive, in ``dtype`` (``additive_mask``)."""
     if attn_mask_BTT is not None:
         B, T = position_ids_BT.shape
         if attn_mask_BTT.shape != (B, T, T) or attn_mask_BTT.dtype != torch.bool:
             raise ValueError(
                 f"attn_mask must be bool [{B}, {T}, {T}], got {attn_mask_BTT.dtype} {list(attn_mask_BTT.shape)}"
             )
-        return AttnContext(mask_B1TT=attn_mask_BTT[:, None])
+        return AttnContext(mask_B1TT=additive_mask(attn_mask_BTT, dtype))
     starts_BT = document_starts(position_ids_BT)
     on_flash = (
         use_flash
@@ -86,7 +107,7 @@ def build_attn_context(
     T = position_ids_BT.shape[1]
     causal_TT = torch.ones(T, T, dtype=torch.bool, device=position_ids_BT.device).tril()
     mask_BTT = (doc_BT[:, :, None] == doc_BT[:, None, :]) & causal_TT
-    return AttnContext(mask_B1TT=mask_BTT[:, None])
+    return AttnContext(mask_B1TT=additive_mask(mask_BTT, dtype))
 
 
 def attention(
@@ -123,5 +144,8 @@ def _sdpa(q_BNTDh: torch.Tensor, k_BNkvTDh: torch.Tensor, v_BNkvTDh: torch.Tenso
         k_BNTDh, v_BNTDh = (
             t[:, :, None].expand(B, t.shape[1], g, T, Dh).reshape(B, N, T, Dh) for t in (k_BNkvTDh, v_BNkvTDh)
         )
-        out_BNTDh = F.scaled_dot_product_attention(q_BNTDh, k_BNTDh, v_BNTDh, attn_mask=ctx.mask_B1TT)
+        mask = ctx.mask_B1TT
+        if mask.dtype not in (torch.bool, q_BNTDh.dtype):  # built in another dtype than the blocks compute in
+            mask = mask.to(q_BNTDh.dtype)
+        out_BNTDh = F.scaled_dot_product_attention(q_BNTDh, k_BNTDh, v_BNTDh, attn_mask=mask)
     return out_BNTDh
