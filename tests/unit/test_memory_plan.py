@@ -116,3 +116,41 @@ def test_activation_count_covers_the_measured_h100_runs() -> None:
     assert memory.estimate(shape, micro_batch_tokens=32768, **kw).train["activations"] > 49.9 * gib
     small = memory.estimate(shape, micro_batch_tokens=8192, **kw).train["activations"]
     assert 12 * gib < small < 16 * gib  # the 26.3 GiB peak less ~12.6 GiB of weights, moments, gradients, KV cache
+
+
+def test_masked_attention_terms() -> None:
+    """Shared-prompt attention (masked rows): per token and block, k and v expanded to every query head (Qwen3-4B:
+    32 heads of 128, 2 bytes: 16 KiB), and one additive mask of the micro-batch's tokens x the row length (capped at
+    the micro-batch); nothing for a model without grouped heads."""
+    kw = dict(num_trainable=1, lora=False, offload="none", share_weights=True, kv_cache_tokens=0,
+              micro_batch_tokens=4096, activation_checkpointing=False)  # fmt: skip
+    shape = dataclasses.replace(_shape(), num_heads=32)
+    base = memory.estimate(shape, **kw)
+    masked = memory.estimate(shape, masked_row_tokens=2000, **kw)
+    assert masked.train["activations"] - base.train["activations"] == 36 * 2 * 32 * 128 * 2 * 4096
+    assert masked.train["attention mask"] == 2 * 4096 * 2000 and "attention mask" not in base.train
+    assert memory.estimate(shape, masked_row_tokens=10**6, **kw).train["attention mask"] == 2 * 4096 * 4096
+    mha = dataclasses.replace(shape, num_kv_heads=32)
+    assert memory.estimate(mha, masked_row_tokens=2000, **kw).train["activations"] == (
+        memory.estimate(mha, **kw).train["activations"]
+    )
+
+
+def test_rl_job_plan_counts_the_masked_rows_with_shared_prompts(tmp_path) -> None:
+    """``plan_rl_job``: with --trainer.share_prompts (the default) a group's prompt and samples attend in one masked
+    row of up to group size x sequence length tokens; not without it, nor in exact mode (its own kernels)."""
+    from prime_spmd.config import RLJobConfig
+    from prime_spmd.config.sections import ModelConfig, TrainerConfig
+
+    path = str(build_tiny_model(tmp_path / "m", preset="qwen3-nano"))  # 4 heads x 16, 2 kv heads: grouped
+
+    def mask_bytes(**trainer) -> int | None:
+        cfg = RLJobConfig(model=ModelConfig(path=path), trainer=TrainerConfig(micro_batch_tokens=4096, seq_len=64,
+                                                                              **trainer))  # fmt: skip
+        return memory.plan_rl_job(cfg, num_trainer_ranks=1).train.get("attention mask")
+
+    group = RLJobConfig().rollout.group_size
+    assert mask_bytes() == 2 * 4096 * group * 64
+    assert mask_bytes(share_prompts=False) is None
+    cfg = RLJobConfig(model=ModelConfig(path=path, exact=True), trainer=TrainerConfig(micro_batch_tokens=4096))
+    assert "attention mask" not in memory.plan_rl_job(cfg, num_trainer_ranks=1).train
