@@ -87,12 +87,9 @@ def block_activation_elements(shape: ModelShape) -> int:
     return 5 * shape.hidden_size + 4 * q + 4 * kv + 4 * shape.intermediate_size
 
 
-def masked_attention_elements(shape: ModelShape) -> int:
-    """Elements one token adds inside one block when attention runs with a mask (shared-prompt rows): SDPA's
-    memory-efficient kernel takes a mask but not grouped KV heads, so k and v are expanded to every query head
-    (``models/common/attention.py``) and those copies are kept for the backward. 0 without grouped heads."""
-    heads = shape.num_heads or shape.hidden_size // shape.head_dim
-    return 0 if heads == shape.num_kv_heads else 2 * heads * shape.head_dim
+def query_groups(shape: ModelShape) -> int:
+    """Query heads a key/value head serves."""
+    return (shape.num_heads or shape.hidden_size // shape.head_dim) // shape.num_kv_heads
 
 
 @dataclass(kw_only=True, slots=True)
@@ -177,8 +174,9 @@ def estimate(
     the native engine also holds FP8 copies of the layer linears (``fp8_weight_bytes``), beside its bf16 weights.
     ``kv_cache_dtype`` "fp8": the KV cache holds one byte an element plus an fp32 scale per position and kv head.
     ``masked_row_tokens`` > 0: attention runs with a mask over rows of up to this many tokens (RL's shared prompts: a
-    group's prompt and its samples in one row): the expanded k/v of every block (``masked_attention_elements``) and
-    the one additive mask of a micro-batch (``param_bytes`` x its tokens x the row length).
+    group's prompt and its samples in one row): one additive mask a micro-batch, its rows repeated for the query heads
+    of a key/value head (``param_bytes`` x ``query_groups`` x its tokens x the row length;
+    ``models/common/attention.py: additive_mask``).
     """
     plan = MemoryPlan()
     n, t = shape.num_params, num_trainable
@@ -198,14 +196,13 @@ def estimate(
     (plan.generate if release_kv_cache else plan.parts)["KV cache"] = kv
     per_token = shape.num_layers * shape.hidden_size * param_bytes  # each layer's input, kept for backward
     internals = block_activation_elements(shape) * param_bytes
-    if masked_row_tokens:
-        internals += masked_attention_elements(shape) * param_bytes
     per_token += internals if activation_checkpointing else shape.num_layers * internals  # one block's, or every one's
     if shape.vision:
         per_token *= VISION_ACTIVATION_FACTOR
     plan.train["activations"] = per_token * micro_batch_tokens
     if masked_row_tokens:
-        plan.train["attention mask"] = param_bytes * micro_batch_tokens * min(masked_row_tokens, micro_batch_tokens)
+        rows = min(masked_row_tokens, micro_batch_tokens)
+        plan.train["attention mask"] = param_bytes * query_groups(shape) * micro_batch_tokens * rows
     return plan
 
 

@@ -46,10 +46,11 @@ def test_attention_avoids_cudnn_and_matches_math(device: torch.device) -> None:
 def test_additive_mask_is_built_once_and_gives_the_bool_masks_values() -> None:
     """build_attn_context hands every layer one additive mask (0 / -inf in the compute dtype, rows strided to a
     multiple of MASK_ALIGN): the same outputs and gradients, bit for bit, as the bool mask, and the backward keeps one
-    mask, not one per layer (SDPA converts a bool mask in every call and saves each copy)."""
+    mask, not one per layer (SDPA converts a bool mask in every call and saves each copy). Built for the g query heads
+    of a key/value head (rows repeated g times), the heads fold into the query length: the same outputs bit for bit,
+    gradients within rounding (dk, dv sum the heads in another order), and no k/v expanded to every head is kept."""
     from prime_spmd.models.common.attention import MASK_ALIGN, build_attn_context
 
-    g = torch.Generator().manual_seed(1)
     B, T, N, Nkv, Dh, L = 2, 37, 4, 2, 16, 6
     mask = torch.ones(B, T, T, dtype=torch.bool).tril()
     mask[:, 20:, 3:11] = False  # suffix rows skipping another sample's tokens, as a shared-prompt layout
@@ -58,9 +59,12 @@ def test_additive_mask_is_built_once_and_gives_the_bool_masks_values() -> None:
     m = ctx.mask_B1TT
     assert m.dtype == torch.float32 and m.shape == (B, 1, T, T) and m.stride(2) % MASK_ALIGN == 0
     assert torch.equal(m == 0, mask[:, None]) and bool((m[~mask[:, None]] == float("-inf")).all())
+    folded = build_attn_context(pos, torch.float32, attn_mask_BTT=mask, query_groups=N // Nkv)
+    assert folded.mask_B1TT.shape == (B, 1, 2 * T, T) and folded.mask_B1TT.stride(2) % MASK_ALIGN == 0
+    assert torch.equal(folded.mask_B1TT[:, :, :T], m) and torch.equal(folded.mask_B1TT[:, :, T:], m)
 
     def run(c):
-        x = torch.randn(B, T, N, Dh, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        x = torch.randn(B, T, N + 2 * Nkv, Dh, generator=torch.Generator().manual_seed(2), requires_grad=True)
         saved: dict[int, int] = {}
 
         def pack(t):
@@ -70,12 +74,20 @@ def test_additive_mask_is_built_once_and_gives_the_bool_masks_values() -> None:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             h = x
             for _ in range(L):
-                h = attention(h, h[:, :, :Nkv], h[:, :, Nkv:], c)
+                o = attention(h[:, :, :N], h[:, :, N : N + Nkv], h[:, :, N + Nkv :], c)
+                h = torch.cat([o, o[:, :, : 2 * Nkv]], dim=2)
         h.square().sum().backward()
         return h.detach(), x.grad, sum(saved.values())
 
     out_f, grad_f, bytes_f = run(ctx)
     out_b, grad_b, bytes_b = run(AttnContext(mask_B1TT=mask[:, None]))
+    out_g, grad_g, bytes_g = run(folded)
     assert torch.equal(out_f, out_b) and torch.equal(grad_f, grad_b)
     mask_bytes = B * T * T * 4
     assert bytes_b - bytes_f >= (L - 2) * mask_bytes  # a converted mask kept a layer, against one
+    assert torch.equal(out_g, out_b)
+    scale = grad_b.abs().max().item()
+    torch.testing.assert_close(grad_g, grad_b, rtol=1e-4, atol=1e-5 * scale)
+    # a layer: k and v at every query head no longer kept; the folded q copy kept instead of a view of h
+    kv_expanded, q_copy = 2 * B * N * T * Dh * 4, B * N * T * Dh * 4
+    assert bytes_f - bytes_g >= (L - 1) * (kv_expanded - q_copy) - mask_bytes  # the folded mask: g times the rows

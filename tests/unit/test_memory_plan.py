@@ -119,21 +119,19 @@ def test_activation_count_covers_the_measured_h100_runs() -> None:
 
 
 def test_masked_attention_terms() -> None:
-    """Shared-prompt attention (masked rows): per token and block, k and v expanded to every query head (Qwen3-4B:
-    32 heads of 128, 2 bytes: 16 KiB), and one additive mask of the micro-batch's tokens x the row length (capped at
-    the micro-batch); nothing for a model without grouped heads."""
+    """Shared-prompt attention (masked rows): one additive mask of the micro-batch's tokens x the row length (capped
+    at the micro-batch), its rows repeated for the query heads of a key/value head (Qwen3-4B: 32 over 8); the
+    activations do not change (no k/v expanded to every head)."""
     kw = dict(num_trainable=1, lora=False, offload="none", share_weights=True, kv_cache_tokens=0,
               micro_batch_tokens=4096, activation_checkpointing=False)  # fmt: skip
     shape = dataclasses.replace(_shape(), num_heads=32)
     base = memory.estimate(shape, **kw)
     masked = memory.estimate(shape, masked_row_tokens=2000, **kw)
-    assert masked.train["activations"] - base.train["activations"] == 36 * 2 * 32 * 128 * 2 * 4096
-    assert masked.train["attention mask"] == 2 * 4096 * 2000 and "attention mask" not in base.train
-    assert memory.estimate(shape, masked_row_tokens=10**6, **kw).train["attention mask"] == 2 * 4096 * 4096
+    assert masked.train["activations"] == base.train["activations"]
+    assert masked.train["attention mask"] == 2 * 4 * 4096 * 2000 and "attention mask" not in base.train
+    assert memory.estimate(shape, masked_row_tokens=10**6, **kw).train["attention mask"] == 2 * 4 * 4096 * 4096
     mha = dataclasses.replace(shape, num_kv_heads=32)
-    assert memory.estimate(mha, masked_row_tokens=2000, **kw).train["activations"] == (
-        memory.estimate(mha, **kw).train["activations"]
-    )
+    assert memory.estimate(mha, masked_row_tokens=2000, **kw).train["attention mask"] == 2 * 4096 * 2000
 
 
 def test_rl_job_plan_counts_the_masked_rows_with_shared_prompts(tmp_path) -> None:
@@ -150,7 +148,7 @@ def test_rl_job_plan_counts_the_masked_rows_with_shared_prompts(tmp_path) -> Non
         return memory.plan_rl_job(cfg, num_trainer_ranks=1).train.get("attention mask")
 
     group = RLJobConfig().rollout.group_size
-    assert mask_bytes() == 2 * 4096 * group * 64
+    assert mask_bytes() == 2 * 2 * 4096 * group * 64  # 2 query heads a kv head
     assert mask_bytes(share_prompts=False) is None
     cfg = RLJobConfig(model=ModelConfig(path=path, exact=True), trainer=TrainerConfig(micro_batch_tokens=4096))
     assert "attention mask" not in memory.plan_rl_job(cfg, num_trainer_ranks=1).train

@@ -41,17 +41,18 @@ MASK_ALIGN = 8
 bias whose strides are multiples of 8 as it is, and pads a copy of any other in every call (``preprocess_mask``)."""
 
 
-def additive_mask(mask_BTT: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[B, 1, T, T] in ``dtype``: 0 where the bool ``mask_BTT`` attends, -inf elsewhere. SDPA turns a bool mask into
-    this in every call and keeps that copy for its backward: one [B, T, T] a layer (28 at Qwen3-0.6B's depth, ~10 GB
-    at 16k tokens of long GRPO groups). Made once a forward, every layer's SDPA reads and saves the same tensor: the
-    same values (0 added to a score is exact). Rows strided to a multiple of ``MASK_ALIGN`` (a view of a wider buffer
-    when T is not one)."""
+def additive_mask(mask_BTT: torch.Tensor, dtype: torch.dtype, groups: int = 1) -> torch.Tensor:
+    """[B, 1, groups x T, T] in ``dtype``: 0 where the bool ``mask_BTT`` attends, -inf elsewhere, its rows repeated
+    for each of ``groups`` query heads that share a key/value head (row j x T + t: query t of the j-th head of a group;
+    ``_sdpa`` folds those heads into the query length). SDPA turns a bool mask into this in every call and keeps that
+    copy for its backward: one a layer (28 at Qwen3-0.6B's depth, ~10 GB at 16k tokens of long GRPO groups). Made
+    once a forward, every layer's SDPA reads and saves the same tensor: the same values (0 added to a score is
+    exact). Rows strided to a multiple of ``MASK_ALIGN`` (a view of a wider buffer when T is not one)."""
     B, T, _ = mask_BTT.shape
-    buf = torch.full((B, 1, T, T + (-T % MASK_ALIGN)), float("-inf"), dtype=dtype, device=mask_BTT.device)
-    mask_B1TT = buf[..., :T]
-    mask_B1TT.masked_fill_(mask_BTT[:, None], 0.0)
-    return mask_B1TT
+    buf = torch.full((B, 1, groups, T, T + (-T % MASK_ALIGN)), float("-inf"), dtype=dtype, device=mask_BTT.device)
+    view = buf[..., :T]
+    view.masked_fill_(mask_BTT[:, None, None], 0.0)
+    return view.view(B, 1, groups * T, T)
 
 
 @dataclass(slots=True)
@@ -59,8 +60,9 @@ class AttnContext:
     """Per-forward attention metadata, built once and shared by all layers."""
 
     mask_B1TT: torch.Tensor | None = None
-    """SDPA mask when rows are packed: additive (``additive_mask``, the compute dtype) from ``build_attn_context``;
-    a bool one (True = attend) is taken too."""
+    """SDPA mask when rows are packed: additive (``additive_mask``, the compute dtype; [B, 1, g x T, T], its rows
+    repeated for the g query heads of a key/value head) from ``build_attn_context``; a bool one [B, 1, T, T]
+    (True = attend) is taken too."""
     cu_seqlens_S1: torch.Tensor | None = None  # flash-attn varlen: int32 document offsets over B*T tokens
     max_seqlen: int = 0
 
@@ -77,18 +79,20 @@ def build_attn_context(
     dtype: torch.dtype,
     use_flash: bool = True,
     attn_mask_BTT: torch.Tensor | None = None,
+    query_groups: int = 1,
 ) -> AttnContext:
     """Attention metadata for ``position_ids``; syncs with the host once (packed or not, max length).
     ``attn_mask_BTT``: an explicit bool mask [B, T, T] (True = query t attends key t'), used as given
     (no causal rule added; each query must attend at least one key, else SDPA returns NaN). Masks are handed to
-    the layers additive, in ``dtype`` (``additive_mask``)."""
+    the layers additive, in ``dtype``, their rows repeated for the ``query_groups`` query heads of a key/value head
+    (``additive_mask``)."""
     if attn_mask_BTT is not None:
         B, T = position_ids_BT.shape
         if attn_mask_BTT.shape != (B, T, T) or attn_mask_BTT.dtype != torch.bool:
             raise ValueError(
                 f"attn_mask must be bool [{B}, {T}, {T}], got {attn_mask_BTT.dtype} {list(attn_mask_BTT.shape)}"
             )
-        return AttnContext(mask_B1TT=additive_mask(attn_mask_BTT, dtype))
+        return AttnContext(mask_B1TT=additive_mask(attn_mask_BTT, dtype, query_groups))
     starts_BT = document_starts(position_ids_BT)
     on_flash = (
         use_flash
@@ -107,7 +111,7 @@ def build_attn_context(
     T = position_ids_BT.shape[1]
     causal_TT = torch.ones(T, T, dtype=torch.bool, device=position_ids_BT.device).tril()
     mask_BTT = (doc_BT[:, :, None] == doc_BT[:, None, :]) & causal_TT
-    return AttnContext(mask_B1TT=additive_mask(mask_BTT, dtype))
+    return AttnContext(mask_B1TT=additive_mask(mask_BTT, dtype, query_groups))
 
 
 def attention(
@@ -138,14 +142,23 @@ def _sdpa(q_BNTDh: torch.Tensor, k_BNkvTDh: torch.Tensor, v_BNkvTDh: torch.Tenso
         out_BNTDh = F.scaled_dot_product_attention(q_BNTDh, k_BNkvTDh, v_BNkvTDh, is_causal=True, enable_gqa=True)
     else:
         # With a mask, enable_gqa would send CUDA to SDPA's math backend (it materializes [B, N, T, T] scores in
-        # fp32): the memory-efficient backend takes masks but not GQA. So expand k/v to N heads (a broadcast
-        # view, copied once by reshape) and call it as MHA; same values (CPU: bit for bit, tests/unit).
-        g = N // k_BNkvTDh.shape[1]
-        k_BNTDh, v_BNTDh = (
-            t[:, :, None].expand(B, t.shape[1], g, T, Dh).reshape(B, N, T, Dh) for t in (k_BNkvTDh, v_BNkvTDh)
-        )
+        # fp32): the memory-efficient backend takes masks but not GQA. So the g query heads of a key/value head are
+        # folded into the query length (q [B, Nkv, g x T, Dh], one copy, which SDPA keeps instead of q) against the
+        # mask built with its rows repeated g times; a bool mask [B, 1, T, T] expands k/v to N heads instead (copies
+        # SDPA keeps a layer). Same forward values (CPU: bit for bit, tests/unit).
+        Nkv = k_BNkvTDh.shape[1]
+        g = N // Nkv
         mask = ctx.mask_B1TT
         if mask.dtype not in (torch.bool, q_BNTDh.dtype):  # built in another dtype than the blocks compute in
             mask = mask.to(q_BNTDh.dtype)
+        if g > 1 and mask.shape[-2] == g * T:
+            q_BNkvGTDh = q_BNTDh.reshape(B, Nkv, g * T, Dh)
+            out = F.scaled_dot_product_attention(q_BNkvGTDh, k_BNkvTDh, v_BNkvTDh, attn_mask=mask)
+            return out.reshape(B, N, T, Dh)
+        if mask.shape[-2] != T:
+            raise ValueError(f"attention: a mask of {mask.shape[-2]} query rows for {g} heads a kv head x {T} tokens")
+        k_BNTDh, v_BNTDh = (
+            t[:, :, None].expand(B, Nkv, g, T, Dh).reshape(B, N, T, Dh) for t in (k_BNkvTDh, v_BNkvTDh)
+        )
         out_BNTDh = F.scaled_dot_product_attention(q_BNTDh, k_BNTDh, v_BNTDh, attn_mask=mask)
     return out_BNTDh

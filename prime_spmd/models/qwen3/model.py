@@ -208,7 +208,9 @@ class Qwen3ForCausalLM(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         x_BTD = self.model.embed_tokens(input_ids)
-        ctx = build_attn_context(position_ids, x_BTD.dtype, attn_mask_BTT=attn_mask_BTT)
+        attn = self.model.layers[0].self_attn
+        groups = attn.num_heads // attn.num_kv_heads
+        ctx = build_attn_context(position_ids, x_BTD.dtype, attn_mask_BTT=attn_mask_BTT, query_groups=groups)
         rope = self.model.rotary_emb(position_ids, x_BTD.dtype)
         with fx_config.patch(**COMPILED_BLOCK_SHAPES):
             for block in self.model.layers:
