@@ -47,9 +47,11 @@ def additive_mask(mask_BTT: torch.Tensor, dtype: torch.dtype, groups: int = 1) -
     ``_sdpa`` folds those heads into the query length). SDPA turns a bool mask into this in every call and keeps that
     copy for its backward: one a layer (28 at Qwen3-0.6B's depth, ~10 GB at 16k tokens of long GRPO groups). Made
     once a forward, every layer's SDPA reads and saves the same tensor: the same values (0 added to a score is
-    exact). Rows strided to a multiple of ``MASK_ALIGN`` (a view of a wider buffer when T is not one)."""
+    exact). Rows strided to the multiple of ``MASK_ALIGN`` above T: always a view of a wider buffer, so that compiled
+    blocks see one layout whatever T is (a contiguous mask at some lengths compiled a second graph)."""
     B, T, _ = mask_BTT.shape
-    buf = torch.full((B, 1, groups, T, T + (-T % MASK_ALIGN)), float("-inf"), dtype=dtype, device=mask_BTT.device)
+    width = (T // MASK_ALIGN + 1) * MASK_ALIGN
+    buf = torch.full((B, 1, groups, T, width), float("-inf"), dtype=dtype, device=mask_BTT.device)
     view = buf[..., :T]
     view.masked_fill_(mask_BTT[:, None, None], 0.0)
     return view.view(B, 1, groups * T, T)
