@@ -320,16 +320,42 @@ def share_layout(
     position t is trained). Documents start where the position is not the previous plus one. Copies the
     row to the host once (Python loops over P tokens: about 2 ms for P = 2k on the CPU VM). ``row_multiple``: W is
     rounded up to a multiple of it (``policy.COMPILED_ROW_MULTIPLE``: compiled blocks)."""
+    return _segment_layout(input_ids_1P, position_ids_1P, loss_mask_P, max_mask_elements, row_multiple)
+
+
+def fill_layout(
+    input_ids_1P: torch.Tensor,
+    position_ids_1P: torch.Tensor,
+    max_mask_elements: int = MAX_SHARE_MASK_ELEMENTS,
+    row_multiple: int = 1,
+) -> ShareLayout | None:
+    """A packed row's documents, unshared, laid first-fit decreasing into rows of W tokens (W: the longest
+    document), several to a row under a block-diagonal causal mask: ``ShareLayout``'s rows with every document a
+    segment of its own. About P tokens where ``RowLayout`` pads every document to the longest (1.6-1.9x P at the
+    learning benchmark's 250-1,000-token samples). None when the mask would hold more than ``max_mask_elements``
+    entries."""
+    return _segment_layout(input_ids_1P, position_ids_1P, None, max_mask_elements, row_multiple)
+
+
+def _segment_layout(
+    input_ids_1P: torch.Tensor,
+    position_ids_1P: torch.Tensor,
+    loss_mask_P: torch.Tensor | None,
+    max_mask_elements: int,
+    row_multiple: int,
+) -> ShareLayout | None:
+    """``share_layout`` (``loss_mask_P`` given: documents sharing their untrained prefix form one segment; None when
+    none does) or ``fill_layout`` (None: every document a segment)."""
     ids, pos = input_ids_1P[0].tolist(), position_ids_1P[0].tolist()
-    trained = (loss_mask_P > 0).tolist()
     bounds = _doc_bounds(pos)
     groups: dict[tuple, list[int]] = {}
+    trained = None if loss_mask_P is None else (loss_mask_P > 0).tolist()
     for d, (a, b) in enumerate(bounds):
-        f = _first_trained(trained, a, b)
+        f = None if trained is None else _first_trained(trained, a, b)
         key = ("solo", d) if f is None else (pos[a], tuple(ids[a : a + f]))
         groups.setdefault(key, []).append(d)
-    if all(len(g) == 1 for g in groups.values()):
-        return None
+    if all(len(g) == 1 for g in groups.values()) and (trained is not None or len(bounds) == 1):
+        return None  # nothing shared (share_layout), or one document (fill_layout: no mask needed)
     segments = []  # (docs, prefix length, segment length)
     for docs in groups.values():
         p = _common_prefix([ids[bounds[d][0] : bounds[d][1]] for d in docs])

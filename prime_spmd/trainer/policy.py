@@ -29,7 +29,7 @@ from prime_spmd.models.hf_adapter import HF_ROUTER_AUX_TYPES
 from prime_spmd.models.registry import adapter_for
 from prime_spmd.trainer.exact import check_trainer_model, exact_hidden, exact_logprobs
 from prime_spmd.trainer.loss import TokenLoss
-from prime_spmd.trainer.packing import row_layout, share_layout
+from prime_spmd.trainer.packing import fill_layout, row_layout, share_layout
 
 COMPILED_ROW_MULTIPLE = 8
 """With compiled blocks, every row the blocks run (a packed row, shared-prompt rows, RowLayout's one-document rows)
@@ -39,6 +39,13 @@ necessary"), so with T tokens a row it compiled again the first time T % 8 chang
 /work/notes/recompile-log.md). The guard also stands on unmasked rows' T: SFT on the H100 (b30072c) hit dynamo's
 recompile limit on ``x_BTD.size()[1] % 8`` while RowLayout rows were not padded. Padded, the guard holds for every
 row. At most 7 pad tokens a row."""
+
+
+FILL_TOKENS_RATIO = 0.8
+"""``hidden`` runs a packed row's documents several to a row (``packing.fill_layout``, masked attention) where that
+runs at most this fraction of the tokens one document a row (``RowLayout``, causal attention without a mask) would
+run, or where RowLayout pads too much to be used (the packed row would attend under a [P, P] block mask). A guess
+that favours the unmasked kernel; not yet timed on a GPU."""
 
 
 class _ZeroLoss(TokenLoss):
@@ -113,9 +120,11 @@ class PolicyModel(nn.Module):
     docstring); ``PolicyOutput.router`` holds the micro-batch's ``RouterStats`` (None for dense models).
 
     ``unpack_documents``: run a packed row's documents as right-padded rows of one document each
-    (``packing.RowLayout``: causal attention without the O(L^2) block mask), then gather the hidden
-    states back into packed order; the same per-token result up to rounding. Off for MoE models (pads
-    would be routed and counted in the load-balance loss) and where attention is varlen already.
+    (``packing.RowLayout``: causal attention without the O(L^2) block mask), or, where the adapter takes a mask
+    and that runs at most ``FILL_TOKENS_RATIO`` of the tokens, several to a row of the longest document's length
+    (``packing.fill_layout``: a block-diagonal causal mask [R, W, W]), then gather the hidden states back into
+    packed order; the same per-token result up to rounding. Off for MoE models (pads would be routed and counted in
+    the load-balance loss) and where attention is varlen already.
 
     ``share_prompts`` (where ``adapter.supports_prefix_sharing()``: our dense Qwen3): documents of a packed
     row that share their untrained prefix (a GRPO group's prompt) forward it once, with an explicit
@@ -173,7 +182,8 @@ class PolicyModel(nn.Module):
         rows = [  # (token ids, positions, trained targets)
             ([1, 2, 3, 4, 5, 6, 7, 8], list(range(8)), [0] * 8),  # one document
             ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [0, 1, 2, 3, 4] * 2, [0] * 10),  # 2 documents: RowLayout [2, 5]
-            ([1, 2, 3, 4, 5, 6, 7, 8], [0, 1, 2, 3, 4, 5, 0, 0], [0] * 8),  # 3 documents, too uneven for RowLayout
+            # 3 documents, too uneven for RowLayout: fill_layout's masked rows, or the packed row's block mask
+            ([1, 2, 3, 4, 5, 6, 7, 8], [0, 1, 2, 3, 4, 5, 0, 0], [0] * 8),
         ]
         if self.share_prompts:
             rows += [
@@ -214,6 +224,18 @@ class PolicyModel(nn.Module):
         layout = None
         if self.unpack_documents and input_ids_BT.shape[0] == 1:
             layout = row_layout(position_ids_BT, row_multiple=multiple)
+            filled = (
+                fill_layout(input_ids_BT, position_ids_BT, row_multiple=multiple)
+                if self.adapter.supports_prefix_sharing()
+                else None
+            )
+            if filled is not None and (
+                layout is None or filled.input_ids_RW.numel() <= FILL_TOKENS_RATIO * layout.num_rows * layout.row_len
+            ):
+                out = self.adapter.forward_hidden_routed(
+                    filled.input_ids_RW, filled.position_ids_RW, filled.attn_mask_RWW
+                )
+                return filled.from_rows(out.hidden_BTD), out, 0
         if layout is None:
             B, P = input_ids_BT.shape
             pad = -P % multiple if B == 1 else 0

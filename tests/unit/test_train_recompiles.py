@@ -141,9 +141,13 @@ def test_blocks_compile_without_size_guarded_fusion(monkeypatch):
     assert seen[-1]["options"] is None  # other backends take no inductor options
 
 
-def test_compile_warmup_off_compiles_only_the_kinds_a_run_meets() -> None:
+def test_compile_warmup_off_compiles_only_the_kinds_a_run_meets(monkeypatch) -> None:
     """--trainer.compile_warmup off: the first step compiles only the input kinds its micro-batches have (here one:
-    rows of shared prompts, against 4 with the warm-up); a later step with a new kind compiles it then."""
+    rows of shared prompts, against 4 with the warm-up); a later step with a new kind compiles it then (RowLayout
+    rows: documents filled several to a row would run under a mask, the kind already met)."""
+    from prime_spmd.trainer import policy as policy_mod
+
+    monkeypatch.setattr(policy_mod, "FILL_TOKENS_RATIO", 0.0)
     torch._dynamo.reset()
     lm = _policy().lm
     policy = PolicyModel(lm, compile_warmup=False)
