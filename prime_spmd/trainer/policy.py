@@ -224,14 +224,14 @@ class PolicyModel(nn.Module):
         layout = None
         if self.unpack_documents and input_ids_BT.shape[0] == 1:
             layout = row_layout(position_ids_BT, row_multiple=multiple)
+            # the most tokens filled rows may run; they run at least the packed row's: built only where they can win
+            limit = math.inf if layout is None else FILL_TOKENS_RATIO * layout.num_rows * layout.row_len
             filled = (
                 fill_layout(input_ids_BT, position_ids_BT, row_multiple=multiple)
-                if self.adapter.supports_prefix_sharing()
+                if self.adapter.supports_prefix_sharing() and limit >= input_ids_BT.shape[1]
                 else None
             )
-            if filled is not None and (
-                layout is None or filled.input_ids_RW.numel() <= FILL_TOKENS_RATIO * layout.num_rows * layout.row_len
-            ):
+            if filled is not None and filled.input_ids_RW.numel() <= limit:
                 out = self.adapter.forward_hidden_routed(
                     filled.input_ids_RW, filled.position_ids_RW, filled.attn_mask_RWW
                 )
