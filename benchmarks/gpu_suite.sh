@@ -57,9 +57,10 @@ case $PART in
       # the learning benchmark: number_list at the 0.6B shape (real tokenizer): SFT from scratch, then RL sides with
       # held-out evals every 6 steps against wall-clock time; the task counts between two 3-digit integers 50-200
       # apart (~250-1000 answer tokens), up to 1000 new tokens. One call holds SFT (~150 s) and two RL sides of
-      # RL_LIMIT_S (190 s; a cold side spends ~120 s starting: 0c4ade1, H100): SIDES (ours0,ours1) splits the sides
-      # over calls, e.g. `SIDES=trl RL_LIMIT_S=380` for TRL (82 s a `generate` of 128 x 1000 tokens, 42 s its eval),
-      # `SEEDS=1` for the spread. SFT: SFT_STEPS (100: held-out start 0.39-0.50 at 0c4ade1) / SFT_LR / SFT_MIN_ITEMS;
+      # RL_LIMIT_S (190 s; a cold side spends ~120 s starting: 0c4ade1, H100; the second side starts on the first
+      # one's compile cache): SIDES (ours0,ours1) splits the sides over calls, e.g. `SIDES=ours1 RL_LIMIT_S=380` (one
+      # side, ~40 steps after a cold start) or `SIDES=trl RL_LIMIT_S=380` for TRL (82 s a `generate` of 128 x 1000
+      # tokens, 42 s its eval), `SEEDS=1` for the spread. SFT: SFT_STEPS (100: held-out start 0.39-0.50 at 0c4ade1) / SFT_LR / SFT_MIN_ITEMS;
       # SFT_FLAG one `sft` flag, by default --trainer.compile=off (eager: ~1 s a step). OURS_FLAG: flags of our RL
       # sides, space-separated, each one word (e.g. "--inference.native.warmup=off --trainer.no_compile_warmup": no
       # up-front compile or capture). RL_STEPS / BUDGET_S (the whole run's) / RL_LR (5e-5). 16,384-token
