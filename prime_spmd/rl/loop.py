@@ -357,6 +357,7 @@ class _TrainerLoop:
             "train_optim_s": stats["optim_s"],
             "forward_tokens": float(forward_tokens),
             "model_tokens": stats["model_tokens"],
+            "row_tokens": stats["row_tokens"],
             "skipped_steps": stats["skipped"],
             "nonfinite_steps": stats["nonfinite"],
             "empty_batch": stats["empty_batch"],

@@ -104,6 +104,8 @@ class PolicyOutput(NamedTuple):
     """The micro-batch's MoE routing (None for dense models)."""
     shared_tokens: int = 0
     """Packed tokens the forward did not run through the model (prompt copies that prompt sharing skipped)."""
+    row_tokens: int = 0
+    """Tokens the blocks ran, pads included: rows x row length of the layout ``hidden`` chose."""
 
 
 class PolicyModel(nn.Module):
@@ -300,7 +302,8 @@ class PolicyModel(nn.Module):
         if aux is not None and self.router_aux_coef > 0:
             # inside the FSDP root's forward, so the router grads take the same hooks as the main loss's
             loss_sum = loss_sum + self.router_aux_coef * fields["loss_mask"].sum() * aux
-        return PolicyOutput(loss_sum, lp, ent, router, shared_tokens)
+        rows = out.hidden_BTD
+        return PolicyOutput(loss_sum, lp, ent, router, shared_tokens, rows.shape[0] * rows.shape[1])
 
 
 def resolve_loss_impl(name: str, device: torch.device) -> Literal["reference", "triton", "fused"]:

@@ -113,6 +113,7 @@ def _run_sft(cfg: SFTJobConfig, stop: StopSignal) -> dict[str, float]:
             "bad_rows": float(data.num_bad_rows),
             "step_time_s": dt,
             "train_tokens_per_s": tokens / dt,
+            "row_tokens": stats["row_tokens"],
             **router_metrics(stats),
         }
         if sink.should_log(step, last=step == cfg.trainer.max_steps - 1 or stats["stop"] > 0):

@@ -67,8 +67,8 @@ def train_step(
     """Forward/backward every micro-batch, clip, step. Collective over the trainer role.
 
     Every trainer rank calls it with the same number of micro-batches (packing pads with dummies).
-    Returns global sums of the loss_fn stats and of ``model_tokens`` (packed tokens less the prompt copies that
-    prompt sharing did not run through the blocks), plus ``loss`` (per trained token), ``grad_norm``,
+    Returns global sums of the loss_fn stats, of ``model_tokens`` (packed tokens less the prompt copies that
+    prompt sharing did not run through the blocks) and of ``row_tokens`` (what the blocks ran, pads included), plus ``loss`` (per trained token), ``grad_norm``,
     ``lr``, ``trained_tokens``, ``fwd_bwd_s`` (seconds to the clipped grad norm: forward, backward, reductions,
     clipping), ``optim_s`` (the optimizer and schedule steps after it, host time: on CUDA their kernels
     may still run after return), ``nonfinite`` (non-finite loss or gradient), ``empty_batch`` (no
@@ -101,7 +101,8 @@ def train_step(
         # tokens the blocks ran: the packed ones less the prompt copies a shared forward skipped (the LM head
         # still runs on every packed token); what an honest FLOP count multiplies the blocks' parameters by
         model_tokens = mb.num_tokens - out.shared_tokens
-        stats = {"loss_sum": loss_sum, "model_tokens": torch.tensor(float(model_tokens)), **stats}
+        stats = {"loss_sum": loss_sum, "model_tokens": torch.tensor(float(model_tokens)),
+                 "row_tokens": torch.tensor(float(out.row_tokens)), **stats}  # fmt: skip
         router = out.router
         if router is not None:  # the same on every rank: the model decides, not the data
             stats["router_aux_sum"] = router.aux_loss * fields["loss_mask"].sum()

@@ -74,6 +74,8 @@ def test_unpacked_rows_match_masked_packed_path(tmp_path, impl: str, fill: bool,
         policy.adapter.forward_hidden_routed = spy
         out = policy(mb.input_ids, mb.position_ids, mb.targets, 0.9, _MeanLogprob(), fields)
         loss, lp, ent = out.loss_sum, out.logprob_T, out.entropy_T
+        # tokens the blocks ran: the packed 40; 4 rows of 14 (RowLayout); 3 rows of 14 filled
+        assert out.row_tokens == (40 if not unpack else 42 if fill and impl == "custom" else 56)
         loss.backward()
         grads = {n: p.grad.clone() for n, p in policy.named_parameters()}
         results.append((loss.detach(), lp, ent, grads))
