@@ -82,14 +82,19 @@ def block_activation_elements(shape: ModelShape) -> int:
     first train step ran out of memory with ~49.9 GiB of activations allocated (002d098; this count: 52.5 GiB, the
     count before it, 4 of the hidden size and 3 of the MLP width: 24.5); at 8,192 the run's peak was 26.3 GiB
     (4e1f824; the whole plan with this count: ~25.7 GiB, check_fits' headroom covers the rest)."""
-    q = (shape.num_heads or shape.hidden_size // shape.head_dim) * shape.head_dim
+    q = query_heads(shape) * shape.head_dim
     kv = shape.num_kv_heads * shape.head_dim
     return 5 * shape.hidden_size + 4 * q + 4 * kv + 4 * shape.intermediate_size
 
 
+def query_heads(shape: ModelShape) -> int:
+    """Attention query heads (hidden size / head dim where the config does not say)."""
+    return shape.num_heads or shape.hidden_size // shape.head_dim
+
+
 def query_groups(shape: ModelShape) -> int:
     """Query heads a key/value head serves."""
-    return (shape.num_heads or shape.hidden_size // shape.head_dim) // shape.num_kv_heads
+    return query_heads(shape) // shape.num_kv_heads
 
 
 @dataclass(kw_only=True, slots=True)
@@ -210,10 +215,7 @@ def fp8_weight_bytes(shape: ModelShape) -> int:
     """Bytes of the native engine's FP8 layer weights (inference/quant.py): one byte per weight of every layer's
     q/k/v, o, gate/up and down projections plus an fp32 scale per output row. Dense models only (FP8 refuses MoE)."""
     h, i = shape.hidden_size, shape.intermediate_size
-    q, kv = (
-        (shape.num_heads or shape.hidden_size // shape.head_dim) * shape.head_dim,
-        shape.num_kv_heads * shape.head_dim,
-    )
+    q, kv = query_heads(shape) * shape.head_dim, shape.num_kv_heads * shape.head_dim
     weights = h * (q + 2 * kv) + q * h + 3 * h * i
     rows = (q + 2 * kv) + h + 2 * i + h
     return shape.num_layers * (weights + 4 * rows)

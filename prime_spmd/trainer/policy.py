@@ -29,7 +29,7 @@ from prime_spmd.models.hf_adapter import HF_ROUTER_AUX_TYPES
 from prime_spmd.models.registry import adapter_for
 from prime_spmd.trainer.exact import check_trainer_model, exact_hidden, exact_logprobs
 from prime_spmd.trainer.loss import TokenLoss
-from prime_spmd.trainer.packing import fill_layout, row_layout, share_layout
+from prime_spmd.trainer.packing import ShareLayout, fill_layout, row_layout, share_layout
 
 COMPILED_ROW_MULTIPLE = 8
 """With compiled blocks, every row the blocks run (a packed row, shared-prompt rows, RowLayout's one-document rows)
@@ -212,17 +212,15 @@ class PolicyModel(nn.Module):
         """(final hidden states [B*T, D] in input order, the model's output as it ran (``ModelOutput``: router
         aux loss and tokens per expert), packed tokens it did not run (shared prompt copies)). One packed row
         ([1, L]) goes through ``ShareLayout`` when sharing prompts (needs ``loss_mask_T``, [L]: the target at t
-        is trained) and a group shares one, else through ``RowLayout`` when unpacking; ``exact``: ``exact_hidden``."""
+        is trained) and a group shares one, else, when unpacking, through filled rows (``fill_layout``) or
+        ``RowLayout``; ``exact``: ``exact_hidden``."""
         if self.exact:
             return exact_hidden(self.lm, input_ids_BT, position_ids_BT, loss_mask_T if self.share_prompts else None)
         multiple = COMPILED_ROW_MULTIPLE if self.blocks_compiled() else 1
         if self.share_prompts and loss_mask_T is not None and input_ids_BT.shape[0] == 1:
             shared = share_layout(input_ids_BT, position_ids_BT, loss_mask_T, row_multiple=multiple)
             if shared is not None:
-                out = self.adapter.forward_hidden_routed(
-                    shared.input_ids_RW, shared.position_ids_RW, shared.attn_mask_RWW
-                )
-                return shared.from_rows(out.hidden_BTD), out, shared.num_shared_tokens
+                return self._forward_segments(shared)
         layout = None
         if self.unpack_documents and input_ids_BT.shape[0] == 1:
             layout = row_layout(position_ids_BT, row_multiple=multiple)
@@ -234,10 +232,7 @@ class PolicyModel(nn.Module):
                 else None
             )
             if filled is not None and filled.input_ids_RW.numel() <= limit:
-                out = self.adapter.forward_hidden_routed(
-                    filled.input_ids_RW, filled.position_ids_RW, filled.attn_mask_RWW
-                )
-                return filled.from_rows(out.hidden_BTD), out, 0
+                return self._forward_segments(filled)
         if layout is None:
             B, P = input_ids_BT.shape
             pad = -P % multiple if B == 1 else 0
@@ -252,6 +247,11 @@ class PolicyModel(nn.Module):
             return hidden_BTD.reshape(-1, hidden_BTD.shape[-1]), out, 0
         out = self.adapter.forward_hidden_routed(layout.to_rows(input_ids_BT), layout.position_ids_ST)
         return layout.from_rows(out.hidden_BTD), out, 0
+
+    def _forward_segments(self, seg: ShareLayout) -> tuple[torch.Tensor, ModelOutput, int]:
+        """``hidden`` over the rows of a ``ShareLayout`` (shared prompts or filled rows) under its explicit mask."""
+        out = self.adapter.forward_hidden_routed(seg.input_ids_RW, seg.position_ids_RW, seg.attn_mask_RWW)
+        return seg.from_rows(out.hidden_BTD), out, seg.num_shared_tokens
 
     def logprobs(
         self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, targets_T: torch.Tensor, temperature: float
