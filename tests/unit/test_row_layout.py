@@ -44,11 +44,10 @@ def test_unpacked_rows_match_masked_packed_path(tmp_path, impl: str, fill: bool,
     """Unpacked (one document a row, ``RowLayout``; or, where the adapter takes a mask, several a row,
     ``fill_layout``: 3 rows of 14 against 4) against the packed row under its block mask: the same logprobs, loss and
     gradients up to rounding. The HF model takes no mask: it always unpacks one document a row."""
-    from prime_spmd.trainer import policy as policy_mod
-
     from prime_spmd.config.sections import ModelConfig
     from prime_spmd.models.loading import load_model
     from prime_spmd.models.tiny import build_tiny_model
+    from prime_spmd.trainer import policy as policy_mod
 
     path = build_tiny_model(tmp_path, "qwen3-nano")
     lm = load_model(ModelConfig(path=str(path), impl=impl), torch.device("cpu"))

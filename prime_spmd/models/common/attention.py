@@ -45,9 +45,9 @@ def additive_mask(mask_BTT: torch.Tensor, dtype: torch.dtype, groups: int = 1) -
     """[B, 1, groups x T, T] in ``dtype``: 0 where the bool ``mask_BTT`` attends, -inf elsewhere, its rows repeated
     for each of ``groups`` query heads that share a key/value head (row j x T + t: query t of the j-th head of a group;
     ``_sdpa`` folds those heads into the query length). SDPA turns a bool mask into this in every call and keeps that
-    copy for its backward: one a layer (28 at Qwen3-0.6B's depth, ~10 GB at 16k tokens of long GRPO groups). Made
-    once a forward, every layer's SDPA reads and saves the same tensor: the same values (0 added to a score is
-    exact). Rows strided to the multiple of ``MASK_ALIGN`` above T: always a view of a wider buffer, so that compiled
+    copy for its backward: one a layer (28 at Qwen3-0.6B's depth: up to 28 x 128 MiB at ``share_layout``'s mask
+    cap). Made once a forward, every layer's SDPA reads and saves the same tensor: the same values (0 added to a
+    score is exact). Rows strided to the multiple of ``MASK_ALIGN`` above T: always a view of a wider buffer, so that compiled
     blocks see one layout whatever T is (a contiguous mask at some lengths compiled a second graph)."""
     B, T, _ = mask_BTT.shape
     width = (T // MASK_ALIGN + 1) * MASK_ALIGN
@@ -159,8 +159,6 @@ def _sdpa(q_BNTDh: torch.Tensor, k_BNkvTDh: torch.Tensor, v_BNkvTDh: torch.Tenso
             return out.reshape(B, N, T, Dh)
         if mask.shape[-2] != T:
             raise ValueError(f"attention: a mask of {mask.shape[-2]} query rows for {g} heads a kv head x {T} tokens")
-        k_BNTDh, v_BNTDh = (
-            t[:, :, None].expand(B, Nkv, g, T, Dh).reshape(B, N, T, Dh) for t in (k_BNkvTDh, v_BNkvTDh)
-        )
+        k_BNTDh, v_BNTDh = (t[:, :, None].expand(B, Nkv, g, T, Dh).reshape(B, N, T, Dh) for t in (k_BNkvTDh, v_BNkvTDh))
         out_BNTDh = F.scaled_dot_product_attention(q_BNTDh, k_BNTDh, v_BNTDh, attn_mask=mask)
     return out_BNTDh
