@@ -93,7 +93,14 @@ def test_scaled_mm_tile_rows_real_shapes(name, k, n, m, record_property):
 @pytest.mark.parametrize("tile_rows", ["triton", "scaled_mm"])
 def test_tile_rows_compiled_and_captured(tile_rows, monkeypatch):
     """The engine's dispatch (``quant.fused_linear``) with TILE_ROWS_IMPL set, inside torch.compile(fullgraph) and a
-    CUDA graph: replaying on new inputs equals the eager call on them (Qwen3-8B gate/up with SiLU-gate, 16 rows)."""
+    CUDA graph: replaying on new inputs lands as near the fp32 result (no activation rounding) as the eager call on
+    them (Qwen3-8B gate/up with SiLU-gate, 16 rows).
+
+    Not equality with the eager call: on the scaled_mm path inductor fuses the RMSNorm into the activation quantize
+    without the eager call's bf16 rounding between them, so some activations round to the neighbouring e4m3 value.
+    At 4b65079 (H100) that put 251 of 196,608 outputs up to 0.22 from the eager call (max |out| ~10); the same
+    shape on CPU: 258 up to 0.27, and 0 with inductor's ``emulate_precision_casts``, while compiled and eager
+    stayed 0.45 / 0.44 from the fp32 result."""
     from prime_spmd.inference import quant
 
     monkeypatch.setattr(op, "TILE_ROWS_IMPL", tile_rows)
@@ -114,7 +121,14 @@ def test_tile_rows_compiled_and_captured(tile_rows, monkeypatch):
         out = fn(static_x)
     static_x.copy_(torch.randn_like(x))
     graph.replay()
-    torch.testing.assert_close(out, step(static_x), rtol=2**-7, atol=2**-7 * out.abs().max().item())
+    xf = static_x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.float()
+    gate, up = torch.nn.functional.linear(normed, q.float() * s[:, None]).chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    replay_err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+    eager_err = ((step(static_x).float() - ref).abs().max() / ref.abs().max()).item()
+    # a replay on the capture's stale input would be O(1) off; the eager call measured 0.44 / 13.4 on CPU
+    assert replay_err <= 1.25 * eager_err + 2**-8, (replay_err, eager_err)
 
 
 @pytest.mark.parametrize("impl", ["scaled_mm", "dequant"])
@@ -220,10 +234,11 @@ def test_engine_with_an_fp8_kv_cache_and_cuda_graphs(kv_cache, record_property):
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().eval()
     reqs = [Request(prompt_ids=list(range(5 + i, 40 + 3 * i)), request_id=i,
                     sampling=SamplingParams(temperature=1.0, max_tokens=48, ignore_eos=True, seed=i)) for i in range(4)]  # fmt: skip
-    control = None
+    seen = {}  # every run's (mean |diff|, KL), in the failure message: the eager FP8 run tells a fault of the compiled
+    # / captured path from the cache's rounding (4b65079, H100: both graph runs 0.174 / 2.4e-2 against the bf16 cache's
+    # 0.0146 / 1.6e-4, slot and paged alike; the eager run's figure was not kept)
     # the same model on CPU (Triton interpreter, eager or inductor-compiled decode layer, 2026-12-06): bf16 cache
-    # 0.014 / 1.5e-4, FP8 cache 0.05-0.057 / 2.5-2.7e-3. The eager FP8 run (no CUDA graphs, no compiled layer) is
-    # recorded first, to tell a fault of the compiled / captured path from the cache's rounding.
+    # 0.014 / 1.5e-4, FP8 cache 0.05-0.057 / 2.5-2.7e-3. The eager FP8 run has no CUDA graphs, no compiled layer.
     runs = (("auto", "none", True), ("fp8", "none", False), ("fp8", "none", True), ("fp8", "fp8", True))
     for kv_dtype, quantization, graphs in runs:
         torch._dynamo.reset()
@@ -233,12 +248,10 @@ def test_engine_with_an_fp8_kv_cache_and_cuda_graphs(kv_cache, record_property):
         trainer = torch.cat([teacher_forced_logprobs(model, r.prompt_ids, o.token_ids) for r, o in zip(reqs, outs)])
         stats = mismatch_stats(trainer.float().cpu(), torch.cat([torch.tensor(o.logprobs) for o in outs]))
         record_property(f"mismatch_kv_{kv_dtype}_weights_{quantization}_graphs_{graphs}", stats)
-        if kv_dtype == "auto":  # the bf16 cache's mismatch on this model: what the FP8 cache adds to
-            control = stats
-            continue
-        if not graphs:
+        seen[f"kv {kv_dtype}, weights {quantization}, graphs {graphs}"] = (stats["mean_abs_diff"], stats["mismatch_kl"])
+        if kv_dtype == "auto" or not graphs:
             continue
         assert eng.use_graphs and eng.runner.attention == "triton" and eng.runner.cache.k.dtype == FP8_DTYPE
         # the CPU test's bounds (fp32 tiny model, initializer 0.3: 0.0715 / 5.2e-3 measured). On the H100 (4e1f824,
         # this bf16 model, slot) the FP8 cache gave 0.148 / 1.9e-2, over them, before the bf16 control was recorded
-        assert stats["mean_abs_diff"] < 0.1 and stats["mismatch_kl"] < 1e-2, (stats, "bf16 cache", control)
+        assert stats["mean_abs_diff"] < 0.1 and stats["mismatch_kl"] < 1e-2, seen
