@@ -21,6 +21,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from prime_spmd.kernels.lm_logprob.kernel import t_bucket
 from torch import Tensor
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -158,7 +159,7 @@ def softmax_stats(logits_CV: Tensor, temperature_C: Tensor) -> tuple[Tensor, Ten
     splits, per_split = _num_vocab_splits(num_tokens, vocab, logits_CV.device)
     parts_VsC = empty_buffer((3, splits, num_tokens), logits_CV, torch.float32)
     m_VsC, s_VsC, a_VsC = parts_VsC.unbind(0)
-    bucket = triton.next_power_of_2(num_tokens)
+    bucket = t_bucket(num_tokens)
     args = (logits_CV, temperature_C, m_VsC, s_VsC, a_VsC, num_tokens, vocab, bucket, logits_CV.stride(0), per_split)
     if INTERPRET or logits_CV.device.type != "cuda":
         _stats_kernel[(triton.cdiv(num_tokens, _CPU_META["BLOCK_C"]), splits)](*args, **_CPU_META)
@@ -198,7 +199,7 @@ def write_grad_logits(
         dummy if grad_entropy_C is None else grad_entropy_C,
         num_tokens,
         vocab,
-        triton.next_power_of_2(num_tokens),
+        t_bucket(num_tokens),
         logits_CV.stride(0),
         grad_CV.stride(0),
     )

@@ -163,6 +163,13 @@ def test_token_counts_of_one_bucket_tune_once():
     assert len(kernel._fwd_tuned.cache) == 1 and len(kernel._grad_tuned.cache) == 1
     run_impl("triton", *make_inputs(129, 64, 257, torch.bfloat16, 1.0, "cuda"))
     assert len(kernel._fwd_tuned.cache) == 2 and len(kernel._grad_tuned.cache) == 2
+    for num_tokens in (kernel.TUNE_BUCKET_CAP + 1, 3 * kernel.TUNE_BUCKET_CAP):  # past the cap: one key
+        run_impl("triton", *make_inputs(num_tokens, 64, 257, torch.bfloat16, 1.0, "cuda"))
+    assert len(kernel._fwd_tuned.cache) == 3 and len(kernel._grad_tuned.cache) == 3
+
+
+def test_tuner_bucket():
+    assert [kernel.t_bucket(n) for n in (1, 70, 128, 129, 1024, 1025, 5000)] == [1, 128, 128, 256, 1024, 1024, 1024]
 
 
 def test_bad_inputs_raise(device):
