@@ -55,12 +55,14 @@ case $PART in
   rl_e2e)
     if [ "${VARIANT:-reverse_text}" = number_list ]; then
       # the learning benchmark: number_list at the 0.6B shape (real tokenizer): SFT from scratch, then RL sides with
-      # held-out evals every 6 steps against wall-clock time; the task counts between two 3-digit integers 50-200
-      # apart (~250-1000 answer tokens), up to 1000 new tokens. One call holds SFT (~150 s) and two RL sides of
+      # held-out evals every 6 steps against wall-clock time; the task counts between two 3-digit integers 50-160
+      # apart (~250-800 answer tokens), up to 1000 new tokens; both sides train a completion cut at 1000 tokens on
+      # reward TRUNCATED_REWARD (0; the evals report the task's reward: at 4b65079, with 50-200 items and no such
+      # rule, ours learned never to stop). One call holds SFT (~150 s) and two RL sides of
       # RL_LIMIT_S (190 s; a cold side spends ~120 s starting: 0c4ade1, H100; the second side starts on the first
       # one's compile cache): SIDES (ours0,ours1) splits the sides over calls, e.g. `SIDES=ours1 RL_LIMIT_S=380` (one
       # side, ~40 steps after a cold start) or `SIDES=trl RL_LIMIT_S=380` for TRL (82 s a `generate` of 128 x 1000
-      # tokens, 42 s its eval), `SEEDS=1` for the spread. SFT: SFT_STEPS (100: held-out start 0.39-0.50 at 0c4ade1) / SFT_LR / SFT_MIN_ITEMS;
+      # tokens, 42 s its eval), `SEEDS=1` for the spread. SFT: SFT_STEPS (100: held-out start 0.39-0.50 at 0c4ade1, 50-200 items) / SFT_LR / SFT_MIN_ITEMS;
       # SFT_FLAG one `sft` flag, by default --trainer.compile=off (eager: ~1 s a step). OURS_FLAG: flags of our RL
       # sides, space-separated, each one word (e.g. "--inference.native.warmup=off --trainer.no_compile_warmup": no
       # up-front compile or capture). RL_STEPS / BUDGET_S (the whole run's) / RL_LR (5e-5). 16,384-token
@@ -77,7 +79,7 @@ case $PART in
         --sft-steps "${SFT_STEPS:-100}" --sft-batch 32 --sft-lr "${SFT_LR:-1e-3}" --sft-warmup-steps 20 --sft-limit-s 150 \
         --sft-task-arg "min_items=${SFT_MIN_ITEMS:-8}" --sft-flag="${SFT_FLAG:---trainer.compile=off}" \
         --steps "${RL_STEPS:-24}" --warmup 3 --prompts 16 --group-size 8 --max-tokens 1000 --lr "${RL_LR:-5e-5}" --micro-batch-tokens 16384 \
-        --ours-flag=--rollout.std_normalize "${ours_flags[@]}" --eval-interval 6 --eval-examples 32 --eval-samples 2 --no-eval \
+        --ours-flag=--rollout.std_normalize "${ours_flags[@]}" --eval-interval 6 --eval-examples 32 --eval-samples 2 --no-eval --truncated-reward "${TRUNCATED_REWARD:-0}" \
         --rl-limit-s "${RL_LIMIT_S:-190}" --budget-s "${BUDGET_S:-550}" --compile-cache /tmp/rl_e2e_compile_cache
       kill "$copier" 2> /dev/null
       cp "$R/results.json" "$R"/*.png "$R"/*.log "$OUT/learning/" 2> /dev/null

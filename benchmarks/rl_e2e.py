@@ -55,9 +55,11 @@ H200_BF16_PEAK_TFLOPS = 989.0
 # and the longest prompt in tokens. reverse_text: letters on CPU, digits at a --shape (the Qwen3 tokenizer writes a
 # digit as one token; letters merge into tokens whose reversal the model cannot read). number_list: answers whose
 # length follows the prompt's; on CPU reverse 4-10 one-digit integers; at a --shape count between two 3-digit integers
-# 50-200 apart ("count: 317 to 519"; 5 tokens an item with ", ": ~250-1000 answer tokens). Reversing 1-3 digit integer
-# lists and 128-480 one-token words both stayed at the items' entropy through the one-call SFT budget of a 0.6B model
-# on an H100 (docs/benchmarks.md, "Learning benchmark"): reversal needs a content lookup that a model from scratch
+# 50-160 apart ("count: 317 to 476"; 5 tokens an item with ", ": ~250-800 answer tokens, under --max-tokens 1000 with
+# room to stop: at 200 items the longest answers filled the 1000 tokens, and RL at 4b65079 learned never to stop,
+# held-out 0.44 -> 0.65 with 98% of completions cut; see also --truncated-reward). Reversing 1-3 digit integer lists
+# and 128-480 one-token words both stayed at the items' entropy through the one-call SFT budget of a 0.6B model on an
+# H100 (docs/benchmarks.md, "Learning benchmark"): reversal needs a content lookup that a model from scratch
 # did not learn in ~100 steps, while each counted item follows from the one before it at a fixed offset (a 1M model
 # on CPU: SFT loss 0.12 in 150 steps of 32 lists, reward 0.38; reversal stayed at 1.5).
 TASKS = {
@@ -68,7 +70,7 @@ TASKS = {
     "number_list": (
         dict(args=dict(min_items=4, max_items=10, min_digits=1, max_digits=1, transform="reverse"), prompt_tokens=0),
         dict(
-            args=dict(min_items=50, max_items=200, min_digits=3, max_digits=3, transform="count", sep=", "),
+            args=dict(min_items=50, max_items=160, min_digits=3, max_digits=3, transform="count", sep=", "),
             prompt_tokens=0,
         ),  # fmt: skip
     ),
@@ -300,6 +302,11 @@ def random_init_flags(args: argparse.Namespace, model: Path) -> list[str]:
 
 
 # ---- the two sides -----------------------------------------------------------------------------------
+def truncated_reward_flags(args: argparse.Namespace) -> list[str]:
+    """``--rollout.truncated_reward`` for ours' side (TRL's reward function applies the same rule)."""
+    return [] if args.truncated_reward is None else ["--rollout.truncated_reward", str(args.truncated_reward)]
+
+
 def run_ours(k: int, rep: int, seed: int, model: Path, args: argparse.Namespace, out: Path) -> dict:
     d = out / f"ours_k{k}_r{rep}"
     last = rep == args.num_runs - 1
@@ -315,7 +322,7 @@ def run_ours(k: int, rep: int, seed: int, model: Path, args: argparse.Namespace,
            "--sampling.max_tokens", str(args.max_tokens), "--trainer.seq_len", str(args.task["seq_len"]),
            "--optim.lr", str(args.lr), "--rollout.max_async", str(k), "--trainer.seed", str(seed),
            "--trainer.micro_batch_tokens", str(max(args.micro_batch_tokens, args.task["seq_len"])),
-           "--ckpt.interval_steps", "0", "--log.no_progress", "--log.no_plots", *evals,
+           "--ckpt.interval_steps", "0", "--log.no_progress", "--log.no_plots", *evals, *truncated_reward_flags(args),
            *([] if last and not args.random_init else ["--ckpt.no_save_hf"]), *random_init_flags(args, model),
            *args.ours_flags]  # fmt: skip
     d.mkdir(parents=True, exist_ok=True)
@@ -381,7 +388,7 @@ def run_trl(rep: int, seed: int, model: Path, args: argparse.Namespace, out: Pat
                 max_tokens=args.max_tokens, lr=args.lr, seed=seed, task=args.task, device=args.device,
                 save=rep == args.num_runs - 1, root=str(ROOT), eval_interval=args.eval_interval,
                 eval_examples=args.eval_examples, eval_samples=args.eval_samples,
-                continuous_batching=args.trl_continuous_batching,
+                continuous_batching=args.trl_continuous_batching, truncated_reward=args.truncated_reward,
                 eval_dtype="bfloat16" if args.device == "cuda" and not args.trl_eval_autocast else "float32",
                 # stop in time to save and exit: 25 s before this side's limit (wall clock, from its launch)
                 stop_at_unix=time.time() + min(args.rl_limit_s, DEADLINE["t"] - time.perf_counter() - 5) - 25)  # fmt: skip
@@ -490,6 +497,11 @@ def parse_args() -> argparse.Namespace:
                    help="ours: --trainer.micro_batch_tokens (2048, the trainer's default). TRL's side trains a step's "
                    "samples in one batch (per_device_train_batch_size = prompts x group size); a value >= the step's "
                    "tokens gives ours the same single forward/backward")  # fmt: skip
+    p.add_argument(
+        "--truncated-reward", type=float, default=None,
+        help="both sides train on this reward for a sample cut at --max-tokens (ours: --rollout.truncated_reward; "
+        "TRL: in its reward function); held-out evals report the task's own reward. Default: the task's reward",
+    )  # fmt: skip
     p.add_argument("--ours-flag", dest="ours_flags", action="append", default=[], help="extra `rl` flag (repeat)")
     p.add_argument("--sft-flag", dest="sft_flags", action="append", default=[],
                    help="extra `sft` flag (repeat), e.g. --sft-flag=--trainer.compile=off")  # fmt: skip

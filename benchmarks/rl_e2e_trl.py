@@ -53,6 +53,15 @@ def grpo_config(s: dict, out: Path, cuda: bool):
     )  # fmt: skip
 
 
+def truncated_rewards(
+    rewards: list[float], completion_ids, max_tokens: int, ends: set[int], value: float
+) -> list[float]:
+    """Ours' ``--rollout.truncated_reward`` on TRL's side: ``value`` for a completion of ``max_tokens`` ids that holds
+    no end token (cut off, as ours' finish_reason "length"), else its reward."""
+    cut = [len(ids) >= max_tokens and not ends.intersection(ids) for ids in completion_ids]
+    return [value if c else r for c, r in zip(cut, rewards)]
+
+
 def eval_copy(model, cache: dict, dtype):
     """``model``'s current weights in a second model of ``dtype`` (built once into ``cache``, refreshed each call):
     a plain forward in that dtype, as ours' engine generates, with none of the trainer's autocast."""
@@ -173,7 +182,7 @@ def trl_worker(spec_path: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOTrainer
 
-    from prime_spmd.envs.base import completion_text
+    from prime_spmd.envs.base import completion_text, end_token_ids
 
     s = json.loads(Path(spec_path).read_text())
     out, task, cuda = Path(s["out"]), s["task"], s["device"] == "cuda"
@@ -195,7 +204,12 @@ def trl_worker(spec_path: str) -> None:
         texts = [completion_text(tok, list(ids)) for ids in completion_ids]
         scored["parsed"] += [lcs_ratio(a, c[0]["content"]) for c, a in zip(completions, answer)]
         scored["exact"] += [exact(a, t) for t, a in zip(texts, answer)]
-        return [lcs_ratio(a, t) for t, a in zip(texts, answer)]
+        rewards = [lcs_ratio(a, t) for t, a in zip(texts, answer)]
+        if s.get("truncated_reward") is not None:
+            rewards = truncated_rewards(
+                rewards, completion_ids, s["max_tokens"], end_token_ids(tok), s["truncated_reward"]
+            )
+        return rewards
 
     cfg = grpo_config(s, out, cuda)
     ts = time.time() - t0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -24,6 +25,8 @@ class RolloutConfig:
     """A function (rewards, advantages) -> bool deciding whether a group trains (pkg.module:function or path/to/file.py:function); "": --rollout.drop_zero_advantage_groups decides."""
     length_penalty: float = 0.0
     """Subtract this times (completion tokens / max_tokens) from each reward."""
+    truncated_reward: float | None = None
+    """The reward a sample cut off at max_tokens trains on (its last turn's finish_reason "length"), in place of the environment's (before the length penalty); None: the environment's. 0 stops a partial-credit reward from paying for never stopping. Metrics and evals still report the environment's reward."""
     drop_zero_advantage_groups: bool = True
     """Drop groups whose advantages are all zero (they carry no gradient) and count them."""
     filter_difficulty: bool = False
@@ -49,6 +52,12 @@ class RolloutConfig:
         _check(self.group_size >= 1, "rollout.group_size", self.group_size, "must be >= 1")
         _check(self.max_async is None or self.max_async >= 0, "rollout.max_async", self.max_async, "must be >= 0")
         _check(self.length_penalty >= 0, "rollout.length_penalty", self.length_penalty, "must be >= 0")
+        _check(
+            self.truncated_reward is None or math.isfinite(self.truncated_reward),
+            "rollout.truncated_reward",
+            self.truncated_reward,
+            "must be a finite number",
+        )
         _check(
             self.advantage in ("mean", "std", "rloo") or ":" in self.advantage,
             "rollout.advantage",

@@ -1,6 +1,7 @@
 """Group-relative advantages and the filtering of groups that carry no gradient (run on the controller).
 
-Advantage hook (--rollout.advantage), per group of n rewards r (after the length penalty):
+Advantage hook (--rollout.advantage), per group of n rewards r (after --rollout.truncated_reward and the length
+penalty):
 - ``mean``: A_i = r_i - mean(r);
 - ``std`` (or --rollout.std_normalize): A_i = (r_i - mean(r)) / (std(r) + 1e-6), the sample std (n - 1);
 - ``rloo``: A_i = r_i - mean_{j != i} r_j = n / (n - 1) (r_i - mean(r));
@@ -37,10 +38,14 @@ class AdvantageResult:
 
 def shaped_reward(r: Rollout, cfg: RolloutConfig, max_tokens: int) -> float:
     """``reward - length_penalty * sampled tokens / max(max_tokens, 1)``; sampled tokens are
-    ``sum(completion_mask)`` (an environment's tokens between turns do not count)."""
+    ``sum(completion_mask)`` (an environment's tokens between turns do not count). A sample cut off at max_tokens
+    (``info["finish_reason"] == "length"``) starts from ``--rollout.truncated_reward`` where that is set."""
+    reward = r.reward
+    if cfg.truncated_reward is not None and r.info.get("finish_reason") == "length":
+        reward = cfg.truncated_reward
     if not cfg.length_penalty:
-        return r.reward
-    return r.reward - cfg.length_penalty * sum(r.completion_mask) / max(max_tokens, 1)
+        return reward
+    return reward - cfg.length_penalty * sum(r.completion_mask) / max(max_tokens, 1)
 
 
 @functools.cache

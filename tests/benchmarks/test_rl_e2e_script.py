@@ -193,3 +193,23 @@ def test_trl_eval_copy_follows_the_weights_in_bf16(qwen3_model, qwen3_tokenizer,
     row = json.loads((tmp_path / "steps.jsonl").read_text())
     assert row["eval_step"] == 0 and row["eval_reward"] == 0.5
     assert model.training and next(model.parameters()).dtype == torch.float32
+
+
+def test_truncated_reward_reaches_both_sides(tmp_path, monkeypatch) -> None:
+    """--truncated-reward: ours' side gets --rollout.truncated_reward, TRL's spec the value, and its reward function
+    scores a completion cut at max tokens (no end token) with it."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import rl_e2e, rl_e2e_trl
+
+    argv = ["rl_e2e.py", "--device", "cpu", "--out", str(tmp_path), "--trl-python", sys.executable]
+    monkeypatch.setattr(sys, "argv", argv + ["--truncated-reward", "0"])
+    args = rl_e2e.parse_args()
+    assert rl_e2e.truncated_reward_flags(args) == ["--rollout.truncated_reward", "0.0"]
+    out = rl_e2e.setup_run(args)
+    monkeypatch.setattr(rl_e2e, "run_logged", lambda *a, **kw: {"rc": 0, "wall_s": 0.0})
+    rl_e2e.run_trl(0, 0, tmp_path / "model", args, out)
+    assert json.loads((out / "trl_r0" / "spec.json").read_text())["truncated_reward"] == 0.0
+    got = rl_e2e_trl.truncated_rewards([0.9, 0.8, 0.7], [[5, 6, 7], [5, 6, 2], [5, 6]], 3, {2}, 0.0)
+    assert got == [0.0, 0.8, 0.7]  # cut at 3 ids; ended by the end token 2; shorter than max tokens
+    monkeypatch.setattr(sys, "argv", argv)
+    assert rl_e2e.truncated_reward_flags(rl_e2e.parse_args()) == []

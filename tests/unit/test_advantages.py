@@ -91,6 +91,21 @@ def test_length_penalty_in_advantages() -> None:
     assert _advs(res) == pytest.approx([0.5**0.5, -(0.5**0.5)], rel=1e-5)
 
 
+def test_truncated_reward_replaces_the_reward_of_samples_cut_at_max_tokens() -> None:
+    cut, done = _r(0.8, mask=[1] * 4), _r(0.6, mask=[1] * 4, sample_idx=1)
+    cut.info["finish_reason"], done.info["finish_reason"] = "length", "stop"
+    assert shaped_reward(cut, RolloutConfig(), max_tokens=4) == 0.8  # None: the environment's
+    assert shaped_reward(cut, RolloutConfig(truncated_reward=0.0), max_tokens=4) == 0.0
+    assert shaped_reward(done, RolloutConfig(truncated_reward=0.0), max_tokens=4) == 0.6
+    # before the length penalty, and in the group's advantages: the cut sample, higher by the environment, loses
+    cfg = RolloutConfig(truncated_reward=-0.5, length_penalty=0.5)
+    assert shaped_reward(cut, cfg, max_tokens=8) == pytest.approx(-0.5 - 0.25)
+    res = compute_advantages([[cut, done]], RolloutConfig(truncated_reward=0.0), max_tokens=4)
+    assert res.rewards == [0.0, 0.6] and _advs(res) == pytest.approx([-0.3, 0.3])
+    with pytest.raises(ValueError, match="rollout.truncated_reward"):
+        RolloutConfig(truncated_reward=float("nan"))
+
+
 # --- --rollout.advantage and --rollout.group_filter hooks -----------------------------------------------
 
 
