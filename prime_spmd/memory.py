@@ -87,6 +87,28 @@ def block_activation_elements(shape: ModelShape) -> int:
     return 5 * shape.hidden_size + 4 * q + 4 * kv + 4 * shape.intermediate_size
 
 
+ROW_PAD_ALLOWANCE = 0.10
+"""Activations of masked rows past the micro-batch's tokens, as a share of the activation term: shared-prompt and
+filled rows (``packing.fill_layout``) pad documents to a row's length. Measured on the H100 (4b65079, the learning
+benchmark's 0.6B RL, groups of 8 x 500-1000 tokens, 16,384-token micro-batches): rows ran 1.07-1.16x the model's
+tokens while completions grew, 1.01-1.05x after, and the run's peak came at a step of 1.08x (steps at 1.16x did not
+raise it); simulated micro-batches of that length spread: 1.14-1.19x. 0.10 puts that run's plan 0.3 GiB over its
+peak (``lm_head_loss_bytes``)."""
+
+
+def lm_head_loss_bytes(shape: ModelShape, micro_batch_tokens: int, param_bytes: int) -> int:
+    """The fused LM-head loss's bytes beyond the activations (``kernels/lm_logprob/fused_loss.py``, the Triton path
+    CUDA runs): one chunk of up to 4,096 tokens' fp32 logits and compute-dtype d logits (6 B an element of C x V,
+    C x V <= 2**30), and the d weight [V, D] and d hidden [T, D] it holds from the forward to the backward. The
+    Qwen3-0.6B shape at 16,384 tokens: 3.5 + 0.3 + 0.03 GiB; with it and ``ROW_PAD_ALLOWANCE`` the learning benchmark's
+    plan is 57.5 GiB against its measured peak of 57.1 (4b65079, H100; 51.1 without them)."""
+    from prime_spmd.kernels.lm_logprob.fused_loss import TRITON_LOGITS_BUFFER_ELEMENTS, num_chunk_tokens
+
+    v, d = shape.vocab_size, shape.hidden_size
+    chunk = num_chunk_tokens(micro_batch_tokens, v, 4096, TRITON_LOGITS_BUFFER_ELEMENTS)
+    return chunk * v * (4 + param_bytes) + (v + micro_batch_tokens) * d * param_bytes
+
+
 def query_heads(shape: ModelShape) -> int:
     """Attention query heads (hidden size / head dim where the config does not say)."""
     return shape.num_heads or shape.hidden_size // shape.head_dim
@@ -179,9 +201,10 @@ def estimate(
     the native engine also holds FP8 copies of the layer linears (``fp8_weight_bytes``), beside its bf16 weights.
     ``kv_cache_dtype`` "fp8": the KV cache holds one byte an element plus an fp32 scale per position and kv head.
     ``masked_row_tokens`` > 0: attention runs with a mask over rows of up to this many tokens (RL's shared prompts: a
-    group's prompt and its samples in one row): one additive mask a micro-batch, its rows repeated for the query heads
-    of a key/value head (``param_bytes`` x ``query_groups`` x its tokens x the row length;
-    ``models/common/attention.py: additive_mask``).
+    group's prompt and its samples in one row; filled rows: documents several to a row): one additive mask a
+    micro-batch, its rows repeated for the query heads of a key/value head (``param_bytes`` x ``query_groups`` x its
+    tokens x the row length; ``models/common/attention.py: additive_mask``), and the rows' padding
+    (``ROW_PAD_ALLOWANCE``). Every plan counts the fused LM-head loss's chunk (``lm_head_loss_bytes``).
     """
     plan = MemoryPlan()
     n, t = shape.num_params, num_trainable
@@ -205,9 +228,11 @@ def estimate(
     if shape.vision:
         per_token *= VISION_ACTIVATION_FACTOR
     plan.train["activations"] = per_token * micro_batch_tokens
+    plan.train["LM-head loss"] = lm_head_loss_bytes(shape, micro_batch_tokens, param_bytes)
     if masked_row_tokens:
         rows = min(masked_row_tokens, micro_batch_tokens)
         plan.train["attention mask"] = param_bytes * query_groups(shape) * micro_batch_tokens * rows
+        plan.train["row padding"] = int(ROW_PAD_ALLOWANCE * plan.train["activations"])
     return plan
 
 
@@ -296,6 +321,15 @@ def plan_colocated_run(
     )
 
 
+def masked_row_tokens(cfg: RLJobConfig, max_len: int) -> int:
+    """The longest masked row an RL job's trainer may run (``estimate``'s ``masked_row_tokens``): with shared prompts
+    a group's prompt and samples in one row; without, documents filled several to a row of the longest one's
+    length (``policy.PolicyModel.hidden``); none in exact mode (its own kernels)."""
+    if cfg.model.exact:
+        return 0
+    return cfg.rollout.group_size * max_len if cfg.trainer.share_prompts else max_len
+
+
 def plan_rl_job(cfg: RLJobConfig, num_trainer_ranks: int) -> MemoryPlan:
     """``plan_colocated_run`` with the settings of a colocated ``rl`` job (``cfg``) of ``num_trainer_ranks``."""
     inf, nat = cfg.inference, cfg.inference.native
@@ -314,6 +348,5 @@ def plan_rl_job(cfg: RLJobConfig, num_trainer_ranks: int) -> MemoryPlan:
         release_kv_cache=nat.release_kv_cache,
         quantization=inf.quantization if inf.engine == "native" else "none",
         kv_cache_dtype=inf.kv_cache_dtype,
-        # shared prompts: a group's prompt and samples attend in one masked row (exact mode runs its own kernels)
-        masked_row_tokens=cfg.rollout.group_size * max_len if cfg.trainer.share_prompts and not cfg.model.exact else 0,
+        masked_row_tokens=masked_row_tokens(cfg, max_len),
     )

@@ -136,7 +136,8 @@ def test_masked_attention_terms() -> None:
 
 def test_rl_job_plan_counts_the_masked_rows_with_shared_prompts(tmp_path) -> None:
     """``plan_rl_job``: with --trainer.share_prompts (the default) a group's prompt and samples attend in one masked
-    row of up to group size x sequence length tokens; not without it, nor in exact mode (its own kernels)."""
+    row of up to group size x sequence length tokens; without it documents fill masked rows of up to the sequence
+    length; in exact mode no mask (its own kernels)."""
     from prime_spmd.config import RLJobConfig
     from prime_spmd.config.sections import ModelConfig, TrainerConfig
 
@@ -149,6 +150,27 @@ def test_rl_job_plan_counts_the_masked_rows_with_shared_prompts(tmp_path) -> Non
 
     group = RLJobConfig().rollout.group_size
     assert mask_bytes() == 2 * 2 * 4096 * group * 64  # 2 query heads a kv head
-    assert mask_bytes(share_prompts=False) is None
+    assert mask_bytes(share_prompts=False) == 2 * 2 * 4096 * 64
     cfg = RLJobConfig(model=ModelConfig(path=path, exact=True), trainer=TrainerConfig(micro_batch_tokens=4096))
     assert "attention mask" not in memory.plan_rl_job(cfg, num_trainer_ranks=1).train
+
+
+def test_lm_head_loss_and_row_padding_terms() -> None:
+    """The fused LM-head loss's chunk (fp32 logits + bf16 d logits of up to 4,096 tokens, C x V <= 2**30) with its
+    d weight and d hidden, in every plan; row padding only with masked rows. The learning benchmark's run at 4b65079
+    (Qwen3-0.6B, 128 x 1,046-token KV slots, 16,384-token micro-batches, groups of 8) peaked at 57.1 GiB on the H100:
+    its plan was 51.1 GiB without these terms and must now cover the peak."""
+    shape = memory.ModelShape(
+        num_params=596_049_920, num_layers=28, hidden_size=1024, intermediate_size=3072, num_kv_heads=8,
+        head_dim=128, vocab_size=151_936, num_heads=16,
+    )  # fmt: skip
+    kw = dict(num_trainable=shape.num_params, lora=False, offload="none", share_weights=False,
+              kv_cache_tokens=128 * 1046, micro_batch_tokens=16384, activation_checkpointing=False)  # fmt: skip
+    plain = memory.estimate(shape, **kw)
+    assert plain.train["LM-head loss"] == 4096 * 151_936 * 6 + (151_936 + 16384) * 1024 * 2
+    assert "row padding" not in plain.train
+    small = memory.estimate(shape, **kw | {"micro_batch_tokens": 1000})  # two even chunks of 512 (a multiple of 128)
+    assert small.train["LM-head loss"] == 512 * 151_936 * 6 + (151_936 + 1000) * 1024 * 2
+    masked = memory.estimate(shape, masked_row_tokens=8 * 1046, **kw)
+    assert masked.train["row padding"] == int(memory.ROW_PAD_ALLOWANCE * masked.train["activations"])
+    assert 57.1 * 2**30 < masked.total < 58.5 * 2**30
