@@ -67,10 +67,12 @@ def eval_copy(model, cache: dict, dtype):
     a plain forward in that dtype, as ours' engine generates, with none of the trainer's autocast."""
     import copy
 
+    import torch
     from transformers import AutoModelForCausalLM
 
-    if "model" not in cache:
-        cache["model"] = AutoModelForCausalLM.from_config(model.config, dtype=dtype).to(model.device).eval()
+    if "model" not in cache:  # built on the device: a CPU build would first run the random init there
+        with torch.device(model.device):
+            cache["model"] = AutoModelForCausalLM.from_config(model.config, dtype=dtype).eval()
         cache["model"].generation_config = copy.deepcopy(model.generation_config)
     cache["model"].load_state_dict(model.state_dict())
     return cache["model"]
