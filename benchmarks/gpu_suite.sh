@@ -65,25 +65,38 @@ case $PART in
       # tokens, 42 s its eval), `SEEDS=1` for the spread. SFT: SFT_STEPS (100: held-out start 0.39-0.50 at 0c4ade1, 50-200 items) / SFT_LR / SFT_MIN_ITEMS;
       # SFT_FLAG one `sft` flag, by default --trainer.compile=off (eager: ~1 s a step). OURS_FLAG: flags of our RL
       # sides, space-separated, each one word (e.g. "--inference.native.warmup=off --trainer.no_compile_warmup": no
-      # up-front compile or capture). RL_STEPS / BUDGET_S (the whole run's) / RL_LR (5e-5). 16,384-token
+      # up-front compile or capture). RL_STEPS / BUDGET_S (the whole run's) / RL_LR (5e-5). SFT_REUSE=1: RL from the
+      # SFT model an earlier call kept on this machine (below). A plan for one warm machine: `SIDES=ours1 RL_LIMIT_S=380`
+      # (SFT, kept), `SFT_REUSE=1 SIDES=trl RL_LIMIT_S=560`, `SFT_REUSE=1 SIDES=ours1 RL_STEPS=100 RL_LIMIT_S=560`
+      # (warm compile cache: ~40 s to the first step, ~5 s a step at 0c4ade1-4b65079). 16,384-token
       # micro-batches (32,768 ran out of memory at 002d098). TORCH_LOGS=recompiles: the logs name every recompile's
       # guard. TRL_CB=1: TRL generates with transformers' continuous batching (not yet run on a GPU). importtime.log:
       # `python -X importtime` of our RL entry modules, run beside the SFT (imports took 14-21 s here at 0c4ade1).
       (python3 -X importtime -c "import prime_spmd.rl.loop, prime_spmd.inference.factory, prime_spmd.trainer.build" \
         2> "$OUT/importtime.log" > /dev/null &)
       ours_flags=(); for f in ${OURS_FLAG:-}; do ours_flags+=("--ours-flag=$f"); done
+      # the SFT model is kept in SFT_KEEP after every SFT; SFT_REUSE=1 starts RL from it with no SFT (a later call on
+      # the same warm machine: every side then starts from one SFT checkpoint, and a call holds ~2 min more RL)
+      SFT_KEEP=${SFT_KEEP:-/tmp/learning_sft}; sft_from=()
+      if [ "${SFT_REUSE:-0}" = 1 ]; then
+        [ -f "$SFT_KEEP/config.json" ] || { echo "SFT_REUSE=1: no SFT model in $SFT_KEEP (run once without it)"; exit 2; }
+        sft_from=(--sft-model "$SFT_KEEP")
+      fi
       R=/tmp/learning_out; rm -rf "$R"; mkdir -p "$R" "$OUT/learning"
       (while true; do cp "$R/results.json" "$R"/*.log "$OUT/learning/" 2> /dev/null; sleep 5; done) & copier=$!
       run learning $(( ${BUDGET_S:-550} + 15 )) env TORCH_LOGS=recompiles python3 benchmarks/rl_e2e.py --device cuda --task number_list --shape qwen3-0.6b --out "$R" \
         --trl-python python3 ${TRL_CB:+--trl-continuous-batching} --sides "${SIDES:-ours0,ours1}" --seeds "${SEEDS:-0}" --tokenizer-files .whl/qwen3-tokenizer \
         --sft-steps "${SFT_STEPS:-100}" --sft-batch 32 --sft-lr "${SFT_LR:-1e-3}" --sft-warmup-steps 20 --sft-limit-s 150 \
-        --sft-task-arg "min_items=${SFT_MIN_ITEMS:-8}" --sft-flag="${SFT_FLAG:---trainer.compile=off}" \
+        --sft-task-arg "min_items=${SFT_MIN_ITEMS:-8}" --sft-flag="${SFT_FLAG:---trainer.compile=off}" "${sft_from[@]}" \
         --steps "${RL_STEPS:-24}" --warmup 3 --prompts 16 --group-size 8 --max-tokens 1000 --lr "${RL_LR:-5e-5}" --micro-batch-tokens 16384 \
         --ours-flag=--rollout.std_normalize "${ours_flags[@]}" --eval-interval 6 --eval-examples 32 --eval-samples 2 --no-eval --truncated-reward "${TRUNCATED_REWARD:-0}" \
         --rl-limit-s "${RL_LIMIT_S:-190}" --budget-s "${BUDGET_S:-550}" --compile-cache /tmp/rl_e2e_compile_cache
       kill "$copier" 2> /dev/null
       cp "$R/results.json" "$R"/*.png "$R"/*.log "$OUT/learning/" 2> /dev/null
       for d in "$R"/ours_k*_r*; do cp "$d/metrics.jsonl" "$OUT/learning/$(basename "$d")_metrics.jsonl" 2> /dev/null; done
+      if [ ${#sft_from[@]} = 0 ] && [ -f "$R/sft/hf/config.json" ]; then
+        rm -rf "$SFT_KEEP"; cp -r "$R/sft/hf" "$SFT_KEEP"; echo "SFT model kept in $SFT_KEEP (SFT_REUSE=1)"
+      fi
       exit 0
     fi
     # reverse_text: SFT a Qwen3-0.6B shape from scratch (real tokenizer), then RL: prime-spmd k=0/1 vs TRL, evals; <= 9 min
