@@ -67,8 +67,8 @@ case $PART in
       # sides, space-separated, each one word (e.g. "--inference.native.warmup=off --trainer.no_compile_warmup": no
       # up-front compile or capture). RL_STEPS / BUDGET_S (the whole run's) / RL_LR (5e-5). SFT_REUSE=1: RL from the
       # SFT model an earlier call kept on this machine (below). A plan for one warm machine: `SIDES=ours1 RL_LIMIT_S=380`
-      # (SFT, kept), `SFT_REUSE=1 SIDES=trl RL_LIMIT_S=560`, `SFT_REUSE=1 SIDES=ours1 RL_STEPS=100 RL_LIMIT_S=560`
-      # (warm compile cache: ~40 s to the first step, ~5 s a step at 0c4ade1-4b65079). 16,384-token
+      # (SFT, kept), `SFT_REUSE=1 SIDES=trl RL_LIMIT_S=540`, `SFT_REUSE=1 SIDES=ours1 RL_STEPS=100 RL_LIMIT_S=540`
+      # (warm compile cache: ~40 s to the first step at 0c4ade1; 5.9 s a step at 4b65079 with 50-200 items). 16,384-token
       # micro-batches (32,768 ran out of memory at 002d098). TORCH_LOGS=recompiles: the logs name every recompile's
       # guard. TRL_CB=1: TRL generates with transformers' continuous batching (not yet run on a GPU). importtime.log:
       # `python -X importtime` of our RL entry modules, run beside the SFT (imports took 14-21 s here at 0c4ade1).
