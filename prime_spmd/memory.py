@@ -96,16 +96,20 @@ raise it); simulated micro-batches of that length spread: 1.14-1.19x. 0.10 puts 
 peak (``lm_head_loss_bytes``)."""
 
 
+LM_HEAD_CHUNK_TOKENS = 4096
+LM_HEAD_CHUNK_ELEMENTS = 2**30
+"""The fused LM-head loss's chunk bounds (``fused_lm_head_loss``'s default ``chunk_tokens`` and
+``TRITON_LOGITS_BUFFER_ELEMENTS``; kernels sit above this module, so a test holds the two equal)."""
+
+
 def lm_head_loss_bytes(shape: ModelShape, micro_batch_tokens: int, param_bytes: int) -> int:
     """The fused LM-head loss's bytes beyond the activations (``kernels/lm_logprob/fused_loss.py``, the Triton path
     CUDA runs): one chunk of up to 4,096 tokens' fp32 logits and compute-dtype d logits (6 B an element of C x V,
     C x V <= 2**30), and the d weight [V, D] and d hidden [T, D] it holds from the forward to the backward. The
     Qwen3-0.6B shape at 16,384 tokens: 3.5 + 0.3 + 0.03 GiB; with it and ``ROW_PAD_ALLOWANCE`` the learning benchmark's
     plan is 57.5 GiB against its measured peak of 57.1 (4b65079, H100; 51.1 without them)."""
-    from prime_spmd.kernels.lm_logprob.fused_loss import TRITON_LOGITS_BUFFER_ELEMENTS, num_chunk_tokens
-
     v, d = shape.vocab_size, shape.hidden_size
-    chunk = num_chunk_tokens(micro_batch_tokens, v, 4096, TRITON_LOGITS_BUFFER_ELEMENTS)
+    chunk = min(LM_HEAD_CHUNK_TOKENS, LM_HEAD_CHUNK_ELEMENTS // v, micro_batch_tokens)  # the loss's chunk, at most
     return chunk * v * (4 + param_bytes) + (v + micro_batch_tokens) * d * param_bytes
 
 

@@ -169,8 +169,23 @@ def test_lm_head_loss_and_row_padding_terms() -> None:
     plain = memory.estimate(shape, **kw)
     assert plain.train["LM-head loss"] == 4096 * 151_936 * 6 + (151_936 + 16384) * 1024 * 2
     assert "row padding" not in plain.train
-    small = memory.estimate(shape, **kw | {"micro_batch_tokens": 1000})  # two even chunks of 512 (a multiple of 128)
-    assert small.train["LM-head loss"] == 512 * 151_936 * 6 + (151_936 + 1000) * 1024 * 2
+    small = memory.estimate(shape, **kw | {"micro_batch_tokens": 1000})  # at most the micro-batch's tokens a chunk
+    assert small.train["LM-head loss"] == 1000 * 151_936 * 6 + (151_936 + 1000) * 1024 * 2
     masked = memory.estimate(shape, masked_row_tokens=8 * 1046, **kw)
     assert masked.train["row padding"] == int(memory.ROW_PAD_ALLOWANCE * masked.train["activations"])
     assert 57.1 * 2**30 < masked.total < 58.5 * 2**30
+
+
+def test_lm_head_chunk_bounds_are_the_kernels() -> None:
+    """memory sits below kernels (no import up): its copies of the fused loss's chunk bounds must match, and its chunk
+    is never below the loss's."""
+    import inspect
+
+    from prime_spmd.kernels.lm_logprob import fused_loss
+
+    assert memory.LM_HEAD_CHUNK_ELEMENTS == fused_loss.TRITON_LOGITS_BUFFER_ELEMENTS
+    default = inspect.signature(fused_loss.fused_lm_head_loss).parameters["chunk_tokens"].default
+    assert memory.LM_HEAD_CHUNK_TOKENS == default
+    for tokens in (100, 1000, 4096, 16384):
+        got = fused_loss.num_chunk_tokens(tokens, 151_936, default, fused_loss.TRITON_LOGITS_BUFFER_ELEMENTS)
+        assert got <= min(memory.LM_HEAD_CHUNK_TOKENS, memory.LM_HEAD_CHUNK_ELEMENTS // 151_936, tokens)
