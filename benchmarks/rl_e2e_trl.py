@@ -163,6 +163,12 @@ def step_timer(s: dict, timing: dict, scored: dict, sink, evaluate):
                        reward_mean=logs["reward"], completion_len_mean=logs.get("completions/mean_length"),
                        peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None)  # fmt: skip
             row["generated_tokens"] = (row["completion_len_mean"] or 0.0) * s["prompts"] * s["group_size"]
+            # reward_mean: the task's reward, as ours' metrics report it; TRL's logged reward is what it trained on
+            # (after --truncated-reward), kept as reward_trained
+            row["reward_trained"] = row["reward_mean"]
+            if scored["task"]:
+                row["reward_mean"] = sum(scored["task"]) / len(scored["task"])
+            scored["task"].clear()
             for key, vals in (("reward_parsed", scored["parsed"]), ("env/exact_match", scored["exact"])):
                 row[key] = sum(vals) / len(vals) if vals else None
                 vals.clear()
@@ -197,7 +203,7 @@ def trl_worker(spec_path: str) -> None:
         text, answer = example("train", i, 0)
         rows.append({"prompt": [{"role": "user", "content": text}], "answer": answer})
 
-    scored = {"parsed": [], "exact": []}  # this step's side metrics, read by on_log
+    scored = {"parsed": [], "exact": [], "task": []}  # this step's side metrics, read by on_log
 
     def reward(completions, answer, completion_ids, **_) -> list[float]:
         # The same scorer as ours: completion_text (decoded, cut at the first end token) of the sampled ids.
@@ -207,6 +213,7 @@ def trl_worker(spec_path: str) -> None:
         scored["parsed"] += [lcs_ratio(a, c[0]["content"]) for c, a in zip(completions, answer)]
         scored["exact"] += [exact(a, t) for t, a in zip(texts, answer)]
         rewards = [lcs_ratio(a, t) for t, a in zip(texts, answer)]
+        scored["task"] += rewards
         if s.get("truncated_reward") is not None:
             rewards = truncated_rewards(
                 rewards, completion_ids, s["max_tokens"], end_token_ids(tok), s["truncated_reward"]
