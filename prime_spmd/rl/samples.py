@@ -27,7 +27,9 @@ def rollouts_to_samples(
 
     Failed rollouts (``is_failed``) are dropped before advantages: a group's mean is over its
     surviving samples, a group with none left is dropped. Counted as ``failed_rollouts`` and
-    ``failed_groups``; ``reward_mean`` / ``reward_std`` are over the non-failed rollouts.
+    ``failed_groups``; ``reward_mean`` / ``reward_std`` are over the non-failed rollouts (the environment's reward);
+    with ``--rollout.truncated_reward`` or ``--rollout.length_penalty``, ``trained_reward_mean`` is the mean of the
+    rewards the advantages came from (the samples that fit ``seq_len``).
     Over-long samples (prompt + completion > ``seq_len``: they cannot be trained) are dropped the same
     way, before advantages, so that every trained group's advantages sum to zero (mean baseline over
     what is trained). Counted as ``too_long_samples`` and ``too_long_groups`` (groups left empty).
@@ -81,5 +83,7 @@ def rollouts_to_samples(
         "completion_len_mean": statistics.fmean(len(r.completion_ids) for r in flat) if flat else 0.0,
         "gen_time_s": batch.gen_time_s,
     }
+    if cfg.truncated_reward is not None or cfg.length_penalty:  # what the advantages were computed from
+        metrics["trained_reward_mean"] = statistics.fmean(adv.rewards) if adv.rewards else 0.0
     metrics.update({k: statistics.fmean(v) for k, v in env_metrics.items()})
     return samples, metrics

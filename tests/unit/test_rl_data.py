@@ -38,3 +38,15 @@ def test_overlong_samples_are_dropped_before_group_advantages() -> None:
     assert m["too_long_samples"] == 3.0 and m["too_long_groups"] == 1.0 and m["train_samples"] == 4.0
     # the rewards the policy got are reported over every scored rollout, long ones included
     assert m["reward_mean"] == pytest.approx(3.5 / 7)
+
+
+def test_trained_reward_is_reported_beside_the_environments() -> None:
+    """--rollout.truncated_reward: reward_mean stays the environment's; trained_reward_mean is what the advantages
+    came from (only logged where a shaping flag is set)."""
+    cut = _rollout(0, 0, 0.9, 3)
+    cut.info["finish_reason"] = "length"
+    groups = [[cut, _rollout(0, 1, 0.5, 3)]]
+    _, m = rollouts_to_samples(Batch(index=0, groups=groups), RolloutConfig(group_size=2, truncated_reward=0.0), 3, 8)
+    assert m["reward_mean"] == pytest.approx(0.7) and m["trained_reward_mean"] == pytest.approx(0.25)
+    _, m = rollouts_to_samples(Batch(index=0, groups=groups), RolloutConfig(group_size=2), 3, 8)
+    assert "trained_reward_mean" not in m
