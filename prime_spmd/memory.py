@@ -325,7 +325,7 @@ def plan_colocated_run(
     )
 
 
-def masked_row_tokens(cfg: RLJobConfig, max_len: int) -> int:
+def longest_masked_row(cfg: RLJobConfig, max_len: int) -> int:
     """The longest masked row an RL job's trainer may run (``estimate``'s ``masked_row_tokens``): with shared prompts
     a group's prompt and samples in one row; without, documents filled several to a row of the longest one's
     length (``policy.PolicyModel.hidden``); none in exact mode (its own kernels)."""
@@ -352,5 +352,5 @@ def plan_rl_job(cfg: RLJobConfig, num_trainer_ranks: int) -> MemoryPlan:
         release_kv_cache=nat.release_kv_cache,
         quantization=inf.quantization if inf.engine == "native" else "none",
         kv_cache_dtype=inf.kv_cache_dtype,
-        masked_row_tokens=masked_row_tokens(cfg, max_len),
+        masked_row_tokens=longest_masked_row(cfg, max_len),
     )

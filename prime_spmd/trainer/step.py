@@ -70,8 +70,8 @@ def train_step(
     Returns global sums of the loss_fn stats, of ``model_tokens`` (packed tokens less the prompt copies that
     prompt sharing did not run through the blocks) and of ``row_tokens`` (what the blocks ran, pads included),
     plus ``loss`` (per trained token), ``grad_norm``, ``lr``, ``trained_tokens``, ``fwd_bwd_s`` (seconds to the
-    clipped grad norm: forward, backward, reductions, clipping), ``optim_s`` (the optimizer and schedule steps after it, host time: on CUDA their kernels
-    may still run after return), ``nonfinite`` (non-finite loss or gradient), ``empty_batch`` (no
+    clipped grad norm: forward, backward, reductions, clipping), ``optim_s`` (the optimizer and schedule steps after
+    it, host time: on CUDA their kernels may still run after return), ``nonfinite`` (non-finite loss or gradient), ``empty_batch`` (no
     trained token anywhere), ``skipped`` (either: the parameters are then unchanged) and ``stop``
     (1.0 when any trainer rank passed ``stop_requested``, e.g. after a SIGTERM: the flag rides on the
     token-count all-reduce, so every rank takes the same stop decision at the same step). MoE models

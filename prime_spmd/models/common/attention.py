@@ -47,8 +47,8 @@ def additive_mask(mask_BTT: torch.Tensor, dtype: torch.dtype, groups: int = 1) -
     ``_sdpa`` folds those heads into the query length). SDPA turns a bool mask into this in every call and keeps that
     copy for its backward: one a layer (28 at Qwen3-0.6B's depth: up to 28 x 128 MiB at ``share_layout``'s mask
     cap). Made once a forward, every layer's SDPA reads and saves the same tensor: the same values (0 added to a
-    score is exact). Rows strided to the multiple of ``MASK_ALIGN`` above T: always a view of a wider buffer, so that compiled
-    blocks see one layout whatever T is (a contiguous mask at some lengths compiled a second graph)."""
+    score is exact). Rows strided to the multiple of ``MASK_ALIGN`` above T: always a view of a wider buffer, so
+    that compiled blocks see one layout whatever T is (a contiguous mask at some lengths compiled a second graph)."""
     B, T, _ = mask_BTT.shape
     width = (T // MASK_ALIGN + 1) * MASK_ALIGN
     buf = torch.full((B, 1, groups, T, width), float("-inf"), dtype=dtype, device=mask_BTT.device)
