@@ -24,7 +24,8 @@ GPU only) and
 peak memory; the mismatch KL of step 0 (max_async 0: the engine's and the trainer's bf16 logprobs of the
 same weights) and at lag 1. Steps before ``--warmup`` are left out of the rates. Every phase runs as a
 subprocess with its own time limit; results.json is rewritten after each phase, plots at the end (and
-``--plot-only DIR`` redraws them). The script asserts nothing about timings. The TRL side's worker is in
+``--plot-only DIR`` redraws them; ``--merge OUT A.json B.json ...`` joins the sides of several calls into one
+results.json and plot). The script asserts nothing about timings. The TRL side's worker is in
 rl_e2e_trl.py, the summary, ratios and plots in rl_e2e_report.py.
 
     python benchmarks/rl_e2e.py --device cpu --out /tmp/rl_e2e --trl-python /tmp/trlvenv/bin/python
@@ -46,7 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.rl_e2e_report import learning, plot, ratios, split_rows, summarize  # noqa: E402
+from benchmarks.rl_e2e_report import learning, merge, plot, ratios, split_rows, summarize  # noqa: E402
 from benchmarks.rl_e2e_trl import trl_worker  # noqa: E402
 
 H200_BF16_PEAK_TFLOPS = 989.0
@@ -629,6 +630,9 @@ def main() -> None:
         return trl_worker(sys.argv[2])
     if len(sys.argv) == 3 and sys.argv[1] == "--plot-only":
         return plot(Path(sys.argv[2]))
+    if len(sys.argv) > 3 and sys.argv[1] == "--merge":
+        res = merge(Path(sys.argv[2]), [Path(a) for a in sys.argv[3:]])
+        return print(json.dumps({"ratios": res["ratios"], "learning": res["learning"]}, indent=1))
     if len(sys.argv) > 3 and sys.argv[1] == "--timed-child":
         return timed_child(sys.argv[2], sys.argv[3:])
     args = parse_args()

@@ -1,5 +1,6 @@
 """The summary side of benchmarks/rl_e2e.py: metrics rows -> steps and evals, per-run rates and start-up split,
-the sides' ratios to TRL, the learning comparison, and the plots (``rl_e2e.py --plot-only DIR`` redraws them)."""
+the sides' ratios to TRL, the learning comparison, and the plots (``rl_e2e.py --plot-only DIR`` redraws them;
+``rl_e2e.py --merge OUT A.json B.json ...`` joins the sides of several calls into one results.json and plot)."""
 
 from __future__ import annotations
 
@@ -201,7 +202,9 @@ def ratios(summary: list[dict]) -> dict:
 def learning(runs: list[dict], summary: list[dict]) -> dict:
     """Per side over its runs (seeds): the held-out reward at the start and at the end, the margin (mean, min,
     max, stdev), the train reward's first and last; and for each of ours the clock seconds at which its
-    held-out reward first reached TRL's final (mean over runs), as a fraction of TRL's clock at its end."""
+    held-out reward first reached TRL's final after a trained step (the step-0 eval of the SFT weights does not
+    count: where TRL's final is below its start, the start would reach it at once), as a fraction of TRL's clock
+    at its end, with ``trl_gained`` (TRL's mean margin > 0) beside it."""
     out: dict = {}
     for side in dict.fromkeys(s["side"] for s in summary):
         rows = [s for s in summary if s["side"] == side and "heldout_margin" in s]
@@ -223,9 +226,36 @@ def learning(runs: list[dict], summary: list[dict]) -> dict:
             hits = []
             for r in runs:
                 if r["side"] == side and r.get("evals"):
-                    t = next((e["clock_s"] for e in r["evals"] if e["reward"] is not None and e["reward"] >= target),
-                             None)  # fmt: skip
+                    t = next((e["clock_s"] for e in r["evals"]
+                              if e["step"] > 0 and e["reward"] is not None and e["reward"] >= target), None)  # fmt: skip
                     hits.append(t)
             out[side].update(clock_s_to_trl_final=hits, trl_final_heldout=target, trl_clock_s_at_end=trl_end,
+                             trl_gained=out["TRL GRPOTrainer"]["margin_mean"] > 0,
                              fraction_of_trl_time=[None if t is None else t / trl_end for t in hits])  # fmt: skip
     return out
+
+
+def merge(out: Path, paths: list[Path]) -> dict:
+    """One results.json (and its plots) in ``out`` from the results.json of several calls that each ran some sides
+    from the same model (the GPU suite's ``SFT_REUSE=1``): their runs and summaries in the order given, the ratios
+    and the learning comparison recomputed over all of them; meta from the first, with every file's commit and
+    device. Files from different devices are refused: their timings do not compare."""
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    devices = {r["meta"]["device"] for r in parts}
+    if len(devices) > 1:
+        raise SystemExit(f"--merge: results from different devices ({sorted(devices)}) do not compare: {paths}")
+    res = dict(meta=dict(parts[0]["meta"]), args=parts[0]["args"], phases={}, runs=[], summary=[])
+    res["merged_from"] = [dict(file=str(p), commit=r["meta"].get("commit"), date=r["meta"].get("date"),
+                               sides=[s["side"] for s in r["summary"]], sft_model=r["args"].get("sft_model"))
+                          for p, r in zip(paths, parts)]  # fmt: skip
+    for r in parts:
+        res["runs"] += r["runs"]
+        res["summary"] += r["summary"]
+        for name, phase in r.get("phases", {}).items():
+            res["phases"].setdefault(name, phase)
+    res["ratios"] = ratios(res["summary"])
+    res["learning"] = learning(res["runs"], res["summary"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
+    plot(out)
+    return res

@@ -213,3 +213,35 @@ def test_truncated_reward_reaches_both_sides(tmp_path, monkeypatch) -> None:
     assert got == [0.0, 0.8, 0.7]  # cut at 3 ids; ended by the end token 2; shorter than max tokens
     monkeypatch.setattr(sys, "argv", argv)
     assert rl_e2e.truncated_reward_flags(rl_e2e.parse_args()) == []
+
+
+def _side_results(side: str, evals: list[tuple[int, float, float]], device: str = "NVIDIA H200") -> dict:
+    """A results.json of one call with one run of ``side``: evals as (step, reward, clock_s), samples/s 2 or 20."""
+    rate = 2.0 if side.startswith("TRL") else 20.0
+    run = dict(side=side, rep=0, seed=0, steps=[dict(step=0, reward_mean=0.5, clock_s=10.0)],
+               evals=[dict(step=st, reward=rw, clock_s=c) for st, rw, c in evals])  # fmt: skip
+    summ = dict(side=side, rep=0, steps_timed=3, samples_per_s=rate, samples_per_wall_s=rate / 2,
+                heldout_margin=evals[-1][1] - evals[0][1], heldout_start=evals[0][1], heldout_final=evals[-1][1])  # fmt: skip
+    return dict(meta=dict(device=device, commit="abc1234", date="2026-12-06"), args=dict(task=dict(name="t")),
+                phases={}, runs=[run], summary=[summ])  # fmt: skip
+
+
+def test_merge_joins_calls_and_times_ours_to_trls_final_after_training(tmp_path) -> None:
+    from benchmarks.rl_e2e_report import merge
+
+    ours = tmp_path / "ours.json"
+    trl = tmp_path / "trl.json"
+    # TRL ends below its start (0.56 -> 0.52): ours' step-0 eval (0.55) must not count as reaching it
+    ours.write_text(json.dumps(_side_results("prime-spmd max_async 1", [(0, 0.55, 30), (6, 0.41, 60), (12, 0.53, 90)])))
+    trl.write_text(json.dumps(_side_results("TRL GRPOTrainer", [(0, 0.56, 15), (6, 0.52, 300)])))
+    res = merge(tmp_path / "merged", [ours, trl])
+    assert json.loads((tmp_path / "merged" / "results.json").read_text())["runs"] == res["runs"]
+    assert [m["sides"] for m in res["merged_from"]] == [["prime-spmd max_async 1"], ["TRL GRPOTrainer"]]
+    assert res["ratios"]["steady"]["vs_trl"] == {"prime-spmd max_async 1": 10.0}
+    lo = res["learning"]["prime-spmd max_async 1"]
+    assert lo["clock_s_to_trl_final"] == [90] and lo["fraction_of_trl_time"] == [0.3]
+    assert lo["trl_gained"] is False
+    other = tmp_path / "h100.json"
+    other.write_text(json.dumps(_side_results("TRL GRPOTrainer", [(0, 0.5, 1)], device="NVIDIA H100")))
+    with pytest.raises(SystemExit, match="different devices"):
+        merge(tmp_path / "m2", [ours, other])
