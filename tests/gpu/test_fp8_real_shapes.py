@@ -234,12 +234,15 @@ def test_engine_with_an_fp8_kv_cache_and_cuda_graphs(kv_cache, record_property):
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().eval()
     reqs = [Request(prompt_ids=list(range(5 + i, 40 + 3 * i)), request_id=i,
                     sampling=SamplingParams(temperature=1.0, max_tokens=48, ignore_eos=True, seed=i)) for i in range(4)]  # fmt: skip
-    seen = {}  # every run's (mean |diff|, KL), in the failure message: the eager FP8 run tells a fault of the compiled
-    # / captured path from the cache's rounding (4b65079, H100: both graph runs 0.174 / 2.4e-2 against the bf16 cache's
-    # 0.0146 / 1.6e-4, slot and paged alike; the eager run's figure was not kept)
-    # the same model on CPU (Triton interpreter, eager or inductor-compiled decode layer, 2026-12-06): bf16 cache
-    # 0.014 / 1.5e-4, FP8 cache 0.05-0.057 / 2.5-2.7e-3. The eager FP8 run has no CUDA graphs, no compiled layer.
-    runs = (("auto", "none", True), ("fp8", "none", False), ("fp8", "none", True), ("fp8", "fp8", True))
+    seen = {}  # every run's (mean |diff|, KL), in the failure message
+    # The FP8 cache alone is held to the CPU test's bounds. With FP8 weights too, the mismatch is mostly the weights'
+    # and, on CUDA, the prefill's: `_scaled_mm` rounds the activations to e4m3 per row, which the CPU's reference GEMM
+    # does not. H200, 090adcf: FP8 cache 2.6e-3 KL (CPU: 2.6e-3), FP8 weights + cache 0.174 / 2.4e-2, which the
+    # old absolute bound (0.1 / 1e-2) failed. The same model on CPU (2026-12-06): weights alone 0.109 / 1.0e-2,
+    # with the cache 0.117 / 1.1e-2; with the prefill forced to `_scaled_mm` 0.144 / 1.7e-2 and 0.154 / 1.9e-2. So
+    # the run with both is held to the FP8-weights run (bf16 cache) plus the cache's own share.
+    runs = (("auto", "none", True), ("fp8", "none", False), ("fp8", "none", True), ("auto", "fp8", True),
+            ("fp8", "fp8", True))  # fmt: skip
     for kv_dtype, quantization, graphs in runs:
         torch._dynamo.reset()
         eng = NativeEngine(model, None, max_batch_size=4, max_model_len=128, kv_cache=kv_cache,
@@ -252,6 +255,8 @@ def test_engine_with_an_fp8_kv_cache_and_cuda_graphs(kv_cache, record_property):
         if kv_dtype == "auto" or not graphs:
             continue
         assert eng.use_graphs and eng.runner.attention == "triton" and eng.runner.cache.k.dtype == FP8_DTYPE
-        # the CPU test's bounds (fp32 tiny model, initializer 0.3: 0.0715 / 5.2e-3 measured). On the H100 (4e1f824,
-        # this bf16 model, slot) the FP8 cache gave 0.148 / 1.9e-2, over them, before the bf16 control was recorded
-        assert stats["mean_abs_diff"] < 0.1 and stats["mismatch_kl"] < 1e-2, seen
+        # the CPU test's bounds (fp32 tiny model, initializer 0.3: 0.0715 / 5.2e-3 measured), over the bf16-cache run
+        # of the same weights for FP8 weights
+        base = (0.0, 0.0) if quantization == "none" else seen["kv auto, weights fp8, graphs True"]
+        msg = "\n".join(f"{k}: {v[0]:.4f} / {v[1]:.2e}" for k, v in seen.items())
+        assert stats["mean_abs_diff"] < base[0] + 0.1 and stats["mismatch_kl"] < base[1] + 1e-2, msg
