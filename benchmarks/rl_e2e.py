@@ -277,6 +277,8 @@ def build_real_shape_model(
         model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
     model.save_pretrained(path)
     del model
+    if torch.cuda.is_available():  # the cached blocks would stay this process's while the RL child runs (090adcf,
+        torch.cuda.empty_cache()  # H200: 16 GiB of an 8B model's, and the 8B offload run ran out of memory)
     tok.save_pretrained(path)
     return path
 

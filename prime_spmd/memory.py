@@ -133,16 +133,21 @@ class MemoryPlan:
     """Bytes on the device only while the trainer steps (gradients, activations)."""
     host: dict[str, int] = field(default_factory=dict)
     """Bytes in host memory, by part (offloaded state)."""
+    reduce: dict[str, int] = field(default_factory=dict)
+    """Bytes on the device at the train step's gradient reduce, after the backward freed the activations (a
+    one-rank trainer: ``estimate``'s ``one_rank``)."""
 
     @property
     def total(self) -> int:
-        """The peak: what stays, plus the larger of the two phases."""
-        return sum(self.parts.values()) + max(sum(self.generate.values()), sum(self.train.values()))
+        """The peak: what stays, plus the largest of the phases (generate, train, the gradient reduce)."""
+        phases = (self.generate, self.train, self.reduce)
+        return sum(self.parts.values()) + max(sum(d.values()) for d in phases)
 
     def describe(self) -> str:
         rows = [f"  {k:<28} {v / GIB:8.2f} GiB" for k, v in self.parts.items()]
         rows += [f"  {k + ' (generate)':<28} {v / GIB:8.2f} GiB" for k, v in self.generate.items()]
         rows += [f"  {k + ' (train)':<28} {v / GIB:8.2f} GiB" for k, v in self.train.items()]
+        rows += [f"  {k + ' (reduce)':<28} {v / GIB:8.2f} GiB" for k, v in self.reduce.items()]
         rows += [f"  {k + ' (host)':<28} {v / GIB:8.2f} GiB" for k, v in self.host.items()]
         return "\n".join(rows + [f"  {'device peak':<28} {self.total / GIB:8.2f} GiB"])
 
@@ -193,6 +198,7 @@ def estimate(
     quantization: str = "none",
     kv_cache_dtype: str = "auto",
     masked_row_tokens: int = 0,
+    one_rank: bool = False,
 ) -> MemoryPlan:
     """Peak device bytes of a colocated run, by part.
 
@@ -209,6 +215,12 @@ def estimate(
     micro-batch, its rows repeated for the query heads of a key/value head (``param_bytes`` x ``query_groups`` x its
     tokens x the row length; ``models/common/attention.py: additive_mask``), and the rows' padding
     (``ROW_PAD_ALLOWANCE``). Every plan counts the fused LM-head loss's chunk (``lm_head_loss_bytes``).
+    ``one_rank``: one trainer rank, whose FSDP2 root holds every parameter (distributed/fsdp.py ``apply_fsdp``): its
+    compute copy of the trained weights (``param_bytes`` each) lives through the forward and backward, and the
+    step's one gradient reduce copies the fp32 gradients into a buffer of their size (``OneRankReduceScatter``: the
+    output is that buffer), after the backward freed the activations: the ``reduce`` phase. (On an H200 at 090adcf,
+    before both were counted and before the one buffer, an 8B run the plan put at 112 GiB ran out of memory at the
+    reduce.)
     """
     plan = MemoryPlan()
     n, t = shape.num_params, num_trainable
@@ -216,6 +228,11 @@ def estimate(
         plan.parts["frozen base weights"] = (n - t) * param_bytes
     plan.parts["trained weights (fp32)"] = t * 4
     plan.train["gradients (fp32)"] = t * 4
+    if one_rank and not lora:
+        plan.train["compute weights"] = t * param_bytes
+    if one_rank:
+        plan.reduce["gradients (fp32)"] = t * 4
+        plan.reduce["gradient reduce buffer"] = t * 4
     (plan.host if offload == "optimizer" else plan.parts)["AdamW moments"] = t * 8
     if lora and share_weights:  # the engine reads the frozen base in place; it holds the adapted weights, merged
         plan.parts["engine weights (LoRA-merged)"] = num_adapted * param_bytes
@@ -294,6 +311,7 @@ def plan_colocated_run(
     quantization: str = "none",
     kv_cache_dtype: str = "auto",
     masked_row_tokens: int = 0,
+    one_rank: bool = False,
 ) -> MemoryPlan:
     """The plan of a colocated RL run from its settings (``estimate`` with the model's counts). With LoRA, the
     adapted linears are those of ``lora_targets`` among q/k/v/o and the dense MLP's gate/up/down (stacked MoE experts
@@ -322,6 +340,7 @@ def plan_colocated_run(
         quantization=quantization,
         kv_cache_dtype=kv_cache_dtype,
         masked_row_tokens=masked_row_tokens,
+        one_rank=one_rank,
     )
 
 
@@ -353,4 +372,5 @@ def plan_rl_job(cfg: RLJobConfig, num_trainer_ranks: int) -> MemoryPlan:
         quantization=inf.quantization if inf.engine == "native" else "none",
         kv_cache_dtype=inf.kv_cache_dtype,
         masked_row_tokens=longest_masked_row(cfg, max_len),
+        one_rank=num_trainer_ranks == 1,
     )

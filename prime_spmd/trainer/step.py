@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from prime_spmd.distributed.fsdp import clip_grad_norm_
+from prime_spmd.distributed.fsdp import clip_grad_norm_, set_gradient_sync
 from prime_spmd.trainer.loss import TokenLoss
 from prime_spmd.trainer.packing import MicroBatch
 
@@ -90,7 +90,8 @@ def train_step(
     scale = world / max(n_global, 1.0)
     sums: dict[str, torch.Tensor] = {}
     expert_counts_LE: torch.Tensor | None = None
-    for mb in micro_batches:
+    for i, mb in enumerate(micro_batches):
+        set_gradient_sync(policy, i == len(micro_batches) - 1)  # a one-rank root reduces once, after the last
         mb = mb.to(device)
         fields = {**mb.fields, "loss_mask": mb.loss_mask.float()}
         extra = {"vision": mb.vision} if mb.vision else {}  # rows with images (vision-language models)

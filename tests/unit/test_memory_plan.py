@@ -189,3 +189,34 @@ def test_lm_head_chunk_bounds_are_the_kernels() -> None:
     for tokens in (100, 1000, 4096, 16384):
         got = fused_loss.num_chunk_tokens(tokens, 151_936, default, fused_loss.TRITON_LOGITS_BUFFER_ELEMENTS)
         assert got <= min(memory.LM_HEAD_CHUNK_TOKENS, memory.LM_HEAD_CHUNK_ELEMENTS // 151_936, tokens)
+
+
+def test_one_rank_plan_counts_the_compute_weights_and_the_gradient_reduce(tmp_path) -> None:
+    """One trainer rank (FSDP2 root alone): the trained weights' bf16 compute copy lives through the backward, and
+    the reduce copies the fp32 gradients into a buffer of their size once the activations are gone. The Qwen3-8B
+    full fine-tuning run with offload that ran out of memory on an H200 at 090adcf (plan 112.3 GiB, out of memory
+    asking for the second 30.5 GiB gradient buffer) now plans ~127.6 GiB; its reduce phase alone is two fp32
+    gradient copies."""
+    n = 8_190_735_360
+    shape = memory.ModelShape(num_params=n, num_layers=36, hidden_size=4096, intermediate_size=12288,
+                              num_kv_heads=8, head_dim=128, vocab_size=151_936, num_heads=32)  # fmt: skip
+    kw = dict(num_trainable=n, lora=False, offload="optimizer", share_weights=False, kv_cache_tokens=64 * 320,
+              micro_batch_tokens=4096, activation_checkpointing=False, masked_row_tokens=8 * 320)  # fmt: skip
+    many = memory.estimate(shape, **kw)
+    one = memory.estimate(shape, one_rank=True, **kw)
+    assert not many.reduce and "compute weights" not in many.train
+    assert one.train["compute weights"] == 2 * n and one.reduce == {"gradients (fp32)": 4 * n,
+                                                                     "gradient reduce buffer": 4 * n}  # fmt: skip
+    assert one.total == sum(one.parts.values()) + max(sum(one.train.values()), sum(one.reduce.values()))
+    assert abs(many.total / 2**30 - 112.3) < 0.1 and abs(one.total / 2**30 - 127.6) < 0.1
+    assert "gradient reduce buffer (reduce)" in one.describe()
+    small = memory.estimate(shape, one_rank=True, **kw | {"micro_batch_tokens": 256})  # the reduce is the peak
+    assert small.total == sum(small.parts.values()) + 8 * n
+    lora = memory.estimate(shape, one_rank=True, **kw | {"num_trainable": 10**7, "lora": True})
+    assert "compute weights" not in lora.train and lora.reduce["gradient reduce buffer"] == 4 * 10**7
+    # plan_rl_job: one_rank follows the trainer ranks
+    from prime_spmd.config import RLJobConfig
+    from prime_spmd.config.sections import ModelConfig
+
+    cfg = RLJobConfig(model=ModelConfig(path=str(build_tiny_model(tmp_path / "m", preset="qwen3-nano"))))
+    assert memory.plan_rl_job(cfg, num_trainer_ranks=1).reduce and not memory.plan_rl_job(cfg, 2).reduce
