@@ -177,14 +177,18 @@ class OneRankReduceScatter:
     interface)."""
 
     def __init__(self) -> None:
-        self._input: torch.Tensor | None = None
+        self._input: weakref.ref[torch.Tensor] | None = None
+        """The input buffer just allocated, weakly: never kept alive past FSDP2's own references (a torch whose
+        reduce allocated its output elsewhere would otherwise leave a gradient-sized buffer held between steps)."""
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        last, self._input = self._input, None
+        last = self._input() if self._input is not None else None
+        self._input = None
         if last is not None and last.dtype == dtype and last.device == device and last.numel() == math.prod(size):
             return last.view(*size)  # the output of the reduce whose input was allocated just before
-        self._input = torch.empty(*size, dtype=dtype, device=device)
-        return self._input
+        buf = torch.empty(*size, dtype=dtype, device=device)
+        self._input = weakref.ref(buf)
+        return buf
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
         return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)

@@ -71,3 +71,6 @@ def test_allocate_pairs_an_output_only_with_the_input_just_made():
     assert b.data_ptr() != a.data_ptr()
     c = comm.allocate((6,), dtype=torch.float32, device=torch.device("cpu"))  # another size: not the input
     assert c.data_ptr() != b.data_ptr()
+    del c  # an input nobody holds any more is not kept alive, and never handed out again
+    assert comm._input() is None
+    assert comm.allocate((6,), dtype=torch.float32, device=torch.device("cpu")) is not None and comm._input is not None
