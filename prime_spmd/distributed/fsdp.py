@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -181,7 +182,7 @@ class OneRankReduceScatter:
         """The input buffer just allocated, weakly: never kept alive past FSDP2's own references (a torch whose
         reduce allocated its output elsewhere would otherwise leave a gradient-sized buffer held between steps)."""
 
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         last = self._input() if self._input is not None else None
         self._input = None
         if last is not None and last.dtype == dtype and last.device == device and last.numel() == math.prod(size):
@@ -190,7 +191,15 @@ class OneRankReduceScatter:
         self._input = weakref.ref(buf)
         return buf
 
-    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        # gradient buffers inside FSDP2's post-backward hook: no autograd graph runs through this collective
         return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
