@@ -163,7 +163,7 @@ case $PART in
       large)  # ~8 min on an H100 (2026-12-06: 4B 185 s, 8B LoRA 170 s, the refusal 30 s)
         SCALE_LIMIT_S=${SCALE_LIMIT_S:-200}
         run tests_one_rank 90 python3 -m pytest -q -rf -p no:cacheprovider -o addopts="" -m gpu tests/gpu/test_one_rank_reduce_gpu.py
-        # 2,048-token micro-batches: the plan (one rank: compute weights + the gradient reduce) says 61.6 GiB, 74.7 at
+        # 2,048-token micro-batches: the plan (one rank: compute weights + the gradient reduce) says 63.1 GiB, 77.7 at
         # 4,096 (over an H100's 72.8 usable)
         scale scale_4b_offload --shape qwen3-4b --micro-batch-tokens 2048 --ours-flag=--trainer.offload --ours-flag=optimizer
         scale scale_8b_lora --shape qwen3-8b --micro-batch-tokens 4096 --ours-flag=--model.lora.rank --ours-flag=16
@@ -180,7 +180,7 @@ case $PART in
         fi
         SCALE_LIMIT_S=${SCALE_LIMIT_S:-480}
         run tests_one_rank 90 python3 -m pytest -q -rf -p no:cacheprovider -o addopts="" -m gpu tests/gpu/test_one_rank_reduce_gpu.py
-        # 2,048-token micro-batches: plan 111.5 GiB (127.6 at 4,096, which ran out of memory at 090adcf before the
+        # 2,048-token micro-batches: plan 113.5 GiB (131.4 at 4,096, which the plan now refuses: it ran out of memory at 090adcf before the
         # one-rank reduce buffer; 21 GiB of the H200 were cached but free then)
         scale scale_8b_offload --shape qwen3-8b --micro-batch-tokens 2048 --ours-flag=--trainer.offload --ours-flag=optimizer ;;
       *) echo "scale: unknown variant ${VARIANT} (small, large, moe, h200)" >&2; exit 2 ;;

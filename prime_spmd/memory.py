@@ -87,13 +87,13 @@ def block_activation_elements(shape: ModelShape) -> int:
     return 5 * shape.hidden_size + 4 * q + 4 * kv + 4 * shape.intermediate_size
 
 
-ROW_PAD_ALLOWANCE = 0.10
+ROW_PAD_ALLOWANCE = 0.25
 """Activations of masked rows past the micro-batch's tokens, as a share of the activation term: shared-prompt and
-filled rows (``packing.fill_layout``) pad documents to a row's length. Measured on the H100 (4b65079, the learning
-benchmark's 0.6B RL, groups of 8 x 500-1000 tokens, 16,384-token micro-batches): rows ran 1.07-1.16x the model's
-tokens while completions grew, 1.01-1.05x after, and the run's peak came at a step of 1.08x (steps at 1.16x did not
-raise it); simulated micro-batches of that length spread: 1.14-1.19x. 0.10 puts that run's plan 0.3 GiB over its
-peak (``lm_head_loss_bytes``)."""
+filled rows (``packing.fill_layout``) pad documents to a row's length. Measured in the learning benchmark's 0.6B RL
+(16,384-token micro-batches, groups of 8): on the H100 at 4b65079 (completions of 500-1000 tokens) rows ran
+1.01-1.16x the model's tokens; on the H200 at 090adcf (completions of 150-720 tokens) 1.24x at the step that set the
+run's peak (62.5 GiB, against a plan of 57.5 with 0.10 here) and up to 1.36x later. 0.25, with the one-rank compute
+weights, puts that plan at 62.5 GiB, and the H100 run's 5.4 GiB over its 57.1."""
 
 
 LM_HEAD_CHUNK_TOKENS = 4096
@@ -106,8 +106,8 @@ def lm_head_loss_bytes(shape: ModelShape, micro_batch_tokens: int, param_bytes: 
     """The fused LM-head loss's bytes beyond the activations (``kernels/lm_logprob/fused_loss.py``, the Triton path
     CUDA runs): one chunk of up to 4,096 tokens' fp32 logits and compute-dtype d logits (6 B an element of C x V,
     C x V <= 2**30), and the d weight [V, D] and d hidden [T, D] it holds from the forward to the backward. The
-    Qwen3-0.6B shape at 16,384 tokens: 3.5 + 0.3 + 0.03 GiB; with it and ``ROW_PAD_ALLOWANCE`` the learning benchmark's
-    plan is 57.5 GiB against its measured peak of 57.1 (4b65079, H100; 51.1 without them)."""
+    Qwen3-0.6B shape at 16,384 tokens: 3.5 + 0.3 + 0.03 GiB (4b65079, H100: the learning benchmark's plan was 51.1 GiB
+    without it and the row padding, against a measured peak of 57.1)."""
     v, d = shape.vocab_size, shape.hidden_size
     chunk = min(LM_HEAD_CHUNK_TOKENS, LM_HEAD_CHUNK_ELEMENTS // v, micro_batch_tokens)  # the loss's chunk, at most
     return chunk * v * (4 + param_bytes) + (v + micro_batch_tokens) * d * param_bytes
@@ -144,12 +144,12 @@ class MemoryPlan:
         return sum(self.parts.values()) + max(sum(d.values()) for d in phases)
 
     def describe(self) -> str:
-        rows = [f"  {k:<28} {v / GIB:8.2f} GiB" for k, v in self.parts.items()]
-        rows += [f"  {k + ' (generate)':<28} {v / GIB:8.2f} GiB" for k, v in self.generate.items()]
-        rows += [f"  {k + ' (train)':<28} {v / GIB:8.2f} GiB" for k, v in self.train.items()]
-        rows += [f"  {k + ' (reduce)':<28} {v / GIB:8.2f} GiB" for k, v in self.reduce.items()]
-        rows += [f"  {k + ' (host)':<28} {v / GIB:8.2f} GiB" for k, v in self.host.items()]
-        return "\n".join(rows + [f"  {'device peak':<28} {self.total / GIB:8.2f} GiB"])
+        rows = [f"  {k:<34} {v / GIB:8.2f} GiB" for k, v in self.parts.items()]
+        rows += [f"  {k + ' (generate)':<34} {v / GIB:8.2f} GiB" for k, v in self.generate.items()]
+        rows += [f"  {k + ' (train)':<34} {v / GIB:8.2f} GiB" for k, v in self.train.items()]
+        rows += [f"  {k + ' (reduce)':<34} {v / GIB:8.2f} GiB" for k, v in self.reduce.items()]
+        rows += [f"  {k + ' (host)':<34} {v / GIB:8.2f} GiB" for k, v in self.host.items()]
+        return "\n".join(rows + [f"  {'device peak':<34} {self.total / GIB:8.2f} GiB"])
 
 
 def model_shape(path: str, trust_remote_code: bool = False) -> ModelShape:
