@@ -59,16 +59,17 @@ case $PART in
       # apart (~250-800 answer tokens), up to 1000 new tokens; both sides train a completion cut at 1000 tokens on
       # reward TRUNCATED_REWARD (0; the evals report the task's reward: at 4b65079, with 50-200 items and no such
       # rule, ours learned never to stop). SIDES (ours0,ours1) picks the sides of a call, each RL_LIMIT_S (190 s):
-      # a cold side spends ~110 s before its first step (4b65079, H100). One side a call: `SIDES=ours1 RL_LIMIT_S=380`
-      # (24 steps in 340 s at 4b65079) or `SIDES=trl RL_LIMIT_S=380` (5 steps: 41 s a step, 91 s its first eval).
+      # a cold side spends 80-110 s before its first step (090adcf H200, 4b65079 H100). One side a call:
+      # `SIDES=ours1 RL_LIMIT_S=380` (24 steps in 270 s at 090adcf) or `SIDES=trl RL_LIMIT_S=400` (7 steps: 34 s a
+      # step, 61 s its first eval).
       # `SEEDS=1` for the spread. SFT: SFT_STEPS (100: held-out start 0.39-0.50 at 0c4ade1, 50-200 items) / SFT_LR /
       # SFT_MIN_ITEMS; SFT_FLAG one `sft` flag, by default --trainer.compile=off (eager: ~0.7 s a step). OURS_FLAG:
       # flags of our RL sides, space-separated, each one word (e.g. "--inference.native.warmup=off
       # --trainer.no_compile_warmup": no up-front compile or capture). RL_STEPS (24) / BUDGET_S (the whole run's) /
       # RL_LR (5e-5). SFT_REUSE=1: RL from the SFT model an earlier call kept on this machine (below). A plan for one
       # warm machine: `SIDES=ours1 RL_LIMIT_S=380` (SFT, kept), `SFT_REUSE=1 SIDES=trl RL_LIMIT_S=540`,
-      # `SFT_REUSE=1 SIDES=ours1 RL_STEPS=100 RL_LIMIT_S=540` (warm compile cache: ~40 s to the first step at
-      # 0c4ade1; 5.9 s a step at 4b65079 with 50-200 items). 16,384-token
+      # `SFT_REUSE=1 SIDES=ours1 RL_STEPS=100 RL_LIMIT_S=560` (090adcf, H200: 33 s to the first step with a warm
+      # compile cache, 4.9 s a step; 85 steps in a 470 s limit; TRL 34 s a step). 16,384-token
       # micro-batches (32,768 ran out of memory at 002d098). TORCH_LOGS=recompiles: the logs name every recompile's
       # guard. TRL_CB=1: TRL generates with transformers' continuous batching (not yet run on a GPU). importtime.log:
       # `python -X importtime` of our RL entry modules, run beside the SFT (imports took 14-21 s here at 0c4ade1).
