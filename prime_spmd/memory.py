@@ -144,11 +144,9 @@ class MemoryPlan:
         return sum(self.parts.values()) + max(sum(d.values()) for d in phases)
 
     def describe(self) -> str:
-        rows = [f"  {k:<34} {v / GIB:8.2f} GiB" for k, v in self.parts.items()]
-        rows += [f"  {k + ' (generate)':<34} {v / GIB:8.2f} GiB" for k, v in self.generate.items()]
-        rows += [f"  {k + ' (train)':<34} {v / GIB:8.2f} GiB" for k, v in self.train.items()]
-        rows += [f"  {k + ' (reduce)':<34} {v / GIB:8.2f} GiB" for k, v in self.reduce.items()]
-        rows += [f"  {k + ' (host)':<34} {v / GIB:8.2f} GiB" for k, v in self.host.items()]
+        sections = (("", self.parts), (" (generate)", self.generate), (" (train)", self.train),
+                    (" (reduce)", self.reduce), (" (host)", self.host))  # fmt: skip
+        rows = [f"  {k + tag:<34} {v / GIB:8.2f} GiB" for tag, part in sections for k, v in part.items()]
         return "\n".join(rows + [f"  {'device peak':<34} {self.total / GIB:8.2f} GiB"])
 
 
@@ -228,9 +226,9 @@ def estimate(
         plan.parts["frozen base weights"] = (n - t) * param_bytes
     plan.parts["trained weights (fp32)"] = t * 4
     plan.train["gradients (fp32)"] = t * 4
-    if one_rank and not lora:
-        plan.train["compute weights"] = t * param_bytes
     if one_rank:
+        if not lora:
+            plan.train["compute weights"] = t * param_bytes
         plan.reduce["gradients (fp32)"] = t * 4
         plan.reduce["gradient reduce buffer"] = t * 4
     (plan.host if offload == "optimizer" else plan.parts)["AdamW moments"] = t * 8
