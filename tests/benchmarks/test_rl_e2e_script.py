@@ -241,6 +241,10 @@ def test_merge_joins_calls_and_times_ours_to_trls_final_after_training(tmp_path)
     lo = res["learning"]["prime-spmd max_async 1"]
     assert lo["clock_s_to_trl_final"] == [90] and lo["fraction_of_trl_time"] == [0.3]
     assert lo["trl_gained"] is False
+    cli = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "rl_e2e.py"), "--merge", str(tmp_path / "cli"),
+                          str(ours), str(trl)], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    assert json.loads((tmp_path / "cli" / "results.json").read_text())["learning"] == res["learning"]
     other = tmp_path / "h100.json"
     other.write_text(json.dumps(_side_results("TRL GRPOTrainer", [(0, 0.5, 1)], device="NVIDIA H100")))
     with pytest.raises(SystemExit, match="different devices"):
