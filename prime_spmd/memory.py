@@ -151,17 +151,26 @@ class MemoryPlan:
 
 
 def model_shape(path: str, trust_remote_code: bool = False) -> ModelShape:
-    """Count the parameters of the model at ``path`` on the meta device (no weights read, no memory)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    """Count the parameters of the model at ``path`` on the meta device (no weights read, no memory): our own model
+    code where it has the type (what the run loads, with no transformers config object: for these types that imports
+    transformers' model factory, 2-6 s of start-up on 5.17), else the transformers class."""
+    from prime_spmd.models import registry  # here: the plan needs the models only to count their parameters
 
-    cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    text = getattr(cfg, "text_config", cfg)
-    # a vision-language model (a vision tower beside the text model) has no causal-LM class in every transformers
-    # release (5.17 refuses Qwen3-VL there): build it as image-text-to-text, as models/loading.py loads it
-    vision = hasattr(cfg, "vision_config")
-    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
-    with torch.device("meta"):
-        model = auto.from_config(cfg, trust_remote_code=trust_remote_code)
+    mtype = registry.model_type(path)
+    if mtype in registry.REGISTRY:
+        model = registry.REGISTRY[mtype](path, device="meta", random_init_seed=0)
+        text, vision = model.args, False  # the shape our code read from config.json (HF's field names)
+    else:
+        import transformers
+
+        cfg = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        text = getattr(cfg, "text_config", cfg)
+        # a vision-language model (a vision tower beside the text model) has no causal-LM class in every
+        # transformers release (5.17 refuses Qwen3-VL there): build it as image-text-to-text, as models/loading.py
+        vision = hasattr(cfg, "vision_config")
+        auto = transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
+        with torch.device("meta"):
+            model = auto.from_config(cfg, trust_remote_code=trust_remote_code)
     num_params = sum(p.numel() for p in model.parameters())
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads

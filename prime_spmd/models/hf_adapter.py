@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import transformers
 from torch import nn
-from transformers import AutoModelForCausalLM
 
 from prime_spmd.models.adapter import ModelAdapter, ModelDims, ModelOutput, plain_decoder_layers
 from prime_spmd.models.common.moe import load_balance_loss
@@ -26,8 +26,10 @@ _BLOCK_PATHS = ("model.layers", "layers", "transformer.h", "gpt_neox.layers")
 
 class HFAdapter(ModelAdapter):
     family = "hf"
-    hf_auto_class = AutoModelForCausalLM
-    """The transformers auto class ``write_hf`` builds the exported model with."""
+    hf_auto_class = "AutoModelForCausalLM"
+    """The transformers auto class ``write_hf`` builds the exported model with, by name: importing a transformers
+    auto-model class imports its generation code (transformers 5.17: 2-6 s of start-up with scikit-learn installed),
+    which a run on our own model code never needs."""
 
     @property
     def model_type(self) -> str:
@@ -130,7 +132,7 @@ class HFAdapter(ModelAdapter):
 
     def write_hf(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> None:
         with torch.device("meta"):
-            fresh = self.hf_auto_class.from_config(self.lm.config)
+            fresh = getattr(transformers, self.hf_auto_class).from_config(self.lm.config)
         fresh.load_state_dict(state_dict, strict=False, assign=True)
         fresh.tie_weights()
         missing = [n for n, p in fresh.named_parameters() if p.is_meta]

@@ -5,10 +5,11 @@ Every error names the path and what is missing.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+import transformers
 
 from prime_spmd.config.sections import ModelConfig
 from prime_spmd.log import logger
@@ -79,12 +80,30 @@ def load_tokenizer(cfg: ModelConfig):
     """Load the tokenizer of ``--model.tokenizer_path`` (or ``--model.path``); pad token set."""
     path = cfg.tokenizer_path or cfg.path
     try:
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+        tok = tokenizer_class(path, cfg.trust_remote_code).from_pretrained(
+            path, trust_remote_code=cfg.trust_remote_code
+        )
     except (OSError, ValueError) as e:
         raise ValueError(f"could not load a tokenizer from {path!r}: {e}") from e
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def tokenizer_class(path: str, trust_remote_code: bool = False):
+    """The class ``AutoTokenizer`` would pick for ``path``: its tokenizer_config.json's ``tokenizer_class`` where
+    transformers has that class, imported alone; else ``AutoTokenizer`` (remote code, no such file or class).
+    ``AutoTokenizer`` imports the auto-model factory and with it transformers' generation code (5.17-5.19, the
+    releases vLLM 0.32 pins: ~6 s of start-up on the H200 machine, 2.2 s of it scikit-learn), which a tokenizer never
+    uses."""
+    config = Path(path) / "tokenizer_config.json"
+    name = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() and not trust_remote_code else None
+    for candidate in (name, name.removesuffix("Fast")) if isinstance(name, str) else ():
+        try:
+            return getattr(transformers, candidate)
+        except (AttributeError, ImportError):  # not in this release (a renamed or removed slow/fast class)
+            continue
+    return transformers.AutoTokenizer
 
 
 def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype | None = None) -> torch.nn.Module:
@@ -105,7 +124,8 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype | None
     if registry.use_custom(cfg):
         return registry.load_custom(cfg.path, device=device, dtype=dtype)
     # vision-language models (models/vlm.py) load as image-text-to-text: transformers has no causal-LM class for them
-    auto = AutoModelForImageTextToText if registry.model_type(cfg.path) in VLM_TYPES else AutoModelForCausalLM
+    vlm = registry.model_type(cfg.path) in VLM_TYPES
+    auto = transformers.AutoModelForImageTextToText if vlm else transformers.AutoModelForCausalLM
     model = auto.from_pretrained(
         cfg.path,
         dtype=dtype,

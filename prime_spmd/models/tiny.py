@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
+from transformers import PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["<|pad|>", "<|unk|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHARS = list(string.printable[:95]) + ["\n"]  # digits, letters, punctuation, space, then newline
@@ -67,6 +67,8 @@ def tiny_qwen3_config(preset: str, vocab_size: int, max_position_embeddings: int
         bos_token_id=None,
     )
     kwargs.update(overrides)
+    from transformers import Qwen3Config  # here: it imports the auto-model factory (2-6 s of start-up, 5.17)
+
     return Qwen3Config(**kwargs)
 
 
@@ -81,6 +83,8 @@ def build_tiny_model(path: str | Path, preset: str = "qwen3-nano", seed: int = 0
     if overrides["vocab_size"] < len(tokenizer):
         raise ValueError(f"vocab_size={overrides['vocab_size']} is smaller than the tokenizer's {len(tokenizer)}")
     config = tiny_qwen3_config(preset, **overrides)
+    from transformers import AutoModelForCausalLM  # here: an auto-model class imports transformers' generation code
+
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoModelForImageTextToText
 
 from prime_spmd.models.adapter import ModelDims, ModelOutput
 from prime_spmd.models.hf_adapter import HFAdapter
@@ -255,7 +254,7 @@ class VLMAdapter(HFAdapter):
     """Qwen3-VL (``Qwen3VLForConditionalGeneration``, ``Qwen3VLMoeForConditionalGeneration``): see the module doc."""
 
     family = "vlm"
-    hf_auto_class = AutoModelForImageTextToText
+    hf_auto_class = "AutoModelForImageTextToText"
 
     @property
     def text_config(self):
