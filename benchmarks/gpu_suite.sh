@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_suite.sh PART OUTDIR [VARIANT]
 # PART: tests ["kernels unit" | "gpu exact"] | engine | prefill | loss | moe | train_step | weight_sync | env_bridge
 #       | rl_e2e [reverse_text | number_list] | sft_probe ["a b c" | name:steps:batch:lr:min_items:max_items]
-#       | scale [small | large | moe | h200] | fp8 [ops] | exact [tiles] | vlm [rl]
+#       | scale [small | large | moe | h200] | startup | fp8 [ops] | exact [tiles] | vlm [rl]
 # Each step has its own time limit, so that one slow step does not lose the others' results.
 set -uo pipefail
 PART=$1; OUT=${2:-/tmp/gpu_out}; VARIANT=${3:-}; mkdir -p "$OUT"
@@ -114,6 +114,19 @@ case $PART in
     kill "$copier" 2> /dev/null
     cp "$R/results.json" "$R"/*.png "$OUT/rl_e2e/" 2> /dev/null
     for d in "$R"/ours_k*_r0; do cp "$d/metrics.jsonl" "$OUT/rl_e2e/$(basename "$d")_metrics.jsonl" 2> /dev/null; done ;;
+  startup)  # issue 38's start-up at the learning benchmark's settings (0.6B, number_list, 16 x 8 samples, up to 1000
+    # new tokens, max_async 1) from a random model (--no-sft; speed_advantages: every step trains), 3 steps a run:
+    # default with an empty compile cache (cold), default again (warm cache), then warm with no up-front compile or
+    # capture (--inference.native.warmup=off --trainer.no_compile_warmup); ~4 min. results.json's `startup` per run.
+    C=/tmp/startup_compile_cache; rm -rf "$C"
+    for v in cold warm lazy; do
+      flags=(); [ $v = lazy ] && flags=(--ours-flag=--inference.native.warmup=off --ours-flag=--trainer.no_compile_warmup)
+      run "startup_$v" 150 python3 benchmarks/rl_e2e.py --device cuda --task number_list --shape qwen3-0.6b --no-sft --sides ours1 \
+        --no-eval --tokenizer-files .whl/qwen3-tokenizer --steps 3 --warmup 1 --prompts 16 --group-size 8 --max-tokens 1000 \
+        --lr 1e-6 --micro-batch-tokens 16384 --ours-flag=--rollout.advantage --ours-flag=benchmarks/speed_advantages.py:alternating \
+        "${flags[@]}" --rl-limit-s 130 --budget-s 140 --compile-cache "$C" --out "/tmp/startup_$v"
+      cp "/tmp/startup_$v/results.json" "$OUT/startup_$v.json" 2> /dev/null; cp /tmp/startup_"$v"/*.log "$OUT/" 2> /dev/null
+    done ;;
   sft_probe)  # candidate SFT recipes for the learning benchmark (rl_e2e number_list), back to back at the 0.6B shape:
     # each SFTs a fresh random model from scratch (its own limit; the loss curve lands in results.json even when the
     # limit cuts it) and scores it on 16 held-out prompts x 4 samples (configs/number_list/eval.toml) of the
