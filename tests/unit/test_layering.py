@@ -22,7 +22,6 @@ LAYERS = {
     "progress": 0,
     "metrics": 0,
     "plots": 0,
-    "memory": 0,
     "distributed": 1,
     "models": 1,
     "kernels": 1,
@@ -30,6 +29,7 @@ LAYERS = {
     "sync": 2,
     "envs": 2,
     "data": 2,
+    "memory": 2,  # the device-memory plan: counts a model's parameters with our model code (models/)
     "trainer": 3,
     "rl": 4,
     "__main__": 5,
