@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_suite.sh PART OUTDIR [VARIANT]
 # PART: tests ["kernels unit" | "gpu exact"] | engine | prefill | loss | moe | train_step | weight_sync | env_bridge
 #       | rl_e2e [reverse_text | number_list] | sft_probe ["a b c" | name:steps:batch:lr:min_items:max_items]
-#       | scale [small | large | moe | h200] | startup | fp8 [ops] | exact [tiles] | vlm [rl]
+#       | scale [small | large | lora | moe | h200] | startup | fp8 [ops] | exact [tiles] | vlm [rl]
 # Each step has its own time limit, so that one slow step does not lose the others' results.
 set -uo pipefail
 PART=$1; OUT=${2:-/tmp/gpu_out}; VARIANT=${3:-}; mkdir -p "$OUT"
@@ -114,18 +114,23 @@ case $PART in
     kill "$copier" 2> /dev/null
     cp "$R/results.json" "$R"/*.png "$OUT/rl_e2e/" 2> /dev/null
     for d in "$R"/ours_k*_r0; do cp "$d/metrics.jsonl" "$OUT/rl_e2e/$(basename "$d")_metrics.jsonl" 2> /dev/null; done ;;
-  startup)  # issue 38's start-up at the learning benchmark's settings (0.6B, number_list, 16 x 8 samples, up to 1000
-    # new tokens, max_async 1) from a random model (--no-sft; speed_advantages: every step trains), 3 steps a run:
-    # default with an empty compile cache (cold), default again (warm cache), then warm with no up-front compile or
-    # capture (--inference.native.warmup=off --trainer.no_compile_warmup); ~4 min. results.json's `startup` per run.
-    C=/tmp/startup_compile_cache; rm -rf "$C"
-    for v in cold warm lazy; do
-      flags=(); [ $v = lazy ] && flags=(--ours-flag=--inference.native.warmup=off --ours-flag=--trainer.no_compile_warmup)
-      run "startup_$v" 150 python3 benchmarks/rl_e2e.py --device cuda --task number_list --shape qwen3-0.6b --no-sft --sides ours1 \
-        --no-eval --tokenizer-files .whl/qwen3-tokenizer --steps 3 --warmup 1 --prompts 16 --group-size 8 --max-tokens 1000 \
-        --lr 1e-6 --micro-batch-tokens 16384 --ours-flag=--rollout.advantage --ours-flag=benchmarks/speed_advantages.py:alternating \
-        "${flags[@]}" --rl-limit-s 130 --budget-s 140 --compile-cache "$C" --out "/tmp/startup_$v"
-      cp "/tmp/startup_$v/results.json" "$OUT/startup_$v.json" 2> /dev/null; cp /tmp/startup_"$v"/*.log "$OUT/" 2> /dev/null
+  startup)  # issue 38's start-up at the learning benchmark's settings (0.6B, number_list, 16 x 8 samples, max_async 1)
+    # from a random model (--no-sft; speed_advantages: every step trains; 512 new tokens, which a random model always
+    # reaches), 2 steps a run: default with an empty compile cache (cold), default again (warm cache), then with no
+    # up-front compile or capture (--inference.native.warmup=off --trainer.no_compile_warmup) from an empty cache of
+    # its own (lazy_cold); ~8 min. results.json's `startup` per run. At a1d98d2 (H100) the cold run, with 1000 new
+    # tokens and a 130 s limit, had not finished step 0.
+    for v in cold warm lazy_cold; do
+      C=/tmp/startup_cache_${v%_cold}; [ $v = warm ] && C=/tmp/startup_cache_cold; [ $v = warm ] || rm -rf "$C"
+      flags=(); lim=190; [ $v = warm ] && lim=110
+      [ $v = lazy_cold ] && flags=(--ours-flag=--inference.native.warmup=off --ours-flag=--trainer.no_compile_warmup)
+      run "startup_$v" $((lim + 20)) python3 benchmarks/rl_e2e.py --device cuda --task number_list --shape qwen3-0.6b --no-sft \
+        --sides ours1 --no-eval --tokenizer-files .whl/qwen3-tokenizer --steps 2 --warmup 1 --prompts 16 --group-size 8 \
+        --max-tokens 512 --lr 1e-6 --micro-batch-tokens 16384 --ours-flag=--rollout.advantage \
+        --ours-flag=benchmarks/speed_advantages.py:alternating "${flags[@]}" --rl-limit-s $lim --budget-s $((lim + 10)) \
+        --compile-cache "$C" --out "/tmp/startup_$v"
+      cp "/tmp/startup_$v/results.json" "$OUT/startup_$v.json" 2> /dev/null
+      for f in /tmp/startup_"$v"/*.log; do cp "$f" "$OUT/startup_${v}_$(basename "$f")" 2> /dev/null; done
     done ;;
   sft_probe)  # candidate SFT recipes for the learning benchmark (rl_e2e number_list), back to back at the 0.6B shape:
     # each SFTs a fresh random model from scratch (its own limit; the loss curve lands in results.json even when the
@@ -152,8 +157,8 @@ case $PART in
       cp "$R/eval_sft/summary.json" "$OUT/sft_probe_$name/eval_sft_summary.json" 2> /dev/null
     done ;;
   scale)  # colocated RL at real shapes from random bf16 weights (speed and memory; rewards mean nothing), one device call
-    # a variant: small: 0.6B, 1.7B (+ the memory tests); large: 4B with offload, 8B LoRA, 4B without offload (the memory
-    # plan refuses it on 80 GB); moe: 30B-A3B LoRA; h200: 8B full fine-tuning with offload (a 141 GB card).
+    # a variant: small: 0.6B, 1.7B (+ the memory tests); large: 4B with offload, 4B without offload (the memory plan
+    # refuses it on 80 GB); lora: 8B LoRA; moe: 30B-A3B LoRA; h200: 8B full fine-tuning with offload (a 141 GB card).
     # 8 prompts x 8 samples, 256 new tokens a sample (a random model never stops early), 6 steps, rates from step 2;
     # random weights score 0: benchmarks/speed_advantages.py gives every group nonzero advantages, so every step runs
     # the whole backward and optimizer update
@@ -166,7 +171,7 @@ case $PART in
         --ours-flag=benchmarks/speed_advantages.py:alternating --out "/tmp/$name" "$@"
       cp "/tmp/$name/results.json" "$OUT/$name.json" 2> /dev/null
       cp /tmp/"$name"/ours_k0_r0/metrics.jsonl "$OUT/${name}_metrics.jsonl" 2> /dev/null
-      cp /tmp/"$name"/*.log "$OUT/" 2> /dev/null; rm -rf "/tmp/$name"; }
+      for f in /tmp/"$name"/*.log; do cp "$f" "$OUT/${name}_$(basename "$f")" 2> /dev/null; done; rm -rf "/tmp/$name"; }
     case "${VARIANT:-small}" in
       small)
         run tests_memory 150 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/gpu/test_offload_gpu.py \
@@ -174,14 +179,19 @@ case $PART in
           tests/unit/test_native_engine.py -k "offload or plan or shared or released or memory"
         scale scale_0.6b --shape qwen3-0.6b --micro-batch-tokens 8192
         scale scale_1.7b --shape qwen3-1.7b --micro-batch-tokens 8192 ;;
-      large)  # ~8 min on an H100 (2026-12-06: 4B 185 s, 8B LoRA 170 s, the refusal 30 s)
-        SCALE_LIMIT_S=${SCALE_LIMIT_S:-200}
+      large)  # ~9 min on an H100. At a1d98d2 (H100, 2026-12-07) step 0 of the 4B run took 91.7 s (the trainer's compile
+        # warm-up 65.7 s, the offloaded optimizer's first step 24.5 s) and the run stopped with rc 1 after it (its log
+        # was overwritten then; each run's logs now keep its name); 8B LoRA did not finish step 0 in 185 s: it has its
+        # own variant, lora
+        SCALE_LIMIT_S=${SCALE_LIMIT_S:-400}
         run tests_one_rank 90 python3 -m pytest -q -rf -p no:cacheprovider -o addopts="" -m gpu tests/gpu/test_one_rank_reduce_gpu.py
-        # 2,048-token micro-batches: the plan (one rank: compute weights + the gradient reduce) says 63.1 GiB, 77.7 at
-        # 4,096 (over an H100's 72.8 usable)
+        # 2,048-token micro-batches: the plan (one rank: compute weights + the gradient reduce) says 63.1 GiB (measured
+        # 63.9 in step 0 at a1d98d2), 77.7 at 4,096 (over an H100's 72.8 usable)
         scale scale_4b_offload --shape qwen3-4b --micro-batch-tokens 2048 --ours-flag=--trainer.offload --ours-flag=optimizer
-        scale scale_8b_lora --shape qwen3-8b --micro-batch-tokens 4096 --ours-flag=--model.lora.rank --ours-flag=16
-        scale scale_4b_no_offload --shape qwen3-4b --micro-batch-tokens 4096 ;;
+        SCALE_LIMIT_S=30 scale scale_4b_no_offload --shape qwen3-4b --micro-batch-tokens 4096 ;;
+      lora)  # 8B LoRA r=16 alone (step 0 ran past 130 s at a1d98d2: the compile warm-up at 8B)
+        SCALE_LIMIT_S=${SCALE_LIMIT_S:-540}
+        scale scale_8b_lora --shape qwen3-8b --micro-batch-tokens 4096 --ours-flag=--model.lora.rank --ours-flag=16 ;;
       moe)  # weights drawn at load (--model.random_init: 61 GB of bf16 fit no disk twice); activation checkpointing:
         # the plan says ~81 GiB without it (of 72.8 usable), ~62 GiB with it (2047de8); the experts backward computes no
         # gradients for the frozen expert weights (kernels/moe/op.py), so it has no per-layer transient to add
@@ -197,7 +207,7 @@ case $PART in
         # 2,048-token micro-batches: plan 113.5 GiB (131.4 at 4,096, which the plan now refuses: it ran out of memory at 090adcf before the
         # one-rank reduce buffer; 21 GiB of the H200 were cached but free then)
         scale scale_8b_offload --shape qwen3-8b --micro-batch-tokens 2048 --ours-flag=--trainer.offload --ours-flag=optimizer ;;
-      *) echo "scale: unknown variant ${VARIANT} (small, large, moe, h200)" >&2; exit 2 ;;
+      *) echo "scale: unknown variant ${VARIANT} (small, large, lora, moe, h200)" >&2; exit 2 ;;
     esac ;;
   fp8)  # --inference.quantization fp8 beside bf16 (0.6B, 8B; batch 1, 64; decode steps past the FP8 GEMV on the Triton
     # tile kernel and on torch._scaled_mm: --fp8-tile-rows), the quantize time, mismatch KL, the FP8 KV cache (8B), CUDA
