@@ -162,9 +162,14 @@ case $PART in
     # 8 prompts x 8 samples, 256 new tokens a sample (a random model never stops early), 6 steps, rates from step 2;
     # random weights score 0: benchmarks/speed_advantages.py gives every group nonzero advantages, so every step runs
     # the whole backward and optimizer update
-    # (TORCH_LOGS=recompiles: a recompile after step 0 shows in the run's log with its guard)
+    # (TORCH_LOGS=recompiles: a recompile after step 0 shows in the run's log with its guard). SCALE_LAZY=1 (the
+    # default of every variant but small): no up-front compile or capture (--inference.native.warmup=off
+    # --trainer.no_compile_warmup): these runs meet one row bucket and one block-input kind, and at a1d98d2 (H100)
+    # the up-front work took 30 s of engine warm-up and ~60 s of the 4B run's step 0, more than the 8B LoRA run's
+    # 185 s held
     scale() {  # name, rl_e2e flags; the run's limit: SCALE_LIMIT_S (240 s unless the variant or the caller sets it)
       local name=$1 lim=${SCALE_LIMIT_S:-240}; shift
+      [ "${SCALE_LAZY:-0}" = 1 ] && set -- "$@" --ours-flag=--inference.native.warmup=off --ours-flag=--trainer.no_compile_warmup
       run "$name" $((lim + 30)) env TORCH_LOGS=recompiles python3 benchmarks/rl_e2e.py --device cuda --no-sft --sides ours0 --no-eval \
         --tokenizer-files .whl/qwen3-tokenizer --steps 6 --warmup 2 --prompts 8 --group-size 8 --max-tokens 256 --lr 1e-6 \
         --rl-limit-s "$lim" --budget-s $((lim + 20)) --ours-flag=--rollout.advantage \
@@ -172,6 +177,7 @@ case $PART in
       cp "/tmp/$name/results.json" "$OUT/$name.json" 2> /dev/null
       cp /tmp/"$name"/ours_k0_r0/metrics.jsonl "$OUT/${name}_metrics.jsonl" 2> /dev/null
       for f in /tmp/"$name"/*.log; do cp "$f" "$OUT/${name}_$(basename "$f")" 2> /dev/null; done; rm -rf "/tmp/$name"; }
+    [ "${VARIANT:-small}" = small ] || SCALE_LAZY=${SCALE_LAZY:-1}
     case "${VARIANT:-small}" in
       small)
         run tests_memory 150 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/gpu/test_offload_gpu.py \
