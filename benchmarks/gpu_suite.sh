@@ -190,7 +190,8 @@ case $PART in
         # was overwritten then; each run's logs now keep its name); 8B LoRA did not finish step 0 in 185 s: it has its
         # own variant, lora
         SCALE_LIMIT_S=${SCALE_LIMIT_S:-400}
-        run tests_one_rank 90 python3 -m pytest -q -rf -p no:cacheprovider -o addopts="" -m gpu tests/gpu/test_one_rank_reduce_gpu.py
+        run tests_one_rank 90 python3 -m pytest -q -rf -p no:cacheprovider -o addopts="" -m gpu tests/gpu/test_one_rank_reduce_gpu.py \
+          tests/gpu/test_offload_gpu.py -k "one_rank or registered"
         # 2,048-token micro-batches: the plan (one rank: compute weights + the gradient reduce) says 63.1 GiB (measured
         # 63.9 in step 0 at a1d98d2), 77.7 at 4,096 (over an H100's 72.8 usable)
         scale scale_4b_offload --shape qwen3-4b --micro-batch-tokens 2048 --ours-flag=--trainer.offload --ours-flag=optimizer

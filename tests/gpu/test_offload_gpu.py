@@ -50,3 +50,22 @@ def test_offloaded_moments_stay_on_the_host_in_a_cuda_run(tmp_path: Path) -> Non
     steps = [x for x in (out.stdout + out.stderr).splitlines() if "step" in x]  # the run's own account, for a failure
     assert len(seen) == 3 and all(s["states"] == s["grads"] > 0 and s["host"] for s in seen), (seen, steps[-40:])
     assert (tmp_path / "run" / "checkpoints").is_dir()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_large_moments_are_registered_pinned_memory_of_their_exact_size() -> None:
+    """A moment of at least REGISTER_MIN_BYTES: ordinary host memory registered with CUDA, which torch sees as pinned
+    (non_blocking copies are asynchronous), and none of it from torch's rounding pinned allocator."""
+    from prime_spmd.trainer import offload
+
+    before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    n = 9 * (1 << 20)  # 36 MiB of fp32: a power-of-two allocator would hand out 64 MiB
+    host = offload._host_zeros(torch.Size([n]), pin=True)
+    assert host.is_pinned() and host.numel() == n
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == before
+    host.fill_(3.0)
+    dev = host.to("cuda", non_blocking=True)
+    back = torch.empty_like(host)
+    back.copy_(dev * 2, non_blocking=True)
+    torch.cuda.synchronize()
+    assert bool((back == 6.0).all())

@@ -4,7 +4,9 @@ chunked streaming, and a state_dict round trip that resumes the same trajectory.
 from __future__ import annotations
 
 import copy
+import gc
 
+import pytest
 import torch
 
 from prime_spmd.trainer.offload import HostOffloadAdamW
@@ -62,3 +64,41 @@ def test_matches_torch_adamw_across_chunks_and_resume(device) -> None:
     for a, b, c in zip(off_p, cont_p, ref_p):
         torch.testing.assert_close(b, a, rtol=0, atol=0)  # one chunk or many: the same per-element arithmetic
         torch.testing.assert_close(a, c, rtol=2e-6, atol=2e-7)
+
+
+def test_pinned_moments_are_registered_at_their_exact_size(monkeypatch) -> None:
+    """Pinned moments of at least REGISTER_MIN_BYTES are ordinary host memory of their exact size registered with
+    CUDA (torch's pinned allocator would round each up to a power of two), and unregistered with the tensor; smaller
+    ones ask torch's pinned allocator. CUDA stands in as a recorder here; tests/gpu/test_offload_gpu.py runs it."""
+    from prime_spmd.trainer import offload
+
+    calls: list[tuple] = []
+
+    class FakeCudart:
+        def cudaHostRegister(self, ptr, nbytes, flags):  # noqa: N802 - the CUDA runtime's name
+            calls.append(("register", ptr, nbytes, flags))
+            return 0
+
+        def cudaHostUnregister(self, ptr):  # noqa: N802
+            calls.append(("unregister", ptr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    big = offload._host_zeros(torch.Size([3, 1000]), pin=True, register_min_bytes=12_000)
+    assert big.shape == (3, 1000) and not big.any() and big.dtype == torch.float32
+    assert calls == [("register", big.data_ptr(), 12_000, 0)]  # 3 x 1000 fp32: exactly its bytes
+    ptr = big.data_ptr()
+    del big
+    gc.collect()
+    assert calls[-1] == ("unregister", ptr)
+    asked = []
+    monkeypatch.setattr(torch, "zeros", lambda *a, **kw: asked.append(kw) or torch.empty(0))
+    offload._host_zeros(torch.Size([2, 1000]), pin=True, register_min_bytes=12_000)  # below: torch's pinned memory
+    offload._host_zeros(torch.Size([3, 1000]), pin=False, register_min_bytes=12_000)  # not pinned: plain memory
+    assert [kw.get("pin_memory") for kw in asked] == [True, False] and len(calls) == 2
+    monkeypatch.undo()  # torch.zeros back
+    fail = FakeCudart()
+    fail.cudaHostRegister = lambda *a: 2  # cudaErrorMemoryAllocation
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fail)
+    with pytest.raises(RuntimeError, match="--trainer.offload optimizer: cudaHostRegister of 12000 bytes"):
+        offload._host_zeros(torch.Size([3, 1000]), pin=True, register_min_bytes=12_000)
