@@ -36,6 +36,11 @@ FIT_FLAGS = (
 )
 
 
+OFFLOAD_STAGING_BYTES = 2 * (256 << 20)
+"""Device staging of ``--trainer.offload optimizer``: two chunks of moments (``trainer/offload.py``
+``HostOffloadAdamW``, ``chunk_bytes`` 256 MiB; a parameter larger than a chunk spans several), kept between steps.
+memory sits below the trainer: a test holds this equal to the optimizer's default."""
+
 KV_SCALE_BYTES = 4
 """Bytes of one fp32 scale: one per (position, kv head) for K and one for V under ``fp8``."""
 
@@ -241,6 +246,8 @@ def estimate(
         plan.reduce["gradients (fp32)"] = t * 4
         plan.reduce["gradient reduce buffer"] = t * 4
     (plan.host if offload == "optimizer" else plan.parts)["AdamW moments"] = t * 8
+    if offload == "optimizer":
+        plan.parts["AdamW moment staging"] = OFFLOAD_STAGING_BYTES
     if lora and share_weights:  # the engine reads the frozen base in place; it holds the adapted weights, merged
         plan.parts["engine weights (LoRA-merged)"] = num_adapted * param_bytes
     else:

@@ -4,7 +4,8 @@ AdamW's two fp32 moments are 8 bytes a trained parameter, half of full fine-tuni
 fp32 gradients 4, moments 8). Kept in pinned host memory, they leave the GPU for the engine's KV cache and the
 trainer's activations; what it costs is one host -> device and one device -> host copy of them every step.
 
-``step`` streams the parameters in chunks of at most ``chunk_bytes`` of moments: while the device updates chunk i
+``step`` streams the moments in chunks of at most ``chunk_bytes`` (a parameter larger than a chunk spans several:
+AdamW is elementwise, so a chunk holds element ranges of parameters): while the device updates chunk i
 (AdamW on the parameters' local shards, in place), a side stream copies chunk i + 1's moments in and chunk i - 1's
 out, through two device staging buffers. The device holds at most two chunks of moments at a time.
 
@@ -100,20 +101,28 @@ class HostOffloadAdamW(torch.optim.Optimizer):
                 state[name] = _like_on_host(p, pin)
         return state
 
-    def _chunks(self) -> list[list[tuple[torch.Tensor, dict, dict]]]:
-        """(param, state, group) triples with a gradient, cut where a chunk's moments would pass chunk_bytes."""
+    def _chunks(self) -> list[list[tuple[torch.Tensor, dict, dict, int, int]]]:
+        """Segments (param, state, group, start, end) of the parameters with a gradient, in order, cut into chunks of
+        at most ``chunk_bytes`` of moments: AdamW is elementwise, so a parameter larger than a chunk (an embedding or
+        LM head: Qwen3-8B's is 622M elements, 4.6 GiB of moments) spans several chunks and the device staging stays
+        at two chunks. (At a1d98d2 a chunk held whole parameters: the 4B run's staging was 5.8 GiB, kept between
+        steps, outside the memory plan.)"""
+        limit = max(1, self.chunk_bytes // 8)  # elements a chunk: two fp32 moments each
         chunks: list[list] = [[]]
         size = 0
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                n = _local(p).numel() * 8
-                if chunks[-1] and size + n > self.chunk_bytes:
-                    chunks.append([])
-                    size = 0
-                chunks[-1].append((p, self._init_state(p), group))
-                size += n
+                state, n, a = self._init_state(p), _local(p).numel(), 0
+                while a < n:
+                    if size == limit:
+                        chunks.append([])
+                        size = 0
+                    b = min(n, a + limit - size)
+                    chunks[-1].append((p, state, group, a, b))
+                    size += b - a
+                    a = b
         return [c for c in chunks if c]
 
     def _buffers(self, device: torch.device, numel: int) -> list[torch.Tensor]:
@@ -126,10 +135,14 @@ class HostOffloadAdamW(torch.optim.Optimizer):
     def step(self, closure=None):  # noqa: D102 - torch.optim.Optimizer.step
         assert closure is None, "HostOffloadAdamW.step takes no closure"
         chunks = self._chunks()
+        for group in self.param_groups:  # one step a parameter, however many segments it has
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._init_state(p)["step"] += 1
         if not chunks:
             return None
         device = _local(chunks[0][0][0]).device
-        numels = [[_local(p).numel() for p, _, _ in c] for c in chunks]
+        numels = [[b - a for _, _, _, a, b in c] for c in chunks]
         bufs = self._buffers(device, max(sum(n) for n in numels))
         cuda = device.type == "cuda"
         if cuda and self._copy_stream is None:
@@ -143,13 +156,13 @@ class HostOffloadAdamW(torch.optim.Optimizer):
 
         def load(i: int) -> None:  # host -> device (side stream on CUDA)
             for m, name in enumerate(MOMENTS):
-                for (_, state, _), v in zip(chunks[i], views(i)[m]):
-                    v.copy_(_local(state[name]).view(-1), non_blocking=True)
+                for (_, state, _, a, b), v in zip(chunks[i], views(i)[m]):
+                    v.copy_(_local(state[name]).view(-1)[a:b], non_blocking=True)
 
         def store(i: int) -> None:  # device -> host
             for m, name in enumerate(MOMENTS):
-                for (_, state, _), v in zip(chunks[i], views(i)[m]):
-                    _local(state[name]).view(-1).copy_(v, non_blocking=True)
+                for (_, state, _, a, b), v in zip(chunks[i], views(i)[m]):
+                    _local(state[name]).view(-1)[a:b].copy_(v, non_blocking=True)
 
         loaded: list[torch.cuda.Event | None] = [None] * len(chunks)
         done: list[torch.cuda.Event | None] = [None] * len(chunks)
@@ -188,21 +201,21 @@ class HostOffloadAdamW(torch.optim.Optimizer):
         return None
 
     @staticmethod
-    def _update(chunk: list[tuple[torch.Tensor, dict, dict]], moments: list[list[torch.Tensor]]) -> None:
-        """torch's AdamW on one chunk, in place on the parameters' local shards and the staged moments."""
+    def _update(chunk: list[tuple[torch.Tensor, dict, dict, int, int]], moments: list[list[torch.Tensor]]) -> None:
+        """torch's AdamW on one chunk's segments, in place on the parameters' local shards and the staged moments
+        (each parameter's step count already advanced by ``step``)."""
         by_group: dict[int, list[int]] = {}
-        for j, (_, _, group) in enumerate(chunk):
+        for j, (_, _, group, _, _) in enumerate(chunk):
             by_group.setdefault(id(group), []).append(j)
         for idx in by_group.values():
             group = chunk[idx[0]][2]
             lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            params = [_local(chunk[j][0]).view(-1) for j in idx]
-            grads = [_local(chunk[j][0].grad).view(-1) for j in idx]
+            params = [_local(chunk[j][0]).view(-1)[chunk[j][3] : chunk[j][4]] for j in idx]
+            grads = [_local(chunk[j][0].grad).view(-1)[chunk[j][3] : chunk[j][4]] for j in idx]
             exp_avgs = [moments[0][j] for j in idx]
             exp_avg_sqs = [moments[1][j] for j in idx]
             steps = []
             for j in idx:
-                chunk[j][1]["step"] += 1
                 steps.append(float(chunk[j][1]["step"]))
             if wd != 0:
                 torch._foreach_mul_(params, 1 - lr * wd)

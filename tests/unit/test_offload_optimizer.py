@@ -37,13 +37,16 @@ def test_matches_torch_adamw_across_chunks_and_resume(device) -> None:
     ref_p, off_p = _params(0, device), _params(0, device)
     kw = dict(lr=3e-2, betas=(0.8, 0.95), eps=1e-6)
     ref = torch.optim.AdamW(_groups(ref_p), foreach=False, **kw)
-    # 64 bytes: at most 8 moments a chunk -> most parameters are a chunk of their own, several chunks a step
+    # 64 bytes: 8 elements' moments a chunk -> the 35- and 24-element parameters span several chunks, chunks mix
+    # parameters' segments, and the device staging stays at 8 elements whatever the largest parameter
     off = HostOffloadAdamW(_groups(off_p), chunk_bytes=64, **kw)
     for step in range(4):
         _grads(ref_p, step)
         _grads(off_p, step)
         ref.step()
         off.step()
+        assert off._staging[0].shape == (2, 8)
+        assert all(float(off.state[p]["step"]) == step + 1 - (step >= 1 and i == 3) for i, p in enumerate(off_p))
     for a, b in zip(ref_p, off_p):
         torch.testing.assert_close(b, a, rtol=2e-6, atol=2e-7)  # measured max |diff| ~1e-8 (foreach vs per-tensor ops)
     for p in off_p:
