@@ -42,9 +42,10 @@ def _host_zeros(shape: torch.Size, pin: bool, register_min_bytes: int = REGISTER
     """fp32 zeros in host memory; with ``pin``, page-locked. torch's pinned allocator (``pin_memory=True``) rounds
     every allocation up to a power of two (``CachingHostAllocator``): a Qwen3-8B MLP weight's 192 MiB of one moment
     takes 256 MiB, and over the model the moments would pin 33% more host memory than they hold (Qwen3-8B: 81.3 GiB
-    for 61.0; Qwen3-4B: 42.3 for 30.0), paying the pinning time for it too. Tensors of at least ``register_min_bytes`` come from the ordinary
-    allocator at their exact size instead and are registered with CUDA (``cudaHostRegister``), unregistered when the
-    tensor is collected; smaller ones (norms, biases) keep torch's pinned allocator."""
+    for 61.0; Qwen3-4B: 42.3 for 30.0), paying the pinning time for it too. Tensors of at least
+    ``register_min_bytes`` come from the ordinary allocator at their exact size instead and are registered with CUDA
+    (``cudaHostRegister``), unregistered when the tensor is collected; smaller ones (norms, biases) keep torch's
+    pinned allocator."""
     nbytes = math.prod(shape) * 4
     if not pin or nbytes < register_min_bytes:
         return torch.zeros(shape, dtype=torch.float32, device="cpu", pin_memory=pin)
