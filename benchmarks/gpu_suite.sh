@@ -121,9 +121,13 @@ case $PART in
     # its own (lazy_cold); ~8 min. results.json's `startup` per run. At a1d98d2 (H100) the cold run, with 1000 new
     # tokens and a 130 s limit, had not finished step 0.
     for v in cold warm lazy_cold; do
-      C=/tmp/startup_cache_${v%_cold}; [ $v = warm ] && C=/tmp/startup_cache_cold; [ $v = warm ] || rm -rf "$C"
-      flags=(); lim=190; [ $v = warm ] && lim=110
-      [ $v = lazy_cold ] && flags=(--ours-flag=--inference.native.warmup=off --ours-flag=--trainer.no_compile_warmup)
+      flags=(); lim=190; C=/tmp/startup_cache_default
+      case $v in
+        cold) rm -rf "$C" ;;
+        warm) lim=110 ;;  # the cold run's cache
+        lazy_cold) C=/tmp/startup_cache_lazy; rm -rf "$C"
+          flags=(--ours-flag=--inference.native.warmup=off --ours-flag=--trainer.no_compile_warmup) ;;
+      esac
       run "startup_$v" $((lim + 20)) python3 benchmarks/rl_e2e.py --device cuda --task number_list --shape qwen3-0.6b --no-sft \
         --sides ours1 --no-eval --tokenizer-files .whl/qwen3-tokenizer --steps 2 --warmup 1 --prompts 16 --group-size 8 \
         --max-tokens 512 --lr 1e-6 --micro-batch-tokens 16384 --ours-flag=--rollout.advantage \

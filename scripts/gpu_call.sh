@@ -9,8 +9,9 @@
 # (default 585) with PRIME_SPMD_COMMIT set (benchmarks/common.py source_commit), and tars /tmp/o into
 # $OUT/results_PART[_VARIANT].tar.gz (spaces as _) every 20 s and at the end, so a call cut by its limit or the
 # session's budget keeps what it wrote, and several parts run one after another in one call keep theirs apart:
-#   bash scripts/gpu_call.sh startup 330; bash scripts/gpu_call.sh "fp8 tests" 230 Environment variables (SIDES, SFT_REUSE, ...) pass through to gpu_suite.sh. /tmp persists between calls on
-# one warm machine (gpu_suite's SFT_KEEP relies on it); /tmp/o and /tmp/w do not (GPU_CALL_TMP moves both: tests).
+#   bash scripts/gpu_call.sh startup 330; bash scripts/gpu_call.sh "fp8 tests" 230
+# Environment variables (SIDES, SFT_REUSE, ...) pass through to gpu_suite.sh. /tmp persists between calls on one warm
+# machine (gpu_suite's SFT_KEEP relies on it); /tmp/o and /tmp/w do not (GPU_CALL_TMP moves both: tests).
 set -u
 read -r PART VARIANT <<< "$1"
 LIMIT=${2:-585}

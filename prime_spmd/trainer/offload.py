@@ -102,28 +102,26 @@ class HostOffloadAdamW(torch.optim.Optimizer):
                 state[name] = _like_on_host(p, pin)
         return state
 
-    def _chunks(self) -> list[list[tuple[torch.Tensor, dict, dict, int, int]]]:
-        """Segments (param, state, group, start, end) of the parameters with a gradient, in order, cut into chunks of
-        at most ``chunk_bytes`` of moments: AdamW is elementwise, so a parameter larger than a chunk (an embedding or
-        LM head: Qwen3-8B's is 622M elements, 4.6 GiB of moments) spans several chunks and the device staging stays
-        at two chunks. (At a1d98d2 a chunk held whole parameters: the 4B run's staging was 5.8 GiB, kept between
-        steps, outside the memory plan.)"""
+    def _chunks(
+        self, live: list[tuple[torch.Tensor, dict, dict]]
+    ) -> list[list[tuple[torch.Tensor, dict, dict, int, int]]]:
+        """Segments (param, state, group, start, end) of ``live``'s (param, state, group), in order, cut into chunks
+        of at most ``chunk_bytes`` of moments. AdamW is elementwise, so a parameter larger than a chunk (an embedding
+        or LM head: Qwen3-8B's is 622M elements, 4.6 GiB of moments) spans several chunks and the device staging stays
+        at two chunks (docs/log.md 2026-12-07: whole-parameter chunks made the 4B run's staging 5.8 GiB)."""
         limit = max(1, self.chunk_bytes // 8)  # elements a chunk: two fp32 moments each
         chunks: list[list] = [[]]
         size = 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state, n, a = self._init_state(p), _local(p).numel(), 0
-                while a < n:
-                    if size == limit:
-                        chunks.append([])
-                        size = 0
-                    b = min(n, a + limit - size)
-                    chunks[-1].append((p, state, group, a, b))
-                    size += b - a
-                    a = b
+        for p, state, group in live:
+            n, a = _local(p).numel(), 0
+            while a < n:
+                if size == limit:
+                    chunks.append([])
+                    size = 0
+                b = min(n, a + limit - size)
+                chunks[-1].append((p, state, group, a, b))
+                size += b - a
+                a = b
         return [c for c in chunks if c]
 
     def _buffers(self, device: torch.device, numel: int) -> list[torch.Tensor]:
@@ -135,11 +133,10 @@ class HostOffloadAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D102 - torch.optim.Optimizer.step
         assert closure is None, "HostOffloadAdamW.step takes no closure"
-        chunks = self._chunks()
-        for group in self.param_groups:  # one step a parameter, however many segments it has
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._init_state(p)["step"] += 1
+        live = [(p, self._init_state(p), g) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        for _, state, _ in live:  # one step a parameter, however many segments it has
+            state["step"] += 1
+        chunks = self._chunks(live)
         if not chunks:
             return None
         device = _local(chunks[0][0][0]).device
