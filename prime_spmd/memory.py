@@ -17,6 +17,7 @@ compares the plan with measured peaks.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -301,13 +302,27 @@ def phase(name: str, plan: MemoryPlan | None = None) -> Iterator[None]:
     try:
         yield
     except torch.OutOfMemoryError as e:
-        used = ""
+        used, hint = "", ""
         if torch.cuda.is_available():
-            used = f" (allocated {torch.cuda.memory_allocated() / GIB:.1f} GiB, peak {torch.cuda.max_memory_allocated() / GIB:.1f} GiB)"
+            allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+            used = f" (allocated {allocated / GIB:.1f} GiB, peak {torch.cuda.max_memory_allocated() / GIB:.1f} GiB)"
+            hint = fragmentation_hint(reserved - allocated, os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
         msg = f"out of device memory during {name}{used}"
         if plan is not None:
             msg += f"; the plan for this run:\n{plan.describe()}"
-        raise RuntimeError(msg + "\nflags that make a run smaller:\n  " + "\n  ".join(FIT_FLAGS)) from e
+        raise RuntimeError(msg + hint + "\nflags that make a run smaller:\n  " + "\n  ".join(FIT_FLAGS)) from e
+
+
+def fragmentation_hint(cached_free: int, alloc_conf: str) -> str:
+    """A line for an out-of-memory message when the allocator holds ``cached_free`` bytes reserved but unallocated
+    (1 GiB or more) and ``alloc_conf`` (PYTORCH_CUDA_ALLOC_CONF) does not enable expandable segments: the memory
+    exists but in blocks too small for the request."""
+    if cached_free < GIB or "expandable_segments:true" in alloc_conf.replace(" ", "").lower():
+        return ""
+    return (
+        f"\n{cached_free / GIB:.1f} GiB are reserved by the allocator but free (fragmentation): try the environment "
+        "variable PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    )
 
 
 def plan_colocated_run(

@@ -243,3 +243,10 @@ def test_offload_staging_is_the_optimizers_two_chunks() -> None:
               activation_checkpointing=False)  # fmt: skip
     off, on_device = memory.estimate(shape, offload="optimizer", **kw), memory.estimate(shape, offload="none", **kw)
     assert off.parts["AdamW moment staging"] == 2 * chunk and "AdamW moment staging" not in on_device.parts
+
+
+def test_fragmentation_hint_names_expandable_segments_when_cached_memory_is_free() -> None:
+    hint = memory.fragmentation_hint(int(21.4 * memory.GIB), "")
+    assert "21.4 GiB" in hint and "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in hint
+    assert memory.fragmentation_hint(int(0.5 * memory.GIB), "") == ""  # too little to matter
+    assert memory.fragmentation_hint(4 * memory.GIB, "max_split_size_mb:128, expandable_segments:True") == ""
