@@ -36,14 +36,28 @@ run_suite() {  # venv, then pytest arguments
   return $rc
 }
 
-rc_main=0 rc_vllm=0
+rc_main=0 rc_vllm=0 vllm_setup=""
 if [ ${#main_paths[@]} -gt 0 ]; then
   bash scripts/setup_env.sh || exit 1
+  if [ ${#vllm_paths[@]} -gt 0 ]; then
+    # .venv-vllm is built while the main suite runs (mostly download and unpacking); its log follows that suite's
+    vllm_log=$(mktemp)
+    bash scripts/setup_env.sh --vllm > "$vllm_log" 2>&1 &
+    vllm_setup=$!
+  fi
   run_suite .venv --ignore=tests/vllm_venv "${opts[@]}" "${main_paths[@]}"
   rc_main=$?
 fi
 if [ ${#vllm_paths[@]} -gt 0 ]; then
-  bash scripts/setup_env.sh --vllm || exit 1
+  if [ -n "$vllm_setup" ]; then
+    wait "$vllm_setup"
+    rc_setup=$?
+    cat "$vllm_log"
+    rm -f "$vllm_log"
+    [ "$rc_setup" -eq 0 ] || exit 1
+  else
+    bash scripts/setup_env.sh --vllm || exit 1
+  fi
   # VLLM_ENABLE_V1_MULTIPROCESSING=0: the engine core in the calling process; VLLM_CPU_KVCACHE_SPACE: GiB of KV cache.
   VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} \
     run_suite .venv-vllm "${opts[@]}" "${vllm_paths[@]}"
