@@ -332,6 +332,7 @@ def main() -> None:
     ap.add_argument("--rl-steps", type=int, default=0, help="then N steps of prime_spmd rl on the visual env (0: off)")
     ap.add_argument("--rl-limit-s", type=int, default=240, help="time limit of the RL child process, start-up included")
     ap.add_argument("--no-cuda-graphs", action="store_true", help="decode eager (no CUDA graphs, no compiled layer)")
+    ap.add_argument("--repeats", type=int, default=3, help="time each prefill and generate this often; the fastest")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -363,6 +364,9 @@ def main() -> None:
         t_pre, n_prompt, _ = run(eng, ps, args.group_size, 1, f"pre{k}")
         encoded = eng.runner.num_encoded_images - before
         t_all, _, n_gen = run(eng, ps, args.group_size, args.new_tokens, f"all{k}")
+        for r in range(args.repeats - 1):  # the fastest of each: one noisy prefill can outlast a whole generate
+            t_pre = min(t_pre, run(eng, ps, args.group_size, 1, f"pre{k}.{r}")[0])
+            t_all = min(t_all, run(eng, ps, args.group_size, args.new_tokens, f"all{k}.{r}")[0])
         t_dec = t_all - t_pre
         if t_dec <= 0:
             raise SystemExit(f"images {k}: generate took {t_all:.3f} s, its prefill alone {t_pre:.3f} s: not timed")
