@@ -54,7 +54,10 @@ if [ ${#vllm_paths[@]} -gt 0 ]; then
     rc_setup=$?
     cat "$vllm_log"
     rm -f "$vllm_log"
-    [ "$rc_setup" -eq 0 ] || exit 1
+    if [ "$rc_setup" -ne 0 ]; then
+      echo "[test] building .venv-vllm failed (rc=$rc_setup); main suite rc=$rc_main" >&2
+      exit 1
+    fi
   else
     bash scripts/setup_env.sh --vllm || exit 1
   fi
