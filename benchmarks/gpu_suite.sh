@@ -199,12 +199,12 @@ case $PART in
           tests/gpu/test_one_rank_reduce_gpu.py tests/gpu/test_offload_gpu.py -k "one_rank or registered"
         # 2,048-token micro-batches: the plan (one rank: compute weights + the gradient reduce) says 63.1 GiB (measured
         # 63.9 in step 0 at a1d98d2), 77.7 at 4,096 (over an H100's 72.8 usable)
-        scale scale_4b_offload --shape qwen3-4b --micro-batch-tokens 2048 --ours-flag=--trainer.offload --ours-flag=optimizer
+        b4=(--shape qwen3-4b --micro-batch-tokens 2048 --ours-flag=--trainer.offload --ours-flag=optimizer)
+        scale scale_4b_offload "${b4[@]}"
         # out of memory with the allocator's default segments: the same run once more with expandable segments (the
         # error names the bytes reserved but free: prime_spmd/memory.py fragmentation_hint)
         if grep -qs "out of device memory" "$OUT"/scale_4b_offload_*.log; then
-          PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True SCALE_LIMIT_S=${SCALE_RETRY_S:-240} scale scale_4b_offload_expandable \
-            --shape qwen3-4b --micro-batch-tokens 2048 --ours-flag=--trainer.offload --ours-flag=optimizer
+          PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True SCALE_LIMIT_S=${SCALE_RETRY_S:-240} scale scale_4b_offload_expandable "${b4[@]}"
         fi
         SCALE_LIMIT_S=30 scale scale_4b_no_offload --shape qwen3-4b --micro-batch-tokens 4096 ;;
       lora)  # 8B LoRA r=16 alone (step 0 ran past 130 s at a1d98d2: the compile warm-up at 8B)
