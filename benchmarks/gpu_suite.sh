@@ -201,9 +201,10 @@ case $PART in
         # 63.9 in step 0 at a1d98d2), 77.7 at 4,096 (over an H100's 72.8 usable)
         b4=(--shape qwen3-4b --micro-batch-tokens 2048 --ours-flag=--trainer.offload --ours-flag=optimizer)
         scale scale_4b_offload "${b4[@]}"
-        # out of memory with the allocator's default segments: the same run once more with expandable segments (the
-        # error names the bytes reserved but free: prime_spmd/memory.py fragmentation_hint)
-        if grep -qs "out of device memory" "$OUT"/scale_4b_offload_*.log; then
+        # out of memory with the allocator's default segments (our phase error, or torch's own outside a phase): the same
+        # run once more with expandable segments (our error names the bytes reserved but free: prime_spmd/memory.py
+        # fragmentation_hint)
+        if grep -qsE "out of device memory|CUDA out of memory|OutOfMemoryError" "$OUT"/scale_4b_offload*.log; then
           PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True SCALE_LIMIT_S=${SCALE_RETRY_S:-240} scale scale_4b_offload_expandable "${b4[@]}"
         fi
         SCALE_LIMIT_S=30 scale scale_4b_no_offload --shape qwen3-4b --micro-batch-tokens 4096 ;;
