@@ -21,21 +21,26 @@ fi
 """
 
 
-def _suite(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+def _run_suite(tmp_path: Path, python: str, part: str, variant: str, env: dict[str, str]):
+    """gpu_suite.sh PART OUT VARIANT with the stand-in python3 (text) and nvidia-smi first on PATH; returns the process
+    and the rl_e2e.py command lines the stand-in recorded."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    for name, text in (("python3", PYTHON), ("nvidia-smi", "#!/bin/bash\necho stub\n")):
+    for name, text in (("python3", python), ("nvidia-smi", "#!/bin/bash\necho stub\n")):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(stat.S_IRWXU)
     calls = tmp_path / "calls.log"
     calls.unlink(missing_ok=True)
-    full = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(calls),
-            "SFT_KEEP": str(tmp_path / "kept"), **env}  # fmt: skip
-    out = tmp_path / "out"
-    proc = subprocess.run(["bash", "benchmarks/gpu_suite.sh", "rl_e2e", str(out), "number_list"], cwd=ROOT, env=full,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    full = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(calls), **env}
+    full.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    proc = subprocess.run(["bash", "benchmarks/gpu_suite.sh", part, str(tmp_path / "out"), variant], cwd=ROOT,
+                          env=full, capture_output=True, text=True, timeout=120)  # fmt: skip
     lines = calls.read_text().splitlines() if calls.is_file() else []
     return proc, [x for x in lines if "benchmarks/rl_e2e.py" in x]
+
+
+def _suite(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    return _run_suite(tmp_path, PYTHON, "rl_e2e", "number_list", {"SFT_KEEP": str(tmp_path / "kept"), **env})
 
 
 def test_sft_is_kept_and_reused(tmp_path) -> None:
@@ -61,18 +66,7 @@ fi
 
 
 def _scale_large(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, list[str]]:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    for name, text in (("python3", SCALE_PYTHON), ("nvidia-smi", "#!/bin/bash\necho stub\n")):
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(stat.S_IRWXU)
-    calls = tmp_path / "calls.log"
-    calls.unlink(missing_ok=True)
-    full = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(calls), "SCALE_TESTS": "0", **env}
-    full.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-    proc = subprocess.run(["bash", "benchmarks/gpu_suite.sh", "scale", str(tmp_path / "out"), "large"], cwd=ROOT,
-                          env=full, capture_output=True, text=True, timeout=120)  # fmt: skip
-    return proc, [x for x in calls.read_text().splitlines() if "benchmarks/rl_e2e.py" in x]
+    return _run_suite(tmp_path, SCALE_PYTHON, "scale", "large", {"SCALE_TESTS": "0", **env})
 
 
 def test_scale_large_retries_a_raw_cuda_oom_with_expandable_segments(tmp_path) -> None:
