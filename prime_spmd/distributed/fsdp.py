@@ -154,11 +154,30 @@ def apply_fsdp(
         for block in blocks:
             fully_shard(block, mesh=axis, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     # The root keeps its parameters gathered after the forward: the backward needs them at once.
-    fully_shard(root, mesh=axis, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(
+        root,
+        mesh=axis,
+        mp_policy=mp,
+        reshard_after_forward=False,
+        ignored_params=one_rank_frozen(root, axis, experts, param_dtype),
+    )
     if axis.size() == 1 and not experts and hasattr(root, "set_custom_reduce_scatter"):
         root.set_custom_reduce_scatter(OneRankReduceScatter())
         _ONE_RANK_ROOTS.add(root)
     return root
+
+
+def one_rank_frozen(root: nn.Module, axis: DeviceMesh, experts, param_dtype: torch.dtype) -> set[nn.Parameter] | None:
+    """The frozen parameters a one-rank root leaves out of FSDP2 (``ignored_params``): those already in the compute
+    dtype (the LoRA base, loaded in bf16). There FSDP2 would shard nothing, yet it copies each parameter into a new
+    padded shard at ``fully_shard`` (all of the root's at once: one H100, Qwen3-30B-A3B LoRA at 667582b, out of memory
+    at 78.5 GiB for 56.9 GiB of base weights) and into an unsharded copy for every forward, which the root keeps until
+    the backward ends: twice the base either way. Left out, they stay plain tensors, read in place by the forward, the
+    weight sync and the engine. Frozen parameters in another dtype (a frozen fp32 vision tower) still need FSDP2's
+    cast; on more ranks, or beside expert units, every parameter is sharded as before."""
+    if axis.size() > 1 or experts:
+        return None
+    return {p for p in root.parameters() if not p.requires_grad and p.dtype == param_dtype} or None
 
 
 _ONE_RANK_ROOTS: weakref.WeakSet[nn.Module] = weakref.WeakSet()

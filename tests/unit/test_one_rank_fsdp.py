@@ -32,7 +32,7 @@ def _grads(model: nn.Module, lean: bool) -> list[torch.Tensor]:
         if lean:
             fsdp.set_gradient_sync(model, i == len(batches) - 1)
         model(x).square().sum().backward()
-    return [p.grad.to_local().clone() for p in model.parameters()]
+    return [p.grad.to_local().clone() for p in model.parameters() if p.requires_grad]
 
 
 @pytest.fixture
@@ -127,3 +127,33 @@ def test_one_rank_step_peaks_one_gradient_buffer_lower_in_host_memory(tmp_path) 
         assert out.returncode == 0, out.stderr[-2000:]
         got[path] = float(out.stdout.split()[-1])
     assert got["lean"] < 10.0 and got["default"] - got["lean"] > 2.5, got
+
+
+def _frozen_first(dtype: torch.dtype) -> nn.Module:
+    """The LoRA shape in small: a frozen first layer held in ``dtype``, a trained fp32 last layer."""
+    model = _model()
+    model[0].to(dtype).requires_grad_(False)
+    return model
+
+
+def test_one_rank_root_reads_frozen_compute_dtype_weights_in_place(one_rank_mesh) -> None:
+    model = _frozen_first(torch.bfloat16)
+    frozen = {id(p): p.data_ptr() for p in model[0].parameters()}
+    lean = fsdp.apply_fsdp(model, [], one_rank_mesh, param_dtype=torch.bfloat16)
+    for p in lean[0].parameters():  # plain tensors, the very storage loaded: no shard copy, no unsharded copy
+        assert not hasattr(p, "to_local") and frozen[id(p)] == p.data_ptr()
+    assert all(hasattr(p, "to_local") for p in lean[2].parameters())
+    got = _grads(lean, lean=True)
+    # the same gradients as FSDP2 managing every parameter
+    default = fully_shard(_frozen_first(torch.bfloat16), mesh=one_rank_mesh,
+                          mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))  # fmt: skip
+    want = _grads(default, lean=False)
+    assert len(got) == 2
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_one_rank_root_keeps_casting_frozen_weights_of_another_dtype(one_rank_mesh) -> None:
+    lean = fsdp.apply_fsdp(_frozen_first(torch.float32), [], one_rank_mesh, param_dtype=torch.bfloat16)
+    assert all(hasattr(p, "to_local") for p in lean.parameters())  # FSDP2 casts them to bf16 each forward
+    assert len(_grads(lean, lean=True)) == 2
