@@ -310,6 +310,13 @@ def truncated_reward_flags(args: argparse.Namespace) -> list[str]:
     return [] if args.truncated_reward is None else ["--rollout.truncated_reward", str(args.truncated_reward)]
 
 
+def export_final(args: argparse.Namespace, last: bool) -> bool:
+    """Whether ours' run writes its final weights (HF format) to disk: only the last rep's, for the held-out eval after
+    it. Nothing resumes a benchmark run, so it saves no checkpoint (--ckpt.no_save_final): at 4B with its AdamW moments
+    the checkpoint (48 GB) and the export filled the H100 machine's 64 GiB disk after the last step (667582b)."""
+    return last and not args.random_init and not args.no_eval
+
+
 def run_ours(k: int, rep: int, seed: int, model: Path, args: argparse.Namespace, out: Path) -> dict:
     d = out / f"ours_k{k}_r{rep}"
     last = rep == args.num_runs - 1
@@ -326,14 +333,16 @@ def run_ours(k: int, rep: int, seed: int, model: Path, args: argparse.Namespace,
            "--optim.lr", str(args.lr), "--rollout.max_async", str(k), "--trainer.seed", str(seed),
            "--trainer.micro_batch_tokens", str(max(args.micro_batch_tokens, args.task["seq_len"])),
            "--ckpt.interval_steps", "0", "--log.no_progress", "--log.no_plots", *evals, *truncated_reward_flags(args),
-           *([] if last and not args.random_init else ["--ckpt.no_save_hf"]), *random_init_flags(args, model),
+           "--ckpt.no_save_final", *([] if export_final(args, last) else ["--ckpt.no_save_hf"]),
+           *random_init_flags(args, model),
            *args.ours_flags]  # fmt: skip
     d.mkdir(parents=True, exist_ok=True)
     metrics = d / "metrics.jsonl"
     metrics.unlink(missing_ok=True)  # a rerun into the same OUT: arrivals count this run's lines only
     r = run_logged(d.name, cmd, out, args.rl_limit_s, watch=metrics)
     rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.is_file() else []
-    r.update(side=f"prime-spmd max_async {k}", k=k, rep=rep, seed=seed, hf=str(d / "hf") if last else None)
+    hf = str(d / "hf") if export_final(args, last) else None
+    r.update(side=f"prime-spmd max_async {k}", k=k, rep=rep, seed=seed, hf=hf)
     r.update(split_rows(rows, r.pop("arrivals_s", [])))
     if timing.is_file():
         r["startup_spans"] = json.loads(timing.read_text())

@@ -246,6 +246,9 @@ class CkptConfig:
     """Checkpoints to keep (older ones are deleted after a newer one is complete)."""
     save_hf: bool = True
     """Also write HF-format safetensors weights (loadable with AutoModelForCausalLM) at the end of the run."""
+    save_final: bool = True
+    """Save a checkpoint after the last step. --ckpt.no_save_final: none (a benchmark or sweep run that nothing
+    resumes: a 4B full fine-tuning checkpoint with its AdamW moments is ~48 GB). A run stopped by a signal still saves."""
 
     def __post_init__(self) -> None:
         _check(self.interval_steps >= 0, "ckpt.interval_steps", self.interval_steps, "must be >= 0")

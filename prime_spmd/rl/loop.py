@@ -167,6 +167,7 @@ class _TrainerLoop:
             lambda j: (self.step(j), self.stop_agreed),
             self.save,
             interval_steps=cfg.ckpt.interval_steps,
+            save_final=cfg.ckpt.save_final,
             stop=self.stop,
             bar=bar,
             bar_metric=("reward", "reward_mean"),

@@ -127,6 +127,7 @@ def _run_sft(cfg: SFTJobConfig, stop: StopSignal) -> dict[str, float]:
         step_fn,
         save,
         interval_steps=cfg.ckpt.interval_steps,
+        save_final=cfg.ckpt.save_final,
         stop=stop,
         bar=bar,
         bar_metric=("loss", "loss"),

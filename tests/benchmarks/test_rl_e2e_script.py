@@ -53,6 +53,9 @@ def test_rl_e2e_runs_our_sides_and_writes_results(tmp_path) -> None:
         assert s["steps_done"] == 5 and s["all_steps_s"] == pytest.approx(sum(r["step_time_s"] for r in run["steps"]))
         assert s["samples_per_wall_s"] == pytest.approx(20 / s["wall_s"]) and s["wall_s"] > s["all_steps_s"]
         assert s["samples_per_wall_s_excl_eval"] > s["samples_per_wall_s"]
+        # --no-eval: nothing evaluates the final weights, so no run writes them, nor a checkpoint
+        assert run["hf"] is None and not (out / f"ours_k{k}_r0" / "hf").exists()
+        assert not list((out / f"ours_k{k}_r0").glob("checkpoints/step_*"))
     assert set(res["ratios"]) == {"steady", "whole_run"} and res["ratios"]["steady"]["vs_trl"] == {}
     runs = {r["side"]: r for r in res["runs"]}
     assert [r["policy_lag_mean"] for r in runs["prime-spmd max_async 1"]["steps"]] == [0.0, 1.0, 1.0, 1.0, 1.0]

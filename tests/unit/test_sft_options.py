@@ -1,4 +1,5 @@
-"""SFT options that need a real run: activation checkpointing changes nothing numerically, and
+"""SFT options that need a real run: activation checkpointing changes nothing numerically, --ckpt.no_save_final
+leaves no end-of-run checkpoint, and
 local Parquet / JSONL datasets (prompt/completion and chat rows) train through the same path."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def _cfg(tmp: Path, name: str, model: Path, **kw) -> SFTJobConfig:
         ),
         optim=OptimConfig(lr=1e-3),
         data=kw.pop("data", DataConfig()),
-        ckpt=CkptConfig(save_hf=False),
+        ckpt=kw.pop("ckpt", CkptConfig(save_hf=False)),
         log=LogConfig(progress=False, plots=False),
         eval_examples=0,
     )
@@ -38,9 +39,13 @@ def test_activation_checkpointing_and_file_datasets(tmp_path: Path) -> None:
 
     model = build_tiny_model(tmp_path / "base", "qwen3-nano", initializer_range=0.3)
     run_sft(_cfg(tmp_path, "plain", model))
-    run_sft(_cfg(tmp_path, "ac", model, trainer={"activation_checkpointing": True}))
+    no_final = CkptConfig(save_hf=False, save_final=False)
+    run_sft(_cfg(tmp_path, "ac", model, trainer={"activation_checkpointing": True}, ckpt=no_final))
     # Recomputation repeats the same fp32 ops in the same order on CPU: equal to the last bit.
     assert _losses(tmp_path / "plain") == _losses(tmp_path / "ac")
+    # the end-of-run checkpoint, and none with --ckpt.no_save_final
+    assert [p.name for p in (tmp_path / "plain" / "checkpoints").iterdir()] == ["step_000003"]
+    assert not any((tmp_path / "ac" / "checkpoints").glob("step_*"))
 
     rows = [{"prompt": f"say {w}", "completion": w} for w in ("apple", "kiwi", "plum", "fig", "lime", "pear")]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
