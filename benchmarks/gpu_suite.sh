@@ -64,8 +64,8 @@ case $PART in
       # step, 61 s its first eval).
       # `SEEDS=1` for the spread. SFT: SFT_STEPS (100: held-out start 0.39-0.50 at 0c4ade1, 50-200 items) / SFT_LR /
       # SFT_MIN_ITEMS; SFT_FLAG one `sft` flag, by default --trainer.compile=off (eager: ~0.7 s a step). OURS_FLAG:
-      # flags of our RL sides, space-separated, each one word (e.g. "--inference.native.warmup=off
-      # --trainer.no_compile_warmup": no up-front compile or capture). RL_STEPS (24) / BUDGET_S (the whole run's) /
+      # flags of our RL sides, space-separated, each one word (e.g. "--inference.native.warmup=on
+      # --trainer.compile_warmup": every compile and capture up front). RL_STEPS (24) / BUDGET_S (the whole run's) /
       # RL_LR (5e-5). SFT_REUSE=1: RL from the SFT model an earlier call kept on this machine (below). A plan for one
       # warm machine: `SIDES=ours1 RL_LIMIT_S=380` (SFT, kept), `SFT_REUSE=1 SIDES=trl RL_LIMIT_S=540`,
       # `SFT_REUSE=1 SIDES=ours1 RL_STEPS=100 RL_LIMIT_S=560` (090adcf, H200: 33 s to the first step with a warm
@@ -116,17 +116,18 @@ case $PART in
     for d in "$R"/ours_k*_r0; do cp "$d/metrics.jsonl" "$OUT/rl_e2e/$(basename "$d")_metrics.jsonl" 2> /dev/null; done ;;
   startup)  # issue 38's start-up at the learning benchmark's settings (0.6B, number_list, 16 x 8 samples, max_async 1)
     # from a random model (--no-sft; speed_advantages: every step trains; 512 new tokens, which a random model always
-    # reaches), 2 steps a run: default with an empty compile cache (cold), default again (warm cache), then with no
-    # up-front compile or capture (--inference.native.warmup=off --trainer.no_compile_warmup) from an empty cache of
-    # its own (lazy_cold); ~8 min. results.json's `startup` per run. At a1d98d2 (H100) the cold run, with 1000 new
-    # tokens and a 130 s limit, had not finished step 0.
-    for v in cold warm lazy_cold; do
+    # reaches), 2 steps a run: the defaults (each decode bucket captured and each block-input kind compiled by the
+    # first step that meets it) with an empty compile cache (cold), the defaults again (warm cache), then everything
+    # up front (--inference.native.warmup=on --trainer.compile_warmup) from an empty cache of its own (eager_cold);
+    # ~7 min. results.json's `startup` per run. At 667582b (H100), when up front was the default: cold 73.0 s to the
+    # first step, warm 27.1 s, lazy from a cold cache 32.0 s
+    for v in cold warm eager_cold; do
       flags=(); lim=190; C=/tmp/startup_cache_default
       case $v in
         cold) rm -rf "$C" ;;
         warm) lim=110 ;;  # the cold run's cache
-        lazy_cold) C=/tmp/startup_cache_lazy; rm -rf "$C"
-          flags=(--ours-flag=--inference.native.warmup=off --ours-flag=--trainer.no_compile_warmup) ;;
+        eager_cold) C=/tmp/startup_cache_eager; rm -rf "$C"
+          flags=(--ours-flag=--inference.native.warmup=on --ours-flag=--trainer.compile_warmup) ;;
       esac
       run "startup_$v" $((lim + 20)) python3 benchmarks/rl_e2e.py --device cuda --task number_list --shape qwen3-0.6b --no-sft \
         --sides ours1 --no-eval --tokenizer-files .whl/qwen3-tokenizer --steps 2 --warmup 1 --prompts 16 --group-size 8 \
@@ -166,14 +167,10 @@ case $PART in
     # 8 prompts x 8 samples, 256 new tokens a sample (a random model never stops early), 6 steps, rates from step 2;
     # random weights score 0: benchmarks/speed_advantages.py gives every group nonzero advantages, so every step runs
     # the whole backward and optimizer update
-    # (TORCH_LOGS=recompiles: a recompile after step 0 shows in the run's log with its guard). SCALE_LAZY=1 (the
-    # default of every variant but small): no up-front compile or capture (--inference.native.warmup=off
-    # --trainer.no_compile_warmup): these runs meet one row bucket and one block-input kind, and at a1d98d2 (H100)
-    # the up-front work took 30 s of engine warm-up and ~60 s of the 4B run's step 0, more than the 8B LoRA run's
-    # 185 s held
+    # (TORCH_LOGS=recompiles: a recompile after step 0 shows in the run's log with its guard). The defaults compile and
+    # capture nothing up front: these runs meet one row bucket and one block-input kind
     scale() {  # name, rl_e2e flags; the run's limit: SCALE_LIMIT_S (240 s unless the variant or the caller sets it)
       local name=$1 lim=${SCALE_LIMIT_S:-240}; shift
-      [ "${SCALE_LAZY:-0}" = 1 ] && set -- "$@" --ours-flag=--inference.native.warmup=off --ours-flag=--trainer.no_compile_warmup
       run "$name" $((lim + 30)) env TORCH_LOGS=recompiles python3 benchmarks/rl_e2e.py --device cuda --no-sft --sides ours0 --no-eval \
         --tokenizer-files .whl/qwen3-tokenizer --steps 6 --warmup 2 --prompts 8 --group-size 8 --max-tokens 256 --lr 1e-6 \
         --rl-limit-s "$lim" --budget-s $((lim + 20)) --ours-flag=--rollout.advantage \
@@ -181,7 +178,6 @@ case $PART in
       cp "/tmp/$name/results.json" "$OUT/$name.json" 2> /dev/null
       cp /tmp/"$name"/ours_k0_r0/metrics.jsonl "$OUT/${name}_metrics.jsonl" 2> /dev/null
       for f in /tmp/"$name"/*.log; do cp "$f" "$OUT/${name}_$(basename "$f")" 2> /dev/null; done; rm -rf "/tmp/$name"; }
-    [ "${VARIANT:-small}" = small ] || SCALE_LAZY=${SCALE_LAZY:-1}
     case "${VARIANT:-small}" in
       small)
         run tests_memory 150 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/gpu/test_offload_gpu.py \
@@ -189,16 +185,13 @@ case $PART in
           tests/unit/test_native_engine.py -k "offload or plan or shared or released or memory"
         scale scale_0.6b --shape qwen3-0.6b --micro-batch-tokens 8192
         scale scale_1.7b --shape qwen3-1.7b --micro-batch-tokens 8192 ;;
-      large)  # ~9 min on an H100. At a1d98d2 (H100, 2026-12-07) step 0 of the 4B run took 91.7 s (the trainer's compile
-        # warm-up 65.7 s, the offloaded optimizer's first step 24.5 s) and the run stopped with rc 1 after it (its log
-        # was overwritten then; each run's logs now keep its name); 8B LoRA did not finish step 0 in 185 s: it has its
-        # own variant, lora
+      large)  # ~5 min on an H100 (667582b: the 4B run's 6 steps in 210 s, 4.8 s a steady step, then the refusal)
         SCALE_LIMIT_S=${SCALE_LIMIT_S:-400}
         # SCALE_TESTS=0: no CUDA tests first (a call short of device time)
         [ "${SCALE_TESTS:-1}" = 0 ] || run tests_one_rank 90 python3 -m pytest -q -rf -p no:cacheprovider -o addopts="" -m gpu \
           tests/gpu/test_one_rank_reduce_gpu.py tests/gpu/test_offload_gpu.py -k "one_rank or registered"
-        # 2,048-token micro-batches: the plan (one rank: compute weights + the gradient reduce) says 63.1 GiB (measured
-        # 63.9 in step 0 at a1d98d2), 77.7 at 4,096 (over an H100's 72.8 usable)
+        # 2,048-token micro-batches: the plan (one rank: compute weights + the gradient reduce) says 63.6 GiB (measured
+        # 58.7 at 667582b), 77.7 at 4,096 (over an H100's 72.8 usable)
         b4=(--shape qwen3-4b --micro-batch-tokens 2048 --ours-flag=--trainer.offload --ours-flag=optimizer)
         scale scale_4b_offload "${b4[@]}"
         # out of memory with the allocator's default segments (our phase error, or torch's own outside a phase): the same
@@ -208,10 +201,11 @@ case $PART in
           PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True SCALE_LIMIT_S=${SCALE_RETRY_S:-240} scale scale_4b_offload_expandable "${b4[@]}"
         fi
         SCALE_LIMIT_S=30 scale scale_4b_no_offload --shape qwen3-4b --micro-batch-tokens 4096 ;;
-      lora)  # 8B LoRA r=16 alone (step 0 ran past 130 s at a1d98d2: the compile warm-up at 8B)
+      lora)  # 8B LoRA r=16 alone (667582b, H100: 6 steps in 206 s, step 0 99 s, 4.7 s a steady step)
         SCALE_LIMIT_S=${SCALE_LIMIT_S:-540}
         scale scale_8b_lora --shape qwen3-8b --micro-batch-tokens 4096 --ours-flag=--model.lora.rank --ours-flag=16 ;;
-      moe)  # weights drawn at load (--model.random_init: 61 GB of bf16 fit no disk twice); activation checkpointing:
+      moe)  # weights drawn at load (--model.random_init: 61 GB of bf16 fit no disk twice; 111 s on the H100 at 667582b,
+        # which then ran out of memory in fully_shard copying the frozen base: distributed/fsdp.py one_rank_frozen); activation checkpointing:
         # the plan says ~81 GiB without it (of 72.8 usable), ~62 GiB with it (2047de8); the experts backward computes no
         # gradients for the frozen expert weights (kernels/moe/op.py), so it has no per-layer transient to add
         SCALE_LIMIT_S=${SCALE_LIMIT_S:-480}

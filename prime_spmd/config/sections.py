@@ -182,8 +182,8 @@ class TrainerConfig:
     """optimizer: AdamW's moments (8 bytes a trained parameter) live in pinned host memory and stream through the device in chunks at each step (docs/memory.md)."""
     compile: Literal["auto", "on", "off"] = "auto"
     """torch.compile each transformer block's forward for training (inductor, dynamic shapes): fewer kernels per step. auto: on for our dense model code (--model.impl custom/auto) on CUDA; off on CPU (compiling costs more than it saves at CPU sizes), for MoE and for transformers models."""
-    compile_warmup: bool = True
-    """With compiled blocks: the first step also compiles every kind of block input a micro-batch can give (one document, several, a packed row under a mask, shared prompts), so no later step recompiles; off: each kind compiles in the step that first meets it (a short run pays only for the kinds it meets)."""
+    compile_warmup: bool = False
+    """With compiled blocks: the first step also compiles every kind of block input a micro-batch can give (one document, several, a packed row under a mask, shared prompts), so no later step recompiles. Off (the default): each kind compiles in the step that first meets it, and a run pays only for the kinds it meets (docs/benchmarks.md, Start-up)."""
 
     def __post_init__(self) -> None:
         _check(self.max_steps >= 1, "trainer.max_steps", self.max_steps, "must be >= 1")
@@ -311,8 +311,8 @@ class NativeEngineConfig:
     """Decode linears: auto (triton on CUDA for hidden size <= 1024, torch otherwise), torch (F.linear + separate norm/SiLU/residual ops) or triton (fused kernels of kernels/decode_linear for decode steps of <= 16 / 64 rows)."""
     sampler: Literal["auto", "torch", "triton", "triton_lm_head"] = "auto"
     """Token sampler: torch (compiled on CUDA), triton (split-vocabulary Gumbel-max kernels of kernels/gumbel_sample for plain sampling; top-k/top-p/min-p steps use torch), triton_lm_head (as triton, and decode steps of <= 64 rows compute the LM head inside the sampling kernel) or auto (triton_lm_head on CUDA, torch elsewhere)."""
-    warmup: Literal["auto", "on", "off"] = "auto"
-    """Compile and capture the decode step of every (rows, length) bucket when the engine is built, not in the first steps that meet each one; costs more the longer the cache. auto: on CUDA with --inference.cuda_graphs; on: also elsewhere (runs each once)."""
+    warmup: Literal["on", "off"] = "off"
+    """on: compile and capture (CUDA graphs) or run once (elsewhere) the decode step of every (rows, length) bucket when the engine is built, so no generation pays for it; costs more the longer the cache. Off (the default): each bucket is compiled and captured by the first step that meets it, and a run pays only for the buckets it meets (docs/benchmarks.md, Start-up)."""
     kv_cache: Literal["slot", "paged"] = "slot"
     """KV cache: slot (one max_model_len slot per sequence) or paged (blocks of kv_block_size positions; a sequence holds its prompt + max_tokens, a GRPO group's samples share their prompt's blocks)."""
     kv_block_size: int = 16

@@ -97,8 +97,7 @@ def build_engine(
         kv_cache_dtype=inference_cfg.kv_cache_dtype,
     )
     engine.processor = load_vision_processor(model_cfg.path, tokenizer)
-    warm = native.warmup
-    if warm == "on" or (warm == "auto" and engine.use_graphs):
+    if native.warmup == "on":
         t0 = time.perf_counter()
         logger.info("native engine warm-up: compiling and capturing the decode step of every batch/length bucket")
         n = engine.warmup()

@@ -58,14 +58,11 @@ def resolved_settings(
     if max_model_len is not None:
         out["inference.max_model_len"] = max_model_len
     if isinstance(engine, NativeEngine):
-        inf = cfg.inference  # type: ignore[union-attr]
-        warm = inf.native.warmup
         # the generic runner (any other transformers model) re-runs its sequences and has none of these paths
         generic = "unused (generic runner: the model's own forward)"
         out["inference.native.decode_attention"] = getattr(engine.runner, "attention", generic)
         out["inference.native.decode_linear"] = getattr(engine.runner, "linear", generic)
         out["inference.native.sampler"] = engine.sampler
-        out["inference.native.warmup"] = "on" if warm == "on" or (warm == "auto" and engine.use_graphs) else "off"
         out["inference.native.prefill"] = "layer_fn" if getattr(engine.runner, "prefill_layer", None) else "modules"
         out["inference.native.decode_steps_per_launch"] = engine.decode_steps
         out["inference.max_model_len"] = engine.max_model_len
