@@ -271,6 +271,7 @@ class NativeEngine(InferenceEngine):
         self.runner.cache.allocate()
         self._released = False
 
+    @torch.no_grad()  # a caller may have grad on (a new thread, the async driver): no autograd graph, none captured
     def step(self) -> list[Completion]:
         if self._released:
             self._restore_memory()

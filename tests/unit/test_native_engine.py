@@ -514,3 +514,16 @@ def test_warmup_varies_the_length_before_the_rows(model_dir, monkeypatch) -> Non
     single = [(nb, kv) for nb, kv, _, _, steps in seen if steps == 1]
     assert single == [(nb, kv) for nb in eng.batch_buckets for kv in eng.len_buckets]
     assert single[0][0] == single[1][0] and single[0][1] != single[1][1]
+
+
+def test_steps_run_without_autograd_even_when_the_caller_has_grad_on(model_dir, device):
+    """The engine's weights are parameters that require grad (as loaded); a step run with grad mode on (a new thread,
+    the async driver) must still build no autograd graph: at 667582b the LM-head sampler's logprobs required grad
+    there, the output buffer took a grad_fn, and the compiled state update recompiled on its requires_grad."""
+    eng, model, tok = _engine(model_dir, device)
+    assert any(p.requires_grad for p in model.parameters())
+    seen, advance = [], eng._advance
+    eng._advance = lambda *a: seen.append(torch.is_grad_enabled()) or advance(*a)
+    with torch.enable_grad():
+        eng.generate(_reqs(tok, SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)))
+    assert seen and not any(seen) and not eng._out.requires_grad
