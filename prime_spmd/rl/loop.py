@@ -111,9 +111,11 @@ class _TrainerLoop:
         self.stop_agreed = False
         self.topo = ctx.topo
         self.out = Path(cfg.output_dir)
-        self.parts = build_trainer(cfg.model, cfg.trainer, cfg.optim, ctx)
+        with memory.phase("the trainer's build (model load, LoRA, FSDP2)", plan):
+            self.parts = build_trainer(cfg.model, cfg.trainer, cfg.optim, ctx)
         if engine_builder is not None:
-            engine = self.engine = engine_builder(self.parts.policy.lm)
+            with memory.phase("the engine's build", plan):
+                engine = self.engine = engine_builder(self.parts.policy.lm)
         if self.topo.rank == 0:
             warn_unshared_prompts(cfg, self.parts.policy)
             settings = resolved_settings(
@@ -156,10 +158,12 @@ class _TrainerLoop:
         self.role.start()
         self.role.sync_weights(start)  # w_start
         for b in pregenerated_batches(start, k, n):
-            self._produce(b, version_of_batch(b, k))
+            with memory.phase(f"generation of batch {b}", self.plan):
+                self._produce(b, version_of_batch(b, k))
         if eval_at_start(start, cfg.eval.interval_steps):
             self.evals_expected.add(start)
-            self.role.evaluate(start)  # the baseline, logged with step 0
+            with memory.phase(f"the eval of weights {start}", self.plan):
+                self.role.evaluate(start)  # the baseline, logged with step 0
         bar = Progress(total=n - start, desc="rl", enabled=topo.is_controller and cfg.log.progress)
         last, stopped_at = run_steps(
             start,
@@ -468,7 +472,8 @@ def _run_rl(cfg: RLJobConfig, stop: StopSignal) -> dict[str, float]:
         # colocated LoRA with one trainer rank: the engine is built after the trainer and reads its frozen bf16 base
         share = topo.mode == "colocated" and topo.num_trainer_ranks == 1 and cfg.inference.engine == "native"
         if not (share and cfg.model.lora.rank):
-            engine, builder = builder(), None
+            with memory.phase("the engine's build", plan):
+                engine, builder = builder(), None
     start = _start_step(ctx, cfg)
     result: dict[str, float] = {}
     if topo.is_trainer:

@@ -1,6 +1,6 @@
 """Numerical guards: non-finite steps are skipped and counted, N in a row stop the run with a message;
 importance ratios cannot overflow; an RL batch emptied by zero-advantage filtering is a skipped,
-counted step and the run goes on."""
+counted step and the run goes on; out of memory while the trainer or the engine is built names that phase."""
 
 from __future__ import annotations
 
@@ -141,3 +141,31 @@ def test_rl_all_groups_zero_advantage_is_a_skipped_counted_step(tmp_path: Path, 
 
     before, after = load_file(model / "model.safetensors"), load_file(out / "hf" / "model.safetensors")
     assert all(torch.equal(before[k], after[k]) for k in after)  # no update ever happened
+
+
+@pytest.mark.parametrize("where", ["trainer", "engine"])
+def test_out_of_memory_while_building_names_the_phase(tmp_path: Path, monkeypatch, where: str) -> None:
+    """An out-of-memory error in the trainer's build (load, LoRA, FSDP2) or the engine's is raised as one that names
+    the phase and the flags that make a run smaller, not only torch's trace (one H100, 30B-A3B LoRA at 667582b ran
+    out of memory in fully_shard with a bare CUDA trace)."""
+    import prime_spmd.inference.factory as factory
+    import prime_spmd.rl.loop as rl
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 768.00 MiB")
+
+    monkeypatch.setattr(*((rl, "build_trainer", oom) if where == "trainer" else (factory, "build_engine", oom)))
+    cfg = RLJobConfig(
+        output_dir=str(tmp_path / "run"),
+        model=ModelConfig(path=str(_tiny(tmp_path))),
+        trainer=TrainerConfig(max_steps=1, micro_batch_tokens=256, seq_len=48),
+        rollout=RolloutConfig(prompts_per_step=2, group_size=2),
+        sampling=SamplingConfig(max_tokens=4),
+        log=LogConfig(progress=False, plots=False),
+    )
+    try:
+        with pytest.raises(RuntimeError, match=f"out of device memory during the {where}'s build") as err:
+            rl.run_rl(cfg)
+    finally:
+        _cleanup_group()
+    assert "flags that make a run smaller" in str(err.value) and isinstance(err.value.__cause__, torch.OutOfMemoryError)
