@@ -55,3 +55,33 @@ def test_one_rank_step_holds_one_gradient_buffer_beside_the_accumulated_gradient
     # gradient 2 at a backward's end; accumulated 4 + buffer 4 at the reduce); FSDP2's own 12-14 (gradients 4 + bf16
     # gradient 2 until freed + input 4 + output 4)
     assert lean <= 10.5 and default - lean >= 3, (lean, default)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+def test_one_rank_root_holds_the_frozen_bf16_base_once(tmp_path) -> None:
+    """The LoRA shape: a frozen bf16 base (8 x 4096^2: 256 MiB) and a trained fp32 layer. ``apply_fsdp`` and a
+    forward + backward add well under the base's bytes: the base stays out of FSDP2 (``one_rank_frozen``), which
+    would copy it into new shards at ``fully_shard`` and into an unsharded copy for the forward (the 30B-A3B LoRA
+    run at 667582b ran out of memory in the first)."""
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cuda", (1,), mesh_dim_names=("dp_shard",))
+        torch.manual_seed(0)
+        base = [nn.Linear(WIDTH, WIDTH, bias=False, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
+        model = nn.Sequential(*base, nn.Linear(WIDTH, 8, device="cuda")).requires_grad_(False)
+        model[-1].requires_grad_(True)
+        base_bytes = sum(p.numel() * p.element_size() for layer in base for p in layer.parameters())
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        model = fsdp.apply_fsdp(model, [], mesh, param_dtype=torch.bfloat16)
+        torch.cuda.synchronize()
+        wrap = torch.cuda.max_memory_allocated() - before
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        model(torch.randn(8, WIDTH, device="cuda")).float().square().mean().backward()
+        torch.cuda.synchronize()
+        step = torch.cuda.max_memory_allocated() - before
+    finally:
+        dist.destroy_process_group()
+    assert wrap < 0.1 * base_bytes and step < 0.25 * base_bytes, (wrap, step, base_bytes)
