@@ -319,7 +319,7 @@ def export_final(args: argparse.Namespace, last: bool) -> bool:
 
 def run_ours(k: int, rep: int, seed: int, model: Path, args: argparse.Namespace, out: Path) -> dict:
     d = out / f"ours_k{k}_r{rep}"
-    last = rep == args.num_runs - 1
+    export = export_final(args, rep == args.num_runs - 1)
     n = args.prompts * args.group_size
     evals = ["--eval.interval_steps", str(args.eval_interval), "--eval.samples_per_example", str(args.eval_samples),
              "--env.num_eval_examples", str(args.eval_examples)] if args.eval_interval else []  # fmt: skip
@@ -333,7 +333,7 @@ def run_ours(k: int, rep: int, seed: int, model: Path, args: argparse.Namespace,
            "--optim.lr", str(args.lr), "--rollout.max_async", str(k), "--trainer.seed", str(seed),
            "--trainer.micro_batch_tokens", str(max(args.micro_batch_tokens, args.task["seq_len"])),
            "--ckpt.interval_steps", "0", "--log.no_progress", "--log.no_plots", *evals, *truncated_reward_flags(args),
-           "--ckpt.no_save_final", *([] if export_final(args, last) else ["--ckpt.no_save_hf"]),
+           "--ckpt.no_save_final", *([] if export else ["--ckpt.no_save_hf"]),
            *random_init_flags(args, model),
            *args.ours_flags]  # fmt: skip
     d.mkdir(parents=True, exist_ok=True)
@@ -341,8 +341,7 @@ def run_ours(k: int, rep: int, seed: int, model: Path, args: argparse.Namespace,
     metrics.unlink(missing_ok=True)  # a rerun into the same OUT: arrivals count this run's lines only
     r = run_logged(d.name, cmd, out, args.rl_limit_s, watch=metrics)
     rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.is_file() else []
-    hf = str(d / "hf") if export_final(args, last) else None
-    r.update(side=f"prime-spmd max_async {k}", k=k, rep=rep, seed=seed, hf=hf)
+    r.update(side=f"prime-spmd max_async {k}", k=k, rep=rep, seed=seed, hf=str(d / "hf") if export else None)
     r.update(split_rows(rows, r.pop("arrivals_s", [])))
     if timing.is_file():
         r["startup_spans"] = json.loads(timing.read_text())

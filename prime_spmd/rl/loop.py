@@ -114,8 +114,7 @@ class _TrainerLoop:
         with memory.phase("the trainer's build (model load, LoRA, FSDP2)", plan):
             self.parts = build_trainer(cfg.model, cfg.trainer, cfg.optim, ctx)
         if engine_builder is not None:
-            with memory.phase("the engine's build", plan):
-                engine = self.engine = engine_builder(self.parts.policy.lm)
+            engine = self.engine = engine_builder(self.parts.policy.lm)
         if self.topo.rank == 0:
             warn_unshared_prompts(cfg, self.parts.policy)
             settings = resolved_settings(
@@ -464,16 +463,16 @@ def _run_rl(cfg: RLJobConfig, stop: StopSignal) -> dict[str, float]:
             raise ValueError("--topology.engine_tp > 1 needs --inference.engine=vllm (the native engine runs tp 1)")
 
         def builder(share_from: torch.nn.Module | None = None) -> InferenceEngine:
-            return build_engine(
-                cfg.inference, cfg.model, ctx.device, cfg.trainer.seq_len, tp=topo.engine_tp, seed=cfg.trainer.seed,
-                share_from=share_from,
-            )  # fmt: skip
+            with memory.phase("the engine's build", plan):
+                return build_engine(
+                    cfg.inference, cfg.model, ctx.device, cfg.trainer.seq_len, tp=topo.engine_tp,
+                    seed=cfg.trainer.seed, share_from=share_from,
+                )  # fmt: skip
 
         # colocated LoRA with one trainer rank: the engine is built after the trainer and reads its frozen bf16 base
         share = topo.mode == "colocated" and topo.num_trainer_ranks == 1 and cfg.inference.engine == "native"
         if not (share and cfg.model.lora.rank):
-            with memory.phase("the engine's build", plan):
-                engine, builder = builder(), None
+            engine, builder = builder(), None
     start = _start_step(ctx, cfg)
     result: dict[str, float] = {}
     if topo.is_trainer:

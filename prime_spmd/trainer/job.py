@@ -45,15 +45,15 @@ def run_steps(
     save: Callable[[int], Path],
     *,
     interval_steps: int,
-    save_final: bool = True,
+    save_final: bool,
     stop: StopSignal,
     bar: Progress,
     bar_metric: tuple[str, str],
 ) -> tuple[dict[str, float], Path | None]:
-    """Steps ``start .. num_steps - 1``, with a checkpoint every ``interval_steps`` (0: none) and after the
-    last step (unless not ``save_final``). When the ranks agree to stop after step j (and j is not the last), save w_(j+1) and return
-    at once. ``bar_metric`` is (progress-bar label, metric key). Returns (the last step's metrics, the
-    checkpoint saved on a stop, or None when the run went to the end). Every trainer rank calls it.
+    """Steps ``start .. num_steps - 1``, with a checkpoint every ``interval_steps`` (0: none) and, with
+    ``save_final``, after the last step. When the ranks agree to stop after step j (and j is not the last), save
+    w_(j+1) and return at once. ``bar_metric`` is (progress-bar label, metric key). Returns (the last step's
+    metrics, the checkpoint saved on a stop, or None when the run went to the end). Every trainer rank calls it.
     """
     label, key = bar_metric
     last: dict[str, float] = {}
