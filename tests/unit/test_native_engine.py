@@ -527,3 +527,19 @@ def test_steps_run_without_autograd_even_when_the_caller_has_grad_on(model_dir, 
     with torch.enable_grad():
         eng.generate(_reqs(tok, SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)))
     assert seen and not any(seen) and not eng._out.requires_grad
+
+
+@pytest.mark.parametrize("warmup", ["off", "on"])
+def test_engine_warmup_flag_runs_every_bucket_only_when_on(model_dir, monkeypatch, warmup) -> None:
+    """--inference.native.warmup: off (the default) builds the engine with nothing run; on runs the warm-up (every
+    decode bucket) in ``build_engine``."""
+    from prime_spmd.config.sections import InferenceConfig, ModelConfig
+    from prime_spmd.inference import factory
+
+    assert InferenceConfig().native.warmup == "off"
+    calls = []
+    monkeypatch.setattr(NativeEngine, "warmup", lambda self, *a: calls.append(self) or 0)
+    icfg = InferenceConfig(max_batch_size=2)
+    icfg.native.warmup = warmup
+    eng = factory.build_engine(icfg, ModelConfig(path=str(model_dir)), torch.device("cpu"), 64)
+    assert calls == ([eng] if warmup == "on" else [])
