@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_suite.sh PART OUTDIR [VARIANT]
 # PART: tests ["kernels unit" | "gpu exact"] | engine | prefill | loss | moe | train_step | weight_sync | env_bridge
 #       | rl_e2e [reverse_text | number_list] | sft_probe ["a b c" | name:steps:batch:lr:min_items:max_items]
-#       | scale [small | large | lora | moe | h200] | startup | fp8 [ops] | exact [tiles] | vlm [rl]
+#       | scale [small | large | lora | moe | h200] | startup | fp8 [ops] | exact | vlm [rl]
 # Each step has its own time limit, so that one slow step does not lose the others' results.
 set -uo pipefail
 PART=$1; OUT=${2:-/tmp/gpu_out}; VARIANT=${3:-}; mkdir -p "$OUT"
@@ -246,20 +246,6 @@ case $PART in
     done
     run tests_fp8 240 python3 -m pytest -q -rf -p no:cacheprovider -o addopts="" $FP8_TESTS ;;
   exact)  # --model.exact: bit-exactness on CUDA first, then its cost (engine tokens/s, trainer step) and mismatch KL; ~6 min
-    if [ "${VARIANT:-}" = tiles ]; then  # the exact matmul's BLOCK_N (kernels/batch_invariant/kernel.py): for each,
-      # bit-exactness, engine tokens/s (batch 1, 64) and the trainer step beside the default mode; ~7 min
-      for bn in 64 32 16; do
-        export PRIME_SPMD_EXACT_MM_BLOCK_N=$bn
-        run "tests_exact_bn$bn" 90 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/gpu/test_exact_mode_gpu.py
-        run "engine_exact_bn$bn" 90 python3 benchmarks/engine.py $E06 --batch-sizes 1,64 --engine native-custom --exact off,on \
-          --out "$OUT/engine_exact_bn$bn.json"
-        run "train_step_exact_bn$bn" 100 python3 benchmarks/train_step.py --device cuda --shape qwen3-0.6b \
-          --tokenizer-files .whl/qwen3-tokenizer --steps 5 --warmup 2 --profile-steps 0 --variants "default:;exact:exact=1" \
-          --out "$OUT/train_step_exact_bn$bn"
-      done
-      unset PRIME_SPMD_EXACT_MM_BLOCK_N
-      exit 0
-    fi
     run tests_exact 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/gpu/test_exact_mode_gpu.py
     run engine_exact 120 python3 benchmarks/engine.py $E06 --batch-sizes 1,64 --engine native-custom --exact off,on --out "$OUT/engine_exact.json"
     run train_step_exact 150 python3 benchmarks/train_step.py --device cuda --shape qwen3-0.6b --tokenizer-files .whl/qwen3-tokenizer \

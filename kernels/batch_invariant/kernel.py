@@ -26,14 +26,9 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # matmul tiles (one config for every M: decode rows and training tokens reduce K the same way). BLOCK_N 64 rather than
 # 128: a decode step's M <= 64 rows fill one M tile, so the N tiles are its only parallelism (Qwen3-0.6B's o_proj:
-# 16 programs instead of 8). On the H100 the exact engine decodes at 0.20x the default's tokens/s at batch 1
-# (docs/benchmarks.md): PRIME_SPMD_EXACT_MM_BLOCK_N (16, 32, 64, 128) sets BLOCK_N for `gpu_suite.sh exact OUT tiles`
-# to measure narrower tiles (more programs); each output still sums K in the same BLOCK_K steps. The trainer and the
-# engine must run with the same value (one process, or the same environment on every rank).
-MM_BLOCK_M, MM_BLOCK_K = 64, 64
-MM_BLOCK_N = int(os.environ.get("PRIME_SPMD_EXACT_MM_BLOCK_N", "64"))
-if MM_BLOCK_N not in (16, 32, 64, 128):
-    raise ValueError(f"PRIME_SPMD_EXACT_MM_BLOCK_N={MM_BLOCK_N}: choose 16, 32, 64 or 128")
+# 16 programs instead of 8). BLOCK_N 32 measured slower on the H100 (docs/log.md 2026-12-07: 286 against 383 tokens/s
+# at batch 1).
+MM_BLOCK_M, MM_BLOCK_N, MM_BLOCK_K = 64, 64, 64
 MM_WARPS, MM_STAGES = 4, 3
 # the matmul's K order (``_mm_sum``): K cut into fixed chunks of MM_CHUNK_K from 0 (the last may be partial), each
 # chunk summed from zero in BLOCK_K steps, the chunk sums added in chunk order. Fixed chunks let a launch with one M

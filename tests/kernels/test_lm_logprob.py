@@ -168,6 +168,32 @@ def test_token_counts_of_one_bucket_tune_once():
     assert len(kernel._fwd_tuned.cache) == 3 and len(kernel._grad_tuned.cache) == 3
 
 
+def test_every_backward_chunk_tunes_under_the_calls_token_count(monkeypatch, device):
+    """A backward split into chunks passes one T_BUCKET, the whole call's, to every chunk's launch: keyed on each
+    chunk's own rows, a short last chunk met a new tuner key whenever a step's length moved it to another bucket
+    (8dd7cf1, H100: exact mode's LM-head backward retuned inside timed steps)."""
+    vocab, seen = 300, []
+    monkeypatch.setattr(kernel, "GRAD_BUFFER_ELEMENTS", 16 * vocab)  # 16-row chunks: 37 tokens = 16 + 16 + 5
+
+    class Recorder:  # stands in for the launcher (the interpreter's fixed config or CUDA's tuner)
+        def __init__(self, real):
+            self.real = real
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append((args[9], args[12]))  # (rows, T_BUCKET)
+                return self.real[grid](*args, **kwargs)
+
+            return launch
+
+    for name in ("_grad_logits_kernel", "_grad_tuned"):
+        monkeypatch.setattr(kernel, name, Recorder(getattr(kernel, name)))
+    inputs = make_inputs(37, 64, vocab, torch.float32, 1.0, device, seed=3)
+    got = run_impl("triton", *inputs)
+    assert seen == [(16, 64), (16, 64), (5, 64)]
+    assert_close(got, run_impl("reference", *inputs), FP32_TOL, FP32_TOL)
+
+
 def test_tuner_bucket():
     assert [kernel.t_bucket(n) for n in (1, 70, 128, 129, 1024, 1025, 5000)] == [1, 128, 128, 256, 1024, 1024, 1024]
 
