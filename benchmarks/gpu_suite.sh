@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_suite.sh PART OUTDIR [VARIANT]
 # PART: tests ["kernels unit" | "gpu exact"] | engine | prefill | loss | moe | train_step | weight_sync | env_bridge
 #       | rl_e2e [reverse_text | number_list] | sft_probe ["a b c" | name:steps:batch:lr:min_items:max_items]
-#       | scale [small | large | lora | moe | h200] | startup | fp8 [ops] | exact | vlm [rl]
+#       | scale [small | large | lora | moe | h200] | startup | fp8 [ops] | exact [train] | vlm [rl]
 # Each step has its own time limit, so that one slow step does not lose the others' results.
 set -uo pipefail
 PART=$1; OUT=${2:-/tmp/gpu_out}; VARIANT=${3:-}; mkdir -p "$OUT"
@@ -204,10 +204,13 @@ case $PART in
       lora)  # 8B LoRA r=16 alone (667582b, H100: 6 steps in 206 s, step 0 99 s, 4.7 s a steady step)
         SCALE_LIMIT_S=${SCALE_LIMIT_S:-540}
         scale scale_8b_lora --shape qwen3-8b --micro-batch-tokens 4096 --ours-flag=--model.lora.rank --ours-flag=16 ;;
-      moe)  # weights drawn at load (--model.random_init: 61 GB of bf16 fit no disk twice; 111 s on the H100 at 667582b,
-        # which then ran out of memory in fully_shard copying the frozen base: distributed/fsdp.py one_rank_frozen); activation checkpointing:
-        # the plan says ~81 GiB without it (of 72.8 usable), ~62 GiB with it (2047de8); the experts backward computes no
-        # gradients for the frozen expert weights (kernels/moe/op.py), so it has no per-layer transient to add
+      moe)  # weights drawn at load (--model.random_init: 61 GB of bf16 fit no disk twice; 92 s on the H100 at 8dd7cf1,
+        # whose 6 steps then ran in 177 s: 27 s a step generating eagerly); activation checkpointing: the plan says
+        # ~81 GiB without it (of 72.8 usable), 66.3 GiB with it (67.8 measured at 8dd7cf1); the experts backward computes
+        # no gradients for the frozen expert weights (kernels/moe/op.py), so it has no per-layer transient to add.
+        # First the CUDA test of the engine's MoE decode graphs (SCALE_TESTS=0: none)
+        [ "${SCALE_TESTS:-1}" = 0 ] || run tests_moe_graphs 90 python3 -m pytest -q -rf -p no:cacheprovider -o addopts="" -m gpu \
+          tests/gpu/test_moe_engine_graphs_gpu.py
         SCALE_LIMIT_S=${SCALE_LIMIT_S:-480}
         scale scale_30b_a3b_lora --shape qwen3-30b-a3b --random-init --micro-batch-tokens 4096 --ours-flag=--model.lora.rank \
           --ours-flag=16 --ours-flag=--trainer.activation_checkpointing ;;
@@ -246,10 +249,12 @@ case $PART in
     done
     run tests_fp8 240 python3 -m pytest -q -rf -p no:cacheprovider -o addopts="" $FP8_TESTS ;;
   exact)  # --model.exact: bit-exactness on CUDA first, then its cost (engine tokens/s, trainer step) and mismatch KL; ~6 min
+    train_exact() { run train_step_exact 150 python3 benchmarks/train_step.py --device cuda --shape qwen3-0.6b \
+      --tokenizer-files .whl/qwen3-tokenizer --variants "default:;exact:exact=1" --out "$OUT/train_step_exact"; }
+    if [ "${VARIANT:-}" = train ]; then train_exact; exit 0; fi  # the trainer step alone (default beside exact), ~2 min
     run tests_exact 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/gpu/test_exact_mode_gpu.py
     run engine_exact 120 python3 benchmarks/engine.py $E06 --batch-sizes 1,64 --engine native-custom --exact off,on --out "$OUT/engine_exact.json"
-    run train_step_exact 150 python3 benchmarks/train_step.py --device cuda --shape qwen3-0.6b --tokenizer-files .whl/qwen3-tokenizer \
-      --variants "default:;exact:exact=1" --out "$OUT/train_step_exact"
+    train_exact
     run mismatch_exact 60 python3 benchmarks/logprob_mismatch.py --device cuda --model-shape qwen3-0.6b --dtype bfloat16 --exact --out "$OUT/mismatch_exact.json" ;;
   vlm)  # Qwen3-VL 2B shape, random weights: engine prefill / decode tokens/s with one 448x448 image a prompt beside
     # text-only, the encoder's ms a prompt, a bare trainer step's time and memory, then 6 RL steps (prime_spmd rl,

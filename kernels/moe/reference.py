@@ -44,5 +44,11 @@ def sort_by_expert(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.T
     """
     ids_M = topk_ids_TK.flatten()
     perm_M = torch.sort(ids_M, stable=True).indices
-    counts_E = torch.bincount(ids_M, minlength=num_experts)
-    return perm_M, counts_E.cumsum(0).to(torch.int32)
+    return perm_M, expert_counts(ids_M, num_experts).cumsum(0).to(torch.int32)
+
+
+def expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 [E]: how many of ``ids`` (any shape, values in [0, E)) name each expert. Unlike ``torch.bincount``, which
+    reads the largest id on the host on CUDA, no host sync, so a CUDA graph can hold it (the engine's MoE decode)."""
+    flat = ids.flatten()
+    return torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))

@@ -33,6 +33,7 @@ from prime_spmd.inference.runner import DecodeAttention, DecodeLinear, KVCacheKi
 from prime_spmd.inference.sampling import Sampler, SamplingTensors, make_sampler, resolve_sampler
 from prime_spmd.inference.scheduler import Scheduler, Seq
 from prime_spmd.kernels.decode_glue.reference import advance_reference as advance_decode_state
+from prime_spmd.models.common.moe import moe_graph_safe
 from prime_spmd.models.lora import LoraMerger, base_name
 from prime_spmd.models.registry import adapter_for
 from prime_spmd.models.vision import no_image_support
@@ -132,9 +133,11 @@ class NativeEngine(InferenceEngine):
         self.vocab_size = self.runner.vocab_size
         self.batch_buckets = bucket_sizes(max_batch_size, 1, "pow2")
         self.len_buckets = bucket_sizes(max_model_len, min(256, max_model_len), "linear")
-        # MoE expert dispatch sizes its buffers on the host (data-dependent shapes): no graphs
-        has_moe = any("MoE" in type(m).__name__ for m in self.model.modules())
-        self.use_graphs = cuda_graphs and device.type == "cuda" and self.runner.cache is not None and not has_moe
+        # MoE: graphs where every expert dispatch stays on the device (our MoEBlock on the triton or grouped_mm kernel;
+        # not transformers' expert loop, which reads the routed ids on the host)
+        self.use_graphs = (
+            cuda_graphs and device.type == "cuda" and self.runner.cache is not None and moe_graph_safe(self.model)
+        )
         self._vision = hasattr(self.runner, "set_vision")  # images in prompts: eager prefill (vision_kv_runner.py)
         if self._vision:  # decode graphs where decode is the fused text layer (dense Qwen3-VL), not transformers' MoE
             self.use_graphs = self.use_graphs and self.runner.layer_args is not None

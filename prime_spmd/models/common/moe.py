@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from prime_spmd.kernels.moe.op import MoeImpl, moe_experts
+from prime_spmd.kernels.moe.reference import expert_counts
 
 
 class TopKRouter(nn.Module):
@@ -76,8 +77,26 @@ def load_balance_loss(probs_TE: torch.Tensor, ids_TK: torch.Tensor) -> tuple[tor
     """
     E = probs_TE.shape[-1]
     with torch.no_grad():
-        counts_E = torch.bincount(ids_TK.flatten(), minlength=E).float()
+        counts_E = expert_counts(ids_TK, E).float()
     return E * (counts_E / max(ids_TK.numel(), 1) * probs_TE.mean(0)).sum(), counts_E
+
+
+GRAPH_SAFE_IMPLS = ("triton", "grouped_mm")
+"""Experts kernels with no host sync (device-side sort, counts and tile schedule): a CUDA graph can hold the block.
+``reference`` loops over the experts a batch routes to (``torch.where``: a sync)."""
+
+
+def moe_graph_safe(model: nn.Module) -> bool:
+    """True when every mixture-of-experts module of ``model`` is a ``MoEBlock`` whose experts run a graph-safe kernel
+    (``GRAPH_SAFE_IMPLS``): the engine may capture its decode. Any other MoE module (a Hugging Face ``*Moe*`` block,
+    whose expert loop reads routed ids on the host) makes it False."""
+    for m in model.modules():
+        if isinstance(m, MoEBlock):
+            if m.experts.impl not in GRAPH_SAFE_IMPLS:
+                return False
+        elif "moe" in type(m).__name__.lower() and not any(isinstance(c, MoEBlock) for c in m.modules()):
+            return False
+    return True
 
 
 class MoEBlock(nn.Module):
