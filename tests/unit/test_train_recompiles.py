@@ -166,3 +166,27 @@ def test_compile_warmup_off_compiles_only_the_kinds_a_run_meets(monkeypatch) -> 
     train_step(policy, opt, sched, pack(samples, budget, ranks, share_prompts=True)[-1], loss_fn,
                device=torch.device("cpu"))  # fmt: skip
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+
+
+@pytest.mark.parametrize("warmup", [False, True])
+def test_compile_warmup_flag_reaches_the_policy_through_build_trainer(tmp_path, warmup) -> None:
+    """--trainer.compile_warmup from the job config through ``build_trainer`` to ``PolicyModel``: on, the first step
+    still has the warm-up to run; off (the default), there is none to run."""
+    from dataclasses import replace
+
+    from prime_spmd.config.sections import ModelConfig
+    from prime_spmd.distributed.groups import init_distributed
+    from prime_spmd.models.tiny import build_tiny_model
+    from prime_spmd.trainer.build import build_trainer
+    from tests.jobs import tiny_rl_cfg
+
+    model = build_tiny_model(tmp_path / "m", preset="qwen3-nano")
+    cfg = tiny_rl_cfg(tmp_path / "out", ModelConfig(path=str(model), impl="custom"), steps=1, lr=1e-3,
+                      max_async=0, num_inference=0)  # fmt: skip
+    cfg = replace(cfg, trainer=replace(cfg.trainer, compile_warmup=warmup))
+    ctx = init_distributed(cfg.topology)
+    try:
+        parts = build_trainer(cfg.model, cfg.trainer, cfg.optim, ctx)
+        assert parts.policy._warmed_up is (not warmup)
+    finally:
+        ctx.close()
