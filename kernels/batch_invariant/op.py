@@ -1,7 +1,7 @@
 """Entry points of the batch-invariant kernels (kernel.py), with autograd for the trainer.
 
 Forward runs the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1); backward uses plain PyTorch on the saved
-inputs, recomputing what it needs: only forward values must be batch-invariant (exact mode compares the trainer's
+inputs (the norms' and the SiLU-gate's written out in fp32, compiled on CUDA), recomputing what it needs: only forward values must be batch-invariant (exact mode compares the trainer's
 forward logprobs with the engine's). Every function takes tensors of any leading shape where it says so.
 
 Legend: see reference.py.
@@ -25,6 +25,50 @@ def check_device(t: torch.Tensor) -> None:
 def _flags(dtype: torch.dtype) -> tuple[bool, bool]:
     """(UPCAST, IEEE): the interpreter multiplies bf16 in fp32; fp32 inputs multiply in full fp32 (no TF32)."""
     return K.INTERPRET and dtype != torch.float32, dtype == torch.float32
+
+
+_BACKWARD_FNS: dict[str, object] = {}
+
+
+def _backward_fn(fn, t: torch.Tensor):
+    """``fn`` compiled (CUDA: the backward's elementwise math in a few fused kernels, shapes dynamic), else as is.
+    Re-running the forward under autograd for these gradients cost ~130 eager launches a layer, which left the exact
+    trainer's GPU idle 90% of a step (H100, 7ca65d2: docs/benchmarks.md "Exact mode")."""
+    if t.device.type != "cuda":
+        return fn
+    if fn.__name__ not in _BACKWARD_FNS:
+        _BACKWARD_FNS[fn.__name__] = torch.compile(fn, dynamic=True)
+    return _BACKWARD_FNS[fn.__name__]
+
+
+def rms_norm_backward(x, w, grad, eps: float):
+    """(d x, d w) of ``w * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)`` over the last dim, in fp32, rounded to the
+    inputs' dtypes: the gradient of ``rms_norm`` (and of the norm in ``rms_norm_rope``)."""
+    x32, g32 = x.float(), grad.float()
+    r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    xhat = x32 * r
+    gw = (g32 * xhat.to(x.dtype).float()).reshape(-1, x.shape[-1]).sum(0)
+    gxhat = g32 * w.float()
+    gx = r * (gxhat - xhat * (gxhat * xhat).mean(-1, keepdim=True))
+    return gx.to(x.dtype), gw.to(w.dtype)
+
+
+def rms_norm_rope_backward(x, w, grad, eps: float, cos, sin):
+    """(d x, d w) of ``rotate(rms_norm(x, w), cos, sin)`` for x [..., H, Dh], cos/sin [..., 1, Dh] (each token's rows):
+    RoPE's transpose, then the norm's gradient. rotate(y) = y cos + [-y2, y1] sin, so d y = g cos + [s2, -s1], s = g sin."""
+    g32 = grad.float()
+    s = g32 * sin.float()
+    half = s.shape[-1] // 2
+    gy = g32 * cos.float() + torch.cat((s[..., half:], -s[..., :half]), dim=-1)
+    return rms_norm_backward(x, w, gy, eps)
+
+
+def silu_mul_backward(g, u, grad):
+    """(d g, d u) of ``F.silu(g) * u`` in fp32, rounded to the inputs' dtypes."""
+    g32, u32, d32 = g.float(), u.float(), grad.float()
+    sig = torch.sigmoid(g32)
+    dg = d32 * u32 * sig * (1 + g32 * (1 - sig))
+    return dg.to(g.dtype), (d32 * g32 * sig).to(u.dtype)
 
 
 def _use_split(M: int, N: int, split: bool | None) -> bool:
@@ -193,11 +237,7 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, w = ctx.saved_tensors
-        with torch.enable_grad():
-            xd, wd = x.detach().requires_grad_(), w.detach().requires_grad_()
-            x32 = xd.float()
-            y = wd * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + ctx.eps)).to(x.dtype)
-            gx, gw = torch.autograd.grad(y, (xd, wd), grad)
+        gx, gw = _backward_fn(rms_norm_backward, x)(x, w, grad, ctx.eps)
         return gx, gw, None
 
 
@@ -232,14 +272,8 @@ class _RMSNormRope(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, w, cos_PDh, sin_PDh, pos_T = ctx.saved_tensors
-        with torch.enable_grad():
-            xd, wd = x.detach().requires_grad_(), w.detach().requires_grad_()
-            x32 = xd.float()
-            y = wd * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + ctx.eps)).to(x.dtype)
-            cos, sin = cos_PDh[pos_T][..., None, :], sin_PDh[pos_T][..., None, :]
-            half = y.shape[-1] // 2
-            out = y * cos + torch.cat((-y[..., half:], y[..., :half]), dim=-1) * sin
-            gx, gw = torch.autograd.grad(out, (xd, wd), grad)
+        cos, sin = cos_PDh[pos_T][..., None, :], sin_PDh[pos_T][..., None, :]
+        gx, gw = _backward_fn(rms_norm_rope_backward, x)(x, w, grad, ctx.eps, cos, sin)
         return gx, gw, None, None, None, None
 
 
@@ -273,9 +307,7 @@ class _SiluMul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         g, u = ctx.saved_tensors
-        with torch.enable_grad():
-            gd, ud = g.detach().requires_grad_(), u.detach().requires_grad_()
-            return torch.autograd.grad(F.silu(gd) * ud, (gd, ud), grad)
+        return _backward_fn(silu_mul_backward, g)(g, u, grad)
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -113,6 +113,12 @@ def test_silu_mul(device, dtype):
     y = op.silu_mul(g, u)
     assert _rel(y, ref.silu_mul_reference(g, u)) < RTOL[dtype]
     assert torch.equal(op.silu_mul(g[7:8], u[7:8]), y[7:8])
+    gg, ug = g.detach().requires_grad_(), u.detach().requires_grad_()
+    d = _rand(gen, 33, 300, dtype=dtype, device=device)
+    got = torch.autograd.grad(op.silu_mul(gg, ug), (gg, ug), d)
+    want = torch.autograd.grad(ref.silu_mul_reference(gg, ug), (gg, ug), d)
+    for a, e in zip(got, want):
+        assert a.dtype == e.dtype and _rel(a, e) < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -241,3 +247,29 @@ def test_rms_norm_rope(device, dtype):
     ref_out = rotate(ref.rms_norm_reference(xg, wg, 1e-6), cos[pos][:, :, None], sin[pos][:, :, None])
     for a, e in zip(got, torch.autograd.grad(ref_out, (xg, wg), g)):
         assert _rel(a, e) < (1e-5 if dtype == torch.float32 else 5e-2)
+
+
+def test_backward_math_compiles_whole_with_dynamic_shapes():
+    """The norms' and the SiLU-gate's backward (``_backward_fn`` compiles them on CUDA) trace into one graph each
+    (``fullgraph``), take another row count without a recompile, and give the eager function's values."""
+    from torch._dynamo.testing import CompileCounter
+
+    from prime_spmd.models.exact import rope_tables
+
+    gen = torch.Generator().manual_seed(7)
+    cos_t, sin_t = rope_tables(16, 10000.0, 64, "cpu", torch.bfloat16)
+    for fn in (op.rms_norm_backward, op.rms_norm_rope_backward, op.silu_mul_backward):
+        counter = CompileCounter()
+        compiled = torch.compile(fn, dynamic=True, fullgraph=True, backend=counter)
+        for rows in (5, 11):
+            if fn is op.silu_mul_backward:
+                args = tuple(_rand(gen, rows, 48, dtype=torch.bfloat16, device="cpu") for _ in range(3))
+            else:
+                x = _rand(gen, rows, 3, 16, dtype=torch.bfloat16, device="cpu")
+                args = (x, _rand(gen, 16, dtype=torch.bfloat16, device="cpu"), torch.randn_like(x), 1e-6)
+                if fn is op.rms_norm_rope_backward:
+                    pos = torch.randint(0, 64, (rows,), generator=gen)
+                    args += (cos_t[pos][:, None], sin_t[pos][:, None])
+            for a, e in zip(compiled(*args), fn(*args)):
+                assert torch.equal(a, e)
+        assert counter.frame_count == 1, (fn.__name__, counter.frame_count)
