@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_suite.sh PART OUTDIR [VARIANT]
 # PART: tests ["kernels unit" | "gpu exact"] | engine | prefill | loss | moe | train_step | weight_sync | env_bridge
 #       | rl_e2e [reverse_text | number_list] | sft_probe ["a b c" | name:steps:batch:lr:min_items:max_items]
-#       | scale [small | large | lora | moe | h200] | startup | fp8 [ops] | exact [train] | vlm [rl]
+#       | scale [small | large | lora | moe | h200 | anchor] | startup | fp8 [ops] | exact [train] | vlm [rl]
 # Each step has its own time limit, so that one slow step does not lose the others' results.
 set -uo pipefail
 PART=$1; OUT=${2:-/tmp/gpu_out}; VARIANT=${3:-}; mkdir -p "$OUT"
@@ -223,7 +223,18 @@ case $PART in
         # 2,048-token micro-batches: plan 113.5 GiB (131.4 at 4,096, which the plan now refuses: it ran out of memory at 090adcf before the
         # one-rank reduce buffer; 21 GiB of the H200 were cached but free then)
         scale scale_8b_offload --shape qwen3-8b --micro-batch-tokens 2048 --ours-flag=--trainer.offload --ours-flag=optimizer ;;
-      *) echo "scale: unknown variant ${VARIANT} (small, large, lora, moe, h200)" >&2; exit 2 ;;
+      anchor)  # beside NeMo-RL's anchor (2,478 trained tokens/s per H100, Llama-3.1-8B full fine-tuning, 4k sequences,
+        # 1-step off-policy): Qwen3-8B full fine-tuning, 4 prompts x 8 samples of 4,000 new tokens (~4.1k sequences),
+        # max_async 1, the optimizer offloaded, activation checkpointing, the KV cache released while the trainer
+        # steps. The plan says 107.3 GiB (a 141 GB card); ~55 s a step expected on an H200 (not yet run)
+        if [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -lt 100000 ]; then
+          echo "scale anchor: 8B full fine-tuning needs a 141 GB card (the memory plan would refuse it here)"; exit 2
+        fi
+        SCALE_LIMIT_S=${SCALE_LIMIT_S:-480}
+        scale scale_8b_anchor --shape qwen3-8b --sides ours1 --prompts 4 --max-tokens 4000 --steps 5 \
+          --micro-batch-tokens 8192 --ours-flag=--trainer.offload --ours-flag=optimizer \
+          --ours-flag=--trainer.activation_checkpointing --ours-flag=--inference.native.release_kv_cache ;;
+      *) echo "scale: unknown variant ${VARIANT} (small, large, lora, moe, h200, anchor)" >&2; exit 2 ;;
     esac ;;
   fp8)  # --inference.quantization fp8 beside bf16 (0.6B, 8B; batch 1, 64; decode steps past the FP8 GEMV on the Triton
     # tile kernel and on torch._scaled_mm: --fp8-tile-rows), the quantize time, mismatch KL, the FP8 KV cache (8B), CUDA
