@@ -1,8 +1,9 @@
 """Entry points of the batch-invariant kernels (kernel.py), with autograd for the trainer.
 
 Forward runs the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1); backward uses plain PyTorch on the saved
-inputs (the norms' and the SiLU-gate's written out in fp32, compiled on CUDA), recomputing what it needs: only forward values must be batch-invariant (exact mode compares the trainer's
-forward logprobs with the engine's). Every function takes tensors of any leading shape where it says so.
+inputs (the norms' and the SiLU-gate's written out in fp32, compiled on CUDA), recomputing what it needs: only
+forward values must be batch-invariant (exact mode compares the trainer's forward logprobs with the engine's).
+Every function takes tensors of any leading shape where it says so.
 
 Legend: see reference.py.
 """
@@ -55,7 +56,8 @@ def rms_norm_backward(x, w, grad, eps: float):
 
 def rms_norm_rope_backward(x, w, grad, eps: float, cos, sin):
     """(d x, d w) of ``rotate(rms_norm(x, w), cos, sin)`` for x [..., H, Dh], cos/sin [..., 1, Dh] (each token's rows):
-    RoPE's transpose, then the norm's gradient. rotate(y) = y cos + [-y2, y1] sin, so d y = g cos + [s2, -s1], s = g sin."""
+    RoPE's transpose, then the norm's gradient. rotate(y) = y cos + [-y2, y1] sin, so
+    d y = g cos + [s2, -s1] with s = g sin."""
     g32 = grad.float()
     s = g32 * sin.float()
     half = s.shape[-1] // 2

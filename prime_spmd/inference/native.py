@@ -133,7 +133,7 @@ class NativeEngine(InferenceEngine):
         self.vocab_size = self.runner.vocab_size
         self.batch_buckets = bucket_sizes(max_batch_size, 1, "pow2")
         self.len_buckets = bucket_sizes(max_model_len, min(256, max_model_len), "linear")
-        # MoE: graphs where every expert dispatch stays on the device (our MoEBlock on the triton or grouped_mm kernel;
+        # MoE: graphs where every expert dispatch stays on the device (our MoEBlock on the triton kernel;
         # not transformers' expert loop, which reads the routed ids on the host)
         self.use_graphs = (
             cuda_graphs and device.type == "cuda" and self.runner.cache is not None and moe_graph_safe(self.model)

@@ -81,9 +81,10 @@ def load_balance_loss(probs_TE: torch.Tensor, ids_TK: torch.Tensor) -> tuple[tor
     return E * (counts_E / max(ids_TK.numel(), 1) * probs_TE.mean(0)).sum(), counts_E
 
 
-GRAPH_SAFE_IMPLS = ("triton", "grouped_mm")
-"""Experts kernels with no host sync (device-side sort, counts and tile schedule): a CUDA graph can hold the block.
-``reference`` loops over the experts a batch routes to (``torch.where``: a sync)."""
+GRAPH_SAFE_IMPLS = ("triton",)
+"""Experts kernels a CUDA graph can hold: ``triton`` (device-side sort, counts and tile schedule; captured and
+replayed on the H100 by tests/gpu/test_moe_engine_graphs_gpu.py). ``reference`` loops over the experts a batch routes
+to (``torch.where``: a host sync); ``grouped_mm`` is not tried in a graph."""
 
 
 def moe_graph_safe(model: nn.Module) -> bool:
