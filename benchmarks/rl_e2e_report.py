@@ -126,6 +126,9 @@ def startup(run: dict, steady: list[dict]) -> dict:
         out["first_step_s"] = first["step_time_s"]
         if steady:
             out["first_step_excess_s"] = first["step_time_s"] - statistics.median(r["step_time_s"] for r in steady)
+        if first.get("engine_capture_s") is not None:  # the engine's CUDA-graph captures by the end of step 0
+            out["graphs_captured_by_first_step_end"] = first.get("engine_graphs_captured")
+            out["graph_capture_by_first_step_end_s"] = first["engine_capture_s"]
     if info:
         out["python_started_s"] = info.get("python_started_s")
         if "imports_done_s" in info:

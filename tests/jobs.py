@@ -32,9 +32,10 @@ from prime_spmd.config.sections import (
 ROOT = Path(__file__).resolve().parents[1]
 TIMING_KEYS = {
     "gen_time_s", "train_time_s", "weight_sync_s", "wait_s", "step_time_s", "gen_tokens_per_s", "train_tokens_per_s",
-    "train_fwd_bwd_s", "train_optim_s", "pack_time_s",
+    "train_fwd_bwd_s", "train_optim_s", "pack_time_s", "engine_capture_s", "engine_graphs_captured",
 }  # fmt: skip
-"""RL/SFT metrics that are wall-clock times or rates: they differ between runs that are otherwise identical."""
+"""RL/SFT metrics that are wall-clock times or rates, or counts of this process's CUDA graphs: they differ between
+runs that are otherwise identical (a resumed process captures its graphs again)."""
 
 
 def read_metrics(run: Path) -> list[dict]:

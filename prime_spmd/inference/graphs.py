@@ -8,12 +8,13 @@ and what outlives a replay lives in buffers allocated outside the pool.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
 
 # Prefills of up to this many padded tokens (row bucket x length bucket) run as captured CUDA graphs (CUDA, the slot
-# cache, no MoE): an eager prefill launches ~50 kernels a layer from Python, which for a small model costs far
+# cache, not transformers' MoE blocks): an eager prefill launches ~50 kernels a layer from Python, which for a small model costs far
 # more host time than GPU time (Qwen3-0.6B, one 128-token prompt, H200: a generate's first step 61.6 ms eager, 6.8 ms
 # with the graph; docs/benchmarks.md).
 PREFILL_GRAPH_MAX_TOKENS = 8192
@@ -25,10 +26,22 @@ class GraphPool:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._pool = None
+        self.captures = 0
+        """Graphs captured so far (decode and prefill)."""
+        self.capture_s = 0.0
+        """Host seconds spent in ``capture`` so far, warm-ups included (their compiles too): what a run pays for
+        graphs when it first meets a shape (``NativeEngine.graph_stats``)."""
 
     def capture(self, fn: Callable[[], object], warmups: int) -> torch.cuda.CUDAGraph:
         """Run ``fn`` ``warmups`` times on a side stream (compiles, cuBLAS / SDPA workspaces, allocator first use),
         then capture it into a CUDA graph in the pool."""
+        t0 = time.perf_counter()
+        graph = self._capture(fn, warmups)
+        self.captures += 1
+        self.capture_s += time.perf_counter() - t0  # capture synchronizes the device, so the warm-ups are in it
+        return graph
+
+    def _capture(self, fn: Callable[[], object], warmups: int) -> torch.cuda.CUDAGraph:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):

@@ -248,6 +248,12 @@ class NativeEngine(InferenceEngine):
         """The KV cache's memory (``SlotKVCache.stats`` / ``PagedKVCache.stats``); empty without a cache."""
         return self.runner.cache.stats() if self.runner.cache is not None else {}
 
+    def graph_stats(self) -> dict[str, float]:
+        """CUDA graphs captured so far and the host seconds their captures took (warm-ups and their compiles
+        included): the share of a first generation that a warm compile cache cannot save. Zeros without graphs."""
+        pool = self._graph_pool
+        return {"engine_graphs_captured": float(pool.captures), "engine_capture_s": pool.capture_s}
+
     def has_unfinished(self) -> bool:
         return bool(self.sched.waiting or self.sched.running or self._pending)
 

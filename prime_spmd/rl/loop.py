@@ -370,6 +370,9 @@ class _TrainerLoop:
             **router_metrics(stats),
         }
         m["gen_time_s"] = gen_s or bm["gen_time_s"]  # generated during this step (colocated), else the batch's own
+        graph_stats = getattr(self.engine, "graph_stats", None)  # this rank's native engine: captures so far
+        if graph_stats is not None:
+            m.update(graph_stats())
         self._receive_due_evals(j)
         # A row holds one eval (w_v, eval_step v); an older one arriving with it (disjoint, last steps) is
         # written first as a row of its own. The final weights' eval waits for the row of step n.

@@ -48,6 +48,8 @@ def test_rl_e2e_runs_our_sides_and_writes_results(tmp_path) -> None:
         )
         st = s["startup"]  # the start-up spans of --timed-child, before the first step
         assert 0 < st["imports_done_s"] < st["engine_build_starts_at_s"] < st["time_to_first_step_s"]
+        # the engine's graph captures by the end of step 0, from its metrics row (none on CPU)
+        assert st["graphs_captured_by_first_step_end"] == 0 and st["graph_capture_by_first_step_end_s"] == 0
         # whole run: every step (the warm-up included), and the subprocess's wall time around them
         run = res["runs"][k]
         assert s["steps_done"] == 5 and s["all_steps_s"] == pytest.approx(sum(r["step_time_s"] for r in run["steps"]))

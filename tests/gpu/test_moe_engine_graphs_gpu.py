@@ -51,6 +51,9 @@ def test_moe_decode_graphs_match_eager(tmp_path):
     same = sum(a.token_ids == b.token_ids for a, b in zip(got, want))
     assert same == len(want), f"{same}/{len(want)} greedy completions equal between graphs and eager"
     assert engines[True]._graphs  # decode replayed captured graphs
+    stats = engines[True].graph_stats()
+    assert stats["engine_graphs_captured"] >= len(engines[True]._graphs) and stats["engine_capture_s"] > 0
+    assert engines[False].graph_stats()["engine_graphs_captured"] == 0
     sampled = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=3)
     got, want = (engines[g].generate(_requests(sampled)) for g in (True, False))
     for a, b in zip(got, want):

@@ -543,3 +543,19 @@ def test_engine_warmup_flag_runs_every_bucket_only_when_on(model_dir, monkeypatc
     icfg.native.warmup = warmup
     eng = factory.build_engine(icfg, ModelConfig(path=str(model_dir)), torch.device("cpu"), 64)
     assert calls == ([eng] if warmup == "on" else [])
+
+
+def test_graph_stats_count_captures_and_their_seconds(model_dir, monkeypatch) -> None:
+    """``graph_stats`` (step metrics ``engine_graphs_captured`` / ``engine_capture_s``): zeros without graphs; each
+    ``GraphPool.capture`` adds one graph and the seconds it took (the capture itself stood in for: CPU)."""
+    import time
+
+    from prime_spmd.inference.graphs import GraphPool
+
+    eng, _, _ = _engine(model_dir, torch.device("cpu"), max_batch_size=2)
+    assert eng.graph_stats() == {"engine_graphs_captured": 0.0, "engine_capture_s": 0.0}
+    monkeypatch.setattr(GraphPool, "_capture", lambda self, fn, warmups: time.sleep(0.01) or "graph")
+    assert eng._graph_pool.capture(lambda: None, warmups=2) == "graph"
+    eng._graph_pool.capture(lambda: None, warmups=2)
+    stats = eng.graph_stats()
+    assert stats["engine_graphs_captured"] == 2.0 and stats["engine_capture_s"] >= 0.02
