@@ -28,7 +28,7 @@ def _flags(dtype: torch.dtype) -> tuple[bool, bool]:
     return K.INTERPRET and dtype != torch.float32, dtype == torch.float32
 
 
-_BACKWARD_FNS: dict[str, object] = {}
+_BACKWARD_FNS: dict[object, object] = {}
 
 
 def _backward_fn(fn, t: torch.Tensor):
@@ -37,9 +37,9 @@ def _backward_fn(fn, t: torch.Tensor):
     trainer's GPU idle 90% of a step (H100, 7ca65d2: docs/benchmarks.md "Exact mode")."""
     if t.device.type != "cuda":
         return fn
-    if fn.__name__ not in _BACKWARD_FNS:
-        _BACKWARD_FNS[fn.__name__] = torch.compile(fn, dynamic=True)
-    return _BACKWARD_FNS[fn.__name__]
+    if fn not in _BACKWARD_FNS:
+        _BACKWARD_FNS[fn] = torch.compile(fn, dynamic=True)
+    return _BACKWARD_FNS[fn]
 
 
 def rms_norm_backward(x, w, grad, eps: float):

@@ -14,9 +14,9 @@ from collections.abc import Callable
 import torch
 
 # Prefills of up to this many padded tokens (row bucket x length bucket) run as captured CUDA graphs (CUDA, the slot
-# cache, not transformers' MoE blocks): an eager prefill launches ~50 kernels a layer from Python, which for a small model costs far
-# more host time than GPU time (Qwen3-0.6B, one 128-token prompt, H200: a generate's first step 61.6 ms eager, 6.8 ms
-# with the graph; docs/benchmarks.md).
+# cache, not transformers' MoE blocks): an eager prefill launches ~50 kernels a layer from Python, which for a small
+# model costs far more host time than GPU time (Qwen3-0.6B, one 128-token prompt, H200: a generate's first step
+# 61.6 ms eager, 6.8 ms with the graph; docs/benchmarks.md).
 PREFILL_GRAPH_MAX_TOKENS = 8192
 
 
