@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_suite.sh PART OUTDIR [VARIANT]
 # PART: tests ["kernels unit" | "gpu exact"] | engine | prefill | loss | moe | train_step | weight_sync | env_bridge
 #       | rl_e2e [reverse_text | number_list] | sft_probe ["a b c" | name:steps:batch:lr:min_items:max_items]
-#       | scale [small | large | lora | moe | h200 | anchor] | startup | fp8 [ops] | exact [train] | vlm [rl]
+#       | scale [small | large | lora | moe | h200 | anchor] | startup [RUNS] | fp8 [ops] | exact [train] | vlm [rl]
 # Each step has its own time limit, so that one slow step does not lose the others' results.
 set -uo pipefail
 PART=$1; OUT=${2:-/tmp/gpu_out}; VARIANT=${3:-}; mkdir -p "$OUT"
@@ -119,17 +119,20 @@ case $PART in
     # reaches), 2 steps a run: the defaults (each decode bucket captured and each block-input kind compiled by the
     # first step that meets it) with an empty compile cache (cold), the defaults again (warm cache), then everything
     # up front (--inference.native.warmup=on --trainer.compile_warmup) from an empty cache of its own (eager_cold);
-    # ~7 min. results.json's `startup` per run. At 667582b (H100), when up front was the default: cold 73.0 s to the
-    # first step, warm 27.1 s, lazy from a cold cache 32.0 s
-    for v in cold warm eager_cold; do
+    # results.json's `startup` per run. VARIANT: the runs (default "cold warm warm_sampled", ~4 min); warm_sampled is
+    # warm again with its threads' stacks sampled for its first 60 s (benchmarks/stack_sampler.py:
+    # `startup.profile_to_first_step`, seconds per function before the first step; a run of its own, so the sampler
+    # does not touch the warm figure). At 667582b (H100), when up front was the default: cold 73.0 s to the first step,
+    # warm 27.1 s, lazy from a cold cache 32.0 s; at 8dd7cf1 (lazy default) cold 29.1 s, warm 18.0 s
+    for v in ${VARIANT:-cold warm warm_sampled}; do
       flags=(); lim=190; C=/tmp/startup_cache_default
       case $v in
         cold) rm -rf "$C" ;;
-        warm) lim=110 ;;  # the cold run's cache
+        warm | warm_sampled) lim=110 ;;  # the cold run's cache
         eager_cold) C=/tmp/startup_cache_eager; rm -rf "$C"
           flags=(--ours-flag=--inference.native.warmup=on --ours-flag=--trainer.compile_warmup) ;;
       esac
-      run "startup_$v" $((lim + 20)) python3 benchmarks/rl_e2e.py --device cuda --task number_list --shape qwen3-0.6b --no-sft \
+      run "startup_$v" $((lim + 20)) env PRIME_BENCH_SAMPLE_S=$([ "$v" = warm_sampled ] && echo 60 || echo 0) python3 benchmarks/rl_e2e.py --device cuda --task number_list --shape qwen3-0.6b --no-sft \
         --sides ours1 --no-eval --tokenizer-files .whl/qwen3-tokenizer --steps 2 --warmup 1 --prompts 16 --group-size 8 \
         --max-tokens 512 --lr 1e-6 --micro-batch-tokens 16384 --ours-flag=--rollout.advantage \
         --ours-flag=benchmarks/speed_advantages.py:alternating "${flags[@]}" --rl-limit-s $lim --budget-s $((lim + 10)) \

@@ -345,6 +345,8 @@ def run_ours(k: int, rep: int, seed: int, model: Path, args: argparse.Namespace,
     r.update(split_rows(rows, r.pop("arrivals_s", [])))
     if timing.is_file():
         r["startup_spans"] = json.loads(timing.read_text())
+    if (d / "startup_stacks.json").is_file():
+        r["startup_stacks"] = str(d / "startup_stacks.json")
     return r
 
 
@@ -359,6 +361,13 @@ def timed_child(timing_path: str, argv: list[str]) -> None:
 
     t0 = float(os.environ.get("PRIME_BENCH_T0_UNIX", time.time()))
     spans: dict = {"python_started_s": time.time() - t0, "spans": []}
+    if float(os.environ.get("PRIME_BENCH_SAMPLE_S", 0)) > 0:  # the first seconds' stacks (stack_sampler.py)
+        import atexit
+
+        from benchmarks.stack_sampler import StackSampler
+
+        sampler = StackSampler(t0, float(os.environ["PRIME_BENCH_SAMPLE_S"])).start()
+        atexit.register(sampler.dump, str(Path(timing_path).with_name("startup_stacks.json")))
 
     def dump() -> None:
         Path(timing_path).write_text(json.dumps(spans, indent=1))

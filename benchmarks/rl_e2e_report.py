@@ -136,6 +136,11 @@ def startup(run: dict, steady: list[dict]) -> dict:
         for name, a, b in info.get("spans", []):
             out[f"{name}_s"] = out.get(f"{name}_s", 0.0) + (b - a)
             out.setdefault(f"{name}_starts_at_s", a)
+    stacks = run.get("startup_stacks")
+    if stacks and Path(stacks).is_file() and "time_to_first_step_s" in out:  # PRIME_BENCH_SAMPLE_S: where it went
+        from benchmarks.stack_sampler import summarize
+
+        out["profile_to_first_step"] = summarize(json.loads(Path(stacks).read_text()), 0.0, out["time_to_first_step_s"])
     return out
 
 

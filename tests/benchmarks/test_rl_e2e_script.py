@@ -5,6 +5,7 @@ About 30 s on 2 cores."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,8 @@ def test_rl_e2e_runs_our_sides_and_writes_results(tmp_path) -> None:
     cmd = [sys.executable, str(ROOT / "benchmarks/rl_e2e.py"), "--device", "cpu", "--sft-model", str(model),
            "--out", str(out), "--sides", "ours0,ours1,trl", "--steps", "5", "--warmup", "1", "--prompts", "2",
            "--group-size", "2", "--max-tokens", "4", "--no-eval", "--eval-interval", "2", "--eval-examples", "4"]  # fmt: skip
-    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=300)
+    env = {**os.environ, "PRIME_BENCH_SAMPLE_S": "120"}  # the start-up's stack samples (benchmarks/stack_sampler.py)
+    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=300, env=env)
     res = json.loads((out / "results.json").read_text())
     sides = [s["side"] for s in res["summary"]]
     assert sides == ["prime-spmd max_async 0", "prime-spmd max_async 1"]  # no --trl-python: TRL skipped
@@ -50,6 +52,12 @@ def test_rl_e2e_runs_our_sides_and_writes_results(tmp_path) -> None:
         assert 0 < st["imports_done_s"] < st["engine_build_starts_at_s"] < st["time_to_first_step_s"]
         # the engine's graph captures by the end of step 0, from its metrics row (none on CPU)
         assert st["graphs_captured_by_first_step_end"] == 0 and st["graph_capture_by_first_step_end_s"] == 0
+        # where the time to the first step went: the main thread's samples, its entry point on every stack
+        prof = st["profile_to_first_step"]["threads"]["MainThread"]
+        assert prof["sampled_s"] == pytest.approx(st["time_to_first_step_s"] - st["python_started_s"], abs=1.0)
+        inclusive = dict(prof["inclusive_s"])
+        assert inclusive["benchmarks/rl_e2e.py:timed_child"] == pytest.approx(prof["sampled_s"], abs=0.05)
+        assert 0 < inclusive["inference/factory.py:build_engine"] < inclusive["prime_spmd/__main__.py:main"]
         # whole run: every step (the warm-up included), and the subprocess's wall time around them
         run = res["runs"][k]
         assert s["steps_done"] == 5 and s["all_steps_s"] == pytest.approx(sum(r["step_time_s"] for r in run["steps"]))

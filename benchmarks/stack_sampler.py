@@ -1,0 +1,96 @@
+"""A wall-clock stack sampler for start-up profiles: where a process's threads spend their first seconds.
+
+``rl_e2e.py --timed-child`` starts one when PRIME_BENCH_SAMPLE_S is set (seconds to sample, from the process's
+launch): a daemon thread reads every thread's Python stack (``sys._current_frames``) each ``interval_s`` and
+``dump`` writes the samples, their stacks stored once each, as JSON. ``summarize`` turns them into seconds per
+function (inclusive: a function counts once a sample wherever it sits in the stack; exclusive: the innermost frame)
+over a window, e.g. the launch to the first step's start (rl_e2e_report.py ``startup_profile``). Wall time, not CPU
+time: a frame waiting on the GPU, a lock or the disk counts as its caller's time. Unlike cProfile it does not slow
+the Python it measures (one stack walk a thread every 5 ms), so the start-up it times stays comparable.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+
+def frame_name(code) -> str:
+    """``dir/file.py:function`` (the file's last two path parts), the key a profile sums over."""
+    parts = code.co_filename.replace("\\", "/").rsplit("/", 2)
+    return f"{'/'.join(parts[-2:])}:{code.co_name}"
+
+
+class StackSampler:
+    """Samples every thread's Python stack (outermost frame first) each ``interval_s`` for ``duration_s``;
+    times are seconds since ``t0`` (a ``time.time()``). Start with ``start()``; ``dump(path)`` writes what it has."""
+
+    def __init__(self, t0: float, duration_s: float, interval_s: float = 0.005):
+        self.t0, self.duration_s, self.interval_s = t0, duration_s, interval_s
+        self.stacks: dict[tuple[str, ...], int] = {}
+        self.samples: list[tuple[float, str, int, float]] = []  # (time, thread name, stack id, seconds it stands for)
+        self._thread = threading.Thread(target=self._run, name="stack-sampler", daemon=True)
+
+    def start(self) -> StackSampler:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        me, prev = threading.get_ident(), time.time() - self.t0
+        while (now := time.time() - self.t0) < self.duration_s:
+            # a tick stands for the time since the last: the sampler waits for the GIL (up to the 5 ms switch
+            # interval) on top of its sleep, so ticks come less often than interval_s while a thread holds it
+            weight, prev = round(now - prev, 5), now
+            names = {t.ident: t.name for t in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                stack = []
+                while frame is not None:
+                    stack.append(frame_name(frame.f_code))
+                    frame = frame.f_back
+                key = tuple(reversed(stack))
+                sid = self.stacks.setdefault(key, len(self.stacks))
+                self.samples.append((round(now, 4), names.get(ident, str(ident)), sid, weight))
+            time.sleep(self.interval_s)
+
+    def dump(self, path: str | Path) -> None:
+        stacks = [list(k) for k, _ in sorted(self.stacks.items(), key=lambda kv: kv[1])]
+        Path(path).write_text(json.dumps({"interval_s": self.interval_s, "stacks": stacks, "samples": self.samples}))
+
+
+def summarize(profile: dict, start_s: float, end_s: float, top: int = 40) -> dict:
+    """Seconds per function over [start_s, end_s) per thread, each sample weighted by the seconds it stands for:
+    ``inclusive`` (the function anywhere on the stack; not the import machinery's ``<frozen ...>`` frames) and
+    ``exclusive`` (the innermost frame), the ``top`` of each, largest first."""
+    stacks = profile["stacks"]
+    out: dict = {"window_s": [start_s, end_s], "interval_s": profile["interval_s"], "threads": {}}
+    per_thread: dict[str, tuple[Counter, Counter, list[float]]] = {}
+    for t, thread, sid, w in profile["samples"]:
+        if not start_s <= t < end_s:
+            continue
+        inc, exc, n = per_thread.setdefault(thread, (Counter(), Counter(), [0.0]))
+        stack = stacks[sid]
+        for name in set(stack):
+            if not name.startswith("<frozen"):  # the import machinery's frames: on every import's stack
+                inc[name] += w
+        if stack:
+            exc[stack[-1]] += w
+        n[0] += w
+    for thread, (inc, exc, n) in per_thread.items():
+        out["threads"][thread] = {
+            "sampled_s": round(n[0], 3),
+            "inclusive_s": [[k, round(c, 3)] for k, c in inc.most_common(top)],
+            "exclusive_s": [[k, round(c, 3)] for k, c in exc.most_common(top)],
+        }
+    return out
+
+
+if __name__ == "__main__":  # python benchmarks/stack_sampler.py PROFILE.json END_S [START_S]: print a summary
+    prof = json.loads(Path(sys.argv[1]).read_text())
+    start = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
+    print(json.dumps(summarize(prof, start, float(sys.argv[2])), indent=1))
