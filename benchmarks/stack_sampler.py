@@ -58,9 +58,20 @@ class StackSampler:
                 self.samples.append((round(now, 4), names.get(ident, str(ident)), sid, weight))
             time.sleep(self.interval_s)
 
-    def dump(self, path: str | Path) -> None:
+    def stop(self) -> dict:
+        """End the sampling (waits for the thread's last tick); returns ``profile()``."""
+        self.duration_s = 0.0
+        self._thread.join()
+        return self.profile()
+
+    def profile(self) -> dict:
+        """The samples so far: ``interval_s``, ``stacks`` (lists of frame names, by id), ``samples``."""
+        n = len(self.samples)  # the thread may be appending: a sample's stack is stored before the sample
         stacks = [list(k) for k, _ in sorted(self.stacks.items(), key=lambda kv: kv[1])]
-        Path(path).write_text(json.dumps({"interval_s": self.interval_s, "stacks": stacks, "samples": self.samples}))
+        return {"interval_s": self.interval_s, "stacks": stacks, "samples": self.samples[:n]}
+
+    def dump(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.profile()))
 
 
 def summarize(profile: dict, start_s: float, end_s: float, top: int = 40) -> dict:

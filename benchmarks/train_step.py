@@ -69,6 +69,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--profile-steps", type=int, default=2, help="steps under torch.profiler (0: none)")
     p.add_argument("--top", type=int, default=20, help="ops listed per profile table")
+    p.add_argument("--sample-steps", type=int, default=2,
+                   help="steps after the timed ones with the host's Python stacks sampled every 2 ms "
+                   "(benchmarks/stack_sampler.py: where a host-bound step's time goes, without the profiler's "
+                   "own cost; 0: none)")  # fmt: skip
     p.add_argument("--variants", default="default:", help="';'-separated name:key=value,... (TrainerConfig fields)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak for MFU (H200: 989)")
     p.add_argument("--seed", type=int, default=0)
@@ -205,7 +209,7 @@ def run_variant(name: str, overrides: dict[str, str], model_dir: Path, args: arg
     loss_fn = make_rl_loss(cfg.loss)
     vocab = parts.policy.adapter.dims().vocab_size
     batches = []  # every variant sees the same sequence of batches
-    for i in range(1 if args.same_batch else args.warmup + args.steps + args.profile_steps):
+    for i in range(1 if args.same_batch else args.warmup + args.steps + args.sample_steps + args.profile_steps):
         batch_args = argparse.Namespace(**{**vars(args), "seed": args.seed + i})
         samples = synthetic_samples(batch_args, vocab)  # packed as rl.py packs them (shared prompts counted once)
         batches.append(pack(samples, cfg.trainer.micro_batch_tokens, 1, share_prompts=parts.policy.share_prompts)[0])
@@ -247,6 +251,15 @@ def run_variant(name: str, overrides: dict[str, str], model_dir: Path, args: arg
         mfu=(flops / med["step_s"] / (args.peak_tflops * 1e12)) if device.type == "cuda" else None,
         peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
     )
+    if args.sample_steps:
+        from benchmarks.stack_sampler import StackSampler, summarize
+
+        t0 = time.time()
+        sampler = StackSampler(t0, duration_s=1e9, interval_s=0.002).start()
+        sampled = [step()["step_s"] for _ in range(args.sample_steps)]
+        prof = sampler.stop()
+        main_thread = summarize(prof, 0.0, time.time() - t0, top=args.top * 2)["threads"].get("MainThread", {})
+        result["stacks"] = dict(steps=args.sample_steps, step_s=sampled, main_thread=main_thread)
     if args.profile_steps:
         from torch.profiler import ProfilerActivity, profile
 

@@ -35,6 +35,8 @@ def test_sampler_finds_the_function_a_thread_waits_in(tmp_path) -> None:
     time.sleep(0.1)
     sampler.dump(tmp_path / "s.json")
     prof = json.loads((tmp_path / "s.json").read_text())
+    assert [list(x) for x in sampler.stop()["samples"][: len(prof["samples"])]] == prof["samples"]  # stop(): the same
+    assert not sampler._thread.is_alive()
     main = summarize(prof, 0.0, time.time() - t0)["threads"]["MainThread"]
     inclusive = dict(main["inclusive_s"])
     # sleeping 0.4 s in sleepy: about 0.4 s of samples there (loose: a loaded 2-core machine delays the sampler)

@@ -29,6 +29,11 @@ def test_train_step_script_cpu(tmp_path: Path) -> None:
     assert shared["model_tokens"] < unshared["model_tokens"] == unshared["packed_tokens"]  # prompts forwarded once
     for v in got["variants"]:
         assert len(v["step_s"]) == 2 and v["median"]["step_s"] > 0 and v["profile"]["top_host"]
+        # the sampled steps' host stacks: the trainer's step on (nearly) every sample of the main thread
+        st = v["stacks"]
+        assert st["steps"] == 2 and len(st["step_s"]) == 2
+        inclusive = dict(st["main_thread"]["inclusive_s"])
+        assert 0.8 * sum(st["step_s"]) < inclusive["trainer/step.py:train_step"] <= st["main_thread"]["sampled_s"]
 
 
 @pytest.mark.parametrize("spec", ["a:nonsense=1", "a:share_prompts=maybe", "a:compile"])
