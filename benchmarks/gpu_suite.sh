@@ -138,6 +138,8 @@ case $PART in
         --ours-flag=benchmarks/speed_advantages.py:alternating "${flags[@]}" --rl-limit-s $lim --budget-s $((lim + 10)) \
         --compile-cache "$C" --out "/tmp/startup_$v"
       cp "/tmp/startup_$v/results.json" "$OUT/startup_$v.json" 2> /dev/null
+      # the raw samples (warm_sampled): `python benchmarks/stack_sampler.py FILE END_S 0 FUNCTION` splits a function
+      cp /tmp/startup_"$v"/ours_k1_r0/startup_stacks.json "$OUT/startup_${v}_stacks.json" 2> /dev/null
       for f in /tmp/startup_"$v"/*.log; do cp "$f" "$OUT/startup_${v}_$(basename "$f")" 2> /dev/null; done
     done ;;
   sft_probe)  # candidate SFT recipes for the learning benchmark (rl_e2e number_list), back to back at the 0.6B shape:

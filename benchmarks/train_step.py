@@ -258,8 +258,10 @@ def run_variant(name: str, overrides: dict[str, str], model_dir: Path, args: arg
         sampler = StackSampler(t0, duration_s=1e9, interval_s=0.002).start()
         sampled = [step()["step_s"] for _ in range(args.sample_steps)]
         prof = sampler.stop()
-        main_thread = summarize(prof, 0.0, time.time() - t0, top=args.top * 2)["threads"].get("MainThread", {})
-        result["stacks"] = dict(steps=args.sample_steps, step_s=sampled, main_thread=main_thread)
+        # every thread: on CUDA the autograd engine runs the backward (custom Functions' Python included) on a
+        # device thread of its own, not the main thread
+        threads = summarize(prof, 0.0, time.time() - t0, top=args.top * 2)["threads"]
+        result["stacks"] = dict(steps=args.sample_steps, step_s=sampled, threads=threads)
     if args.profile_steps:
         from torch.profiler import ProfilerActivity, profile
 

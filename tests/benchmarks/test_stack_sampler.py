@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from benchmarks.stack_sampler import StackSampler, summarize
+from benchmarks.stack_sampler import StackSampler, children, summarize
 
 
 def test_summarize_counts_inclusive_once_a_sample_and_exclusive_at_the_leaf() -> None:
@@ -42,3 +42,14 @@ def test_sampler_finds_the_function_a_thread_waits_in(tmp_path) -> None:
     # sleeping 0.4 s in sleepy: about 0.4 s of samples there (loose: a loaded 2-core machine delays the sampler)
     assert inclusive["benchmarks/test_stack_sampler.py:sleepy"] == pytest.approx(0.4, abs=0.15)
     assert "stack-sampler" not in summarize(prof, 0.0, 99.0)["threads"]
+
+
+def test_children_splits_a_functions_time_by_the_frames_it_called() -> None:
+    prof = {"interval_s": 1.0, "stacks": [["m:main", "a:f", "<frozen i>:load", "b:g"], ["m:main", "a:f"],
+                                         ["m:main", "c:h"], ["m:main", "a:f", "a:f", "d:k"]],
+            "samples": [[0.0, "MainThread", 0, 1.0], [1.0, "MainThread", 1, 0.5], [2.0, "MainThread", 2, 1.0],
+                        [3.0, "MainThread", 3, 2.0], [4.0, "T", 0, 1.0], [9.0, "MainThread", 0, 1.0]]}  # fmt: skip
+    # f's callees: g (the import frame between them skipped), f itself once more (recursion: the outermost f's
+    # callee), and its own time; h is not under f; thread T and the sample at 9.0 are outside
+    assert children(prof, "a:f", 0.0, 5.0) == [["a:f", 2.0], ["b:g", 1.0], ["<self>", 0.5]]
+    assert children(prof, "m:main", 0.0, 5.0) == [["a:f", 3.5], ["c:h", 1.0]]

@@ -32,8 +32,9 @@ def test_train_step_script_cpu(tmp_path: Path) -> None:
         # the sampled steps' host stacks: the trainer's step on (nearly) every sample of the main thread
         st = v["stacks"]
         assert st["steps"] == 2 and len(st["step_s"]) == 2
-        inclusive = dict(st["main_thread"]["inclusive_s"])
-        assert 0.8 * sum(st["step_s"]) < inclusive["trainer/step.py:train_step"] <= st["main_thread"]["sampled_s"]
+        main = st["threads"]["MainThread"]
+        inclusive = dict(main["inclusive_s"])
+        assert 0.8 * sum(st["step_s"]) < inclusive["trainer/step.py:train_step"] <= main["sampled_s"]
 
 
 @pytest.mark.parametrize("spec", ["a:nonsense=1", "a:share_prompts=maybe", "a:compile"])
