@@ -266,8 +266,9 @@ case $PART in
     run tests_fp8 240 python3 -m pytest -q -rf -p no:cacheprovider -o addopts="" $FP8_TESTS ;;
   exact)  # --model.exact: bit-exactness on CUDA first, then its cost (engine tokens/s, trainer step) and mismatch KL; ~6 min
     train_exact() { run train_step_exact 150 python3 benchmarks/train_step.py --device cuda --shape qwen3-0.6b \
-      --tokenizer-files .whl/qwen3-tokenizer --variants "default:;exact:exact=1" --out "$OUT/train_step_exact"; }
-    if [ "${VARIANT:-}" = train ]; then train_exact; exit 0; fi  # the trainer step alone (default beside exact), ~2 min
+      --tokenizer-files .whl/qwen3-tokenizer --variants "${EXACT_VARIANTS:-default:;exact:exact=1}" --out "$OUT/train_step_exact"; }
+    # the trainer step alone (default beside exact), ~2 min; EXACT_VARIANTS="exact:exact=1": exact only (its stacks)
+    if [ "${VARIANT:-}" = train ]; then train_exact; exit 0; fi
     run tests_exact 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/gpu/test_exact_mode_gpu.py
     run engine_exact 120 python3 benchmarks/engine.py $E06 --batch-sizes 1,64 --engine native-custom --exact off,on --out "$OUT/engine_exact.json"
     train_exact
