@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -28,8 +29,10 @@ def build_engine(
     tp: int = 1,
     seed: int = 0,
     share_from: torch.nn.Module | None = None,
+    tokenizer: Any | None = None,
 ) -> InferenceEngine:
-    """Load the model and tokenizer of ``model_cfg`` and wrap them in the configured engine.
+    """Load the model and tokenizer of ``model_cfg`` and wrap them in the configured engine (the native engine takes
+    ``tokenizer``, ``model_cfg``'s already loaded, where given: the colocated trainer's).
 
     ``seq_len`` is the KV-cache length per sequence unless ``--inference.max_model_len`` is set.
     Both engines run in bfloat16 on CUDA and float32 on CPU unless ``--model.dtype`` says otherwise.
@@ -74,7 +77,7 @@ def build_engine(
             f"tensors), {report.owned_bytes / 2**30:.2f} GiB its own ({report.owned}: trained, LoRA-merged or fused)"
         )
     native = inference_cfg.native
-    tokenizer = load_tokenizer(model_cfg)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_cfg)
     engine = NativeEngine(
         model,
         tokenizer,

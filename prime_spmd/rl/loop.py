@@ -30,6 +30,7 @@ import pickle
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -101,7 +102,7 @@ class _TrainerLoop:
         engine: InferenceEngine | None,
         stop: StopSignal,
         plan: memory.MemoryPlan | None = None,
-        engine_builder: Callable[[torch.nn.Module], InferenceEngine] | None = None,
+        engine_builder: Callable[[torch.nn.Module, Any], InferenceEngine] | None = None,
     ) -> None:
         """``engine_builder``: build this rank's engine from the trainer's LM once the trainer is built (colocated
         LoRA: the engine reads the frozen base in place, ``inference/shared_weights.py``); else ``engine``."""
@@ -112,9 +113,11 @@ class _TrainerLoop:
         self.topo = ctx.topo
         self.out = Path(cfg.output_dir)
         with memory.phase("the trainer's build (model load, LoRA, FSDP2)", plan):
-            self.parts = build_trainer(cfg.model, cfg.trainer, cfg.optim, ctx)
+            # colocated: the engine's tokenizer (both load --model's), so the process loads it once
+            tokenizer = getattr(engine, "tokenizer", None)
+            self.parts = build_trainer(cfg.model, cfg.trainer, cfg.optim, ctx, tokenizer=tokenizer)
         if engine_builder is not None:
-            engine = self.engine = engine_builder(self.parts.policy.lm)
+            engine = self.engine = engine_builder(self.parts.policy.lm, self.parts.tokenizer)
         if self.topo.rank == 0:
             warn_unshared_prompts(cfg, self.parts.policy)
             settings = resolved_settings(
@@ -465,11 +468,11 @@ def _run_rl(cfg: RLJobConfig, stop: StopSignal) -> dict[str, float]:
         if cfg.inference.engine == "native" and topo.engine_tp > 1:
             raise ValueError("--topology.engine_tp > 1 needs --inference.engine=vllm (the native engine runs tp 1)")
 
-        def builder(share_from: torch.nn.Module | None = None) -> InferenceEngine:
+        def builder(share_from: torch.nn.Module | None = None, tokenizer: Any | None = None) -> InferenceEngine:
             with memory.phase("the engine's build", plan):
                 return build_engine(
                     cfg.inference, cfg.model, ctx.device, cfg.trainer.seq_len, tp=topo.engine_tp,
-                    seed=cfg.trainer.seed, share_from=share_from,
+                    seed=cfg.trainer.seed, share_from=share_from, tokenizer=tokenizer,
                 )  # fmt: skip
 
         # colocated LoRA with one trainer rank: the engine is built after the trainer and reads its frozen bf16 base
