@@ -59,14 +59,19 @@ class SharedRows:
     """int64 [S]: the prefix row of each suffix row"""
     start_S: torch.Tensor
     """int64 [S]: each suffix row's first position (its group's prefix length)"""
+    slot_SW: torch.Tensor | None = None
+    """int64 [S, Sw]: where each suffix token sits in its key row (``start_S[s] + w``); built by the first ``keys``
+    call and reused by every layer's K and V (2 x layers calls a step)"""
 
     def keys(self, prefix_GPNkvDh: torch.Tensor, suffix_SWNkvDh: torch.Tensor) -> torch.Tensor:
         """Each suffix row's keys (or values) [S, Nkv, Pw + Sw, Dh] (a strided view): its prefix's at [0, Pw), then its
         own at [start, start + Sw), overwriting the prefix's padding; positions past a query are never read."""
         S, W = self.num_suffixes, self.suffix_len
-        base = torch.cat([prefix_GPNkvDh[self.group_S], suffix_SWNkvDh.new_zeros(S, W, *suffix_SWNkvDh.shape[2:])], 1)
-        idx = (self.start_S[:, None] + torch.arange(W, device=self.start_S.device))[:, :, None, None]
-        full = base.scatter(1, idx.expand_as(suffix_SWNkvDh), suffix_SWNkvDh)
+        if self.slot_SW is None:
+            self.slot_SW = self.start_S[:, None] + torch.arange(W, device=self.start_S.device)
+        full = torch.cat([prefix_GPNkvDh[self.group_S], suffix_SWNkvDh.new_zeros(S, W, *suffix_SWNkvDh.shape[2:])], 1)
+        # in place on the fresh cat (an out-of-place scatter would copy it first): 4 launches a call, not 7
+        full.scatter_(1, self.slot_SW[:, :, None, None].expand_as(suffix_SWNkvDh), suffix_SWNkvDh)
         return full.transpose(1, 2)
 
 
