@@ -366,8 +366,9 @@ def timed_child(timing_path: str, argv: list[str]) -> None:
 
         from benchmarks.stack_sampler import StackSampler
 
-        sampler = StackSampler(t0, float(os.environ["PRIME_BENCH_SAMPLE_S"])).start()
-        atexit.register(sampler.dump, str(Path(timing_path).with_name("startup_stacks.json")))
+        stacks = Path(timing_path).with_name("startup_stacks.json")  # written when the sampling ends, and at exit
+        sampler = StackSampler(t0, float(os.environ["PRIME_BENCH_SAMPLE_S"]), path=stacks).start()
+        atexit.register(sampler.dump, stacks)
 
     def dump() -> None:
         Path(timing_path).write_text(json.dumps(spans, indent=1))

@@ -35,10 +35,12 @@ def frame_name(code) -> str:
 
 class StackSampler:
     """Samples every thread's Python stack (outermost frame first) each ``interval_s`` for ``duration_s``;
-    times are seconds since ``t0`` (a ``time.time()``). Start with ``start()``; ``dump(path)`` writes what it has."""
+    times are seconds since ``t0`` (a ``time.time()``). Start with ``start()``; ``dump(path)`` writes what it has.
+    With ``path`` the thread writes it there itself when ``duration_s`` runs out, so a process killed later (a
+    benchmark's time limit) keeps its samples."""
 
-    def __init__(self, t0: float, duration_s: float, interval_s: float = 0.005):
-        self.t0, self.duration_s, self.interval_s = t0, duration_s, interval_s
+    def __init__(self, t0: float, duration_s: float, interval_s: float = 0.005, path: str | Path | None = None):
+        self.t0, self.duration_s, self.interval_s, self.path = t0, duration_s, interval_s, path
         self.stacks: dict[tuple[str, ...], int] = {}
         self.samples: list[tuple[float, str, int, float]] = []  # (time, thread name, stack id, seconds it stands for)
         self._thread = threading.Thread(target=self._run, name="stack-sampler", daemon=True)
@@ -65,6 +67,8 @@ class StackSampler:
                 sid = self.stacks.setdefault(key, len(self.stacks))
                 self.samples.append((round(now, 4), names.get(ident, str(ident)), sid, weight))
             time.sleep(self.interval_s)
+        if self.path is not None:
+            self.dump(self.path)
 
     def stop(self) -> dict:
         """End the sampling (waits for the thread's last tick); returns ``profile()``."""

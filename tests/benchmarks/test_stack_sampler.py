@@ -53,3 +53,12 @@ def test_children_splits_a_functions_time_by_the_frames_it_called() -> None:
     # callee), and its own time; h is not under f; thread T and the sample at 9.0 are outside
     assert children(prof, "a:f", 0.0, 5.0) == [["a:f", 2.0], ["b:g", 1.0], ["<self>", 0.5]]
     assert children(prof, "m:main", 0.0, 5.0) == [["a:f", 3.5], ["c:h", 1.0]]
+
+
+def test_sampler_writes_its_path_when_its_time_runs_out(tmp_path) -> None:
+    path = tmp_path / "s.json"
+    sampler = StackSampler(time.time(), duration_s=0.2, interval_s=0.005, path=path).start()
+    sleepy(0.1)
+    sampler._thread.join(timeout=5)
+    prof = json.loads(path.read_text())  # no dump() call: the thread wrote it
+    assert prof["samples"] and len(prof["samples"]) == len(sampler.samples)
