@@ -117,10 +117,10 @@ case $PART in
   startup)  # issue 38's start-up at the learning benchmark's settings (0.6B, number_list, 16 x 8 samples, max_async 1)
     # from a random model (--no-sft; speed_advantages: every step trains; 512 new tokens, which a random model always
     # reaches), 2 steps a run: the defaults (each decode bucket captured and each block-input kind compiled by the
-    # first step that meets it) with an empty compile cache (cold), the defaults again (warm cache), then everything
-    # up front (--inference.native.warmup=on --trainer.compile_warmup) from an empty cache of its own (eager_cold);
-    # results.json's `startup` per run. VARIANT: the runs (default "cold warm warm_sampled", ~4 min); warm_sampled is
-    # warm again with its threads' stacks sampled for its first 60 s (benchmarks/stack_sampler.py:
+    # first step that meets it) with an empty compile cache (cold), the defaults again (warm cache); eager_cold (not
+    # run by default): everything up front (--inference.native.warmup=on --trainer.compile_warmup) from an empty cache
+    # of its own. results.json's `startup` per run. VARIANT: the runs (default "cold warm warm_sampled", ~4 min);
+    # warm_sampled is warm again with its threads' stacks sampled for its first 60 s (benchmarks/stack_sampler.py:
     # `startup.profile_to_first_step`, seconds per function before the first step; a run of its own, so the sampler
     # does not touch the warm figure). At 667582b (H100), when up front was the default: cold 73.0 s to the first step,
     # warm 27.1 s, lazy from a cold cache 32.0 s; at 8dd7cf1 (lazy default) cold 29.1 s, warm 18.0 s

@@ -366,9 +366,10 @@ def timed_child(timing_path: str, argv: list[str]) -> None:
 
         from benchmarks.stack_sampler import StackSampler
 
-        stacks = Path(timing_path).with_name("startup_stacks.json")  # written when the sampling ends, and at exit
+        # the sampler writes its file when its time runs out; a run that exits sooner ends it (and so its write) at exit
+        stacks = Path(timing_path).with_name("startup_stacks.json")
         sampler = StackSampler(t0, float(os.environ["PRIME_BENCH_SAMPLE_S"]), path=stacks).start()
-        atexit.register(sampler.dump, stacks)
+        atexit.register(sampler.stop)
 
     def dump() -> None:
         Path(timing_path).write_text(json.dumps(spans, indent=1))

@@ -4,7 +4,8 @@
 launch): a daemon thread reads every thread's Python stack (``sys._current_frames``) each ``interval_s`` and
 ``dump`` writes the samples, their stacks stored once each, as JSON. ``summarize`` turns them into seconds per
 function (inclusive: a function counts once a sample wherever it sits in the stack; exclusive: the innermost frame)
-over a window, e.g. the launch to the first step's start (rl_e2e_report.py ``startup_profile``). Wall time, not CPU
+over a window, e.g. the launch to the first step's start (rl_e2e_report.py ``startup``: ``profile_to_first_step``);
+``children`` splits one function's time by its callees. Wall time, not CPU
 time: a frame waiting on the GPU, a lock or the disk counts as its caller's time. It costs far less than cProfile,
 which times every call (one stack walk a thread every 5 ms, frame names cached per code object), but it is not free:
 it takes the GIL at each tick. On the H100 at aa55e61 the sampled warm start-up reached its first step in 26.9 s
@@ -24,6 +25,12 @@ from pathlib import Path
 _NAMES: dict = {}
 
 
+def is_import_frame(name: str) -> bool:
+    """The import machinery's frames (``<frozen importlib._bootstrap>:...``): on every import's stack, so left out of
+    inclusive times and callee splits (an import's time goes to the module it ran)."""
+    return name.startswith("<frozen")
+
+
 def frame_name(code) -> str:
     """``dir/file.py:function`` (the file's last two path parts), the key a profile sums over; cached per code object."""
     name = _NAMES.get(code)
@@ -36,8 +43,8 @@ def frame_name(code) -> str:
 class StackSampler:
     """Samples every thread's Python stack (outermost frame first) each ``interval_s`` for ``duration_s``;
     times are seconds since ``t0`` (a ``time.time()``). Start with ``start()``; ``dump(path)`` writes what it has.
-    With ``path`` the thread writes it there itself when ``duration_s`` runs out, so a process killed later (a
-    benchmark's time limit) keeps its samples."""
+    With ``path`` the thread writes it there itself when it ends (``duration_s`` ran out, or ``stop``), so a process
+    killed later (a benchmark's time limit) keeps its samples."""
 
     def __init__(self, t0: float, duration_s: float, interval_s: float = 0.005, path: str | Path | None = None):
         self.t0, self.duration_s, self.interval_s, self.path = t0, duration_s, interval_s, path
@@ -71,7 +78,8 @@ class StackSampler:
             self.dump(self.path)
 
     def stop(self) -> dict:
-        """End the sampling (waits for the thread's last tick); returns ``profile()``."""
+        """End the sampling (waits for the thread's last tick and, with ``path``, its write); returns ``profile()``.
+        A sampler whose time already ran out just returns it."""
         self.duration_s = 0.0
         self._thread.join()
         return self.profile()
@@ -99,7 +107,7 @@ def summarize(profile: dict, start_s: float, end_s: float, top: int = 40) -> dic
         inc, exc, n = per_thread.setdefault(thread, (Counter(), Counter(), [0.0]))
         stack = stacks[sid]
         for name in set(stack):
-            if not name.startswith("<frozen"):  # the import machinery's frames: on every import's stack
+            if not is_import_frame(name):
                 inc[name] += w
         if stack:
             exc[stack[-1]] += w
@@ -116,11 +124,13 @@ def summarize(profile: dict, start_s: float, end_s: float, top: int = 40) -> dic
 def children(profile: dict, func: str, start_s: float, end_s: float, thread: str = "MainThread") -> list:
     """Where ``func``'s time went over [start_s, end_s) in ``thread``: seconds per frame it called (the frame right
     after its outermost occurrence on each sample's stack; ``<self>`` where it was the innermost), largest first,
-    the import machinery's frames skipped (an import's time goes to the module it ran)."""
+    the import machinery's frames skipped (``is_import_frame``)."""
     split: Counter = Counter()
     for t, th, sid, w in profile["samples"]:
-        stack = [f for f in profile["stacks"][sid] if not f.startswith("<frozen")]
-        if th != thread or not start_s <= t < end_s or func not in stack:
+        if th != thread or not start_s <= t < end_s:
+            continue
+        stack = [f for f in profile["stacks"][sid] if not is_import_frame(f)]
+        if func not in stack:
             continue
         i = stack.index(func)
         split[stack[i + 1] if i + 1 < len(stack) else "<self>"] += w

@@ -62,3 +62,7 @@ def test_sampler_writes_its_path_when_its_time_runs_out(tmp_path) -> None:
     sampler._thread.join(timeout=5)
     prof = json.loads(path.read_text())  # no dump() call: the thread wrote it
     assert prof["samples"] and len(prof["samples"]) == len(sampler.samples)
+    # stopped before its time runs out (a run that exits sooner: rl_e2e's atexit), it writes its file too
+    early = StackSampler(time.time(), duration_s=60.0, interval_s=0.005, path=tmp_path / "early.json").start()
+    sleepy(0.05)
+    assert len(early.stop()["samples"]) == len(json.loads((tmp_path / "early.json").read_text())["samples"]) > 0
