@@ -262,6 +262,8 @@ def run_variant(name: str, overrides: dict[str, str], model_dir: Path, args: arg
         # device thread of its own, not the main thread
         threads = summarize(prof, 0.0, time.time() - t0, top=args.top * 2)["threads"]
         result["stacks"] = dict(steps=args.sample_steps, step_s=sampled, threads=threads)
+        # the raw samples: `python benchmarks/stack_sampler.py FILE END_S 0 FUNCTION` splits a function by callee
+        common.write_json(args.out / f"stacks_{name}.json", prof)
     if args.profile_steps:
         from torch.profiler import ProfilerActivity, profile
 
