@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from prime_spmd.kernels.decode_linear.reference import finish_output, norm_input  # noqa: E402
 from prime_spmd.kernels.fp8 import kernel, op  # noqa: E402
-from prime_spmd.kernels.fp8.reference import quantize_fp8_reference  # noqa: E402
+from prime_spmd.kernels.fp8.reference import quantize_fp8_reference, quantize_rows_fp8_reference  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from benchmarks.decode_linear import EPS, SHAPES, ops, torch_op  # noqa: E402
@@ -35,6 +36,15 @@ GEMV_GRID = [(bn, bk, wp, pre) for bn in (2, 4, 8) for bk in (1024, 2048) for wp
 def scaled_mm_path(x, q, s, nw, r, silu):
     """``op.fp8_fused_linear`` on its "scaled_mm" path (compiled in ``main``, as the decode layer compiles it)."""
     return op.fp8_fused_linear(x, q, s, None, nw, EPS, r, silu, tile_rows="scaled_mm")
+
+
+def scaled_mm_t_path(x, q, s, nw, r, silu):
+    """The "scaled_mm" path with the GEMM's operands swapped, (w xq^T)^T: the weight's N rows are the GEMM's M and the
+    step's few rows its N (CUTLASS picks its tile by the problem's shape; an experiment, not an engine path: M a
+    multiple of 16)."""
+    xq, sx = quantize_rows_fp8_reference(norm_input(x, nw, EPS))
+    y = torch._scaled_mm(q, xq.T, s[:, None], sx.T, out_dtype=x.dtype).T
+    return finish_output(y, "silu_mul" if silu else "none", r, name="scaled_mm_t")
 
 
 def tile_path(x, q, s, nw, r, silu):
@@ -78,6 +88,8 @@ def bench_op(name: str, spec, m: int, args, compiled: dict) -> list[dict]:
     add("tile", lambda i: tile_path(x, *qs[i], nw, r, silu), fp8_bytes)
     if op.tile_rows_impl(m, k, dt, "scaled_mm") == "scaled_mm":
         add("scaled_mm", lambda i: compiled["scaled_mm"](x, *qs[i], nw, r, silu), fp8_bytes)
+        if m % 16 == 0:
+            add("scaled_mm_t", lambda i: compiled["scaled_mm_t"](x, *qs[i], nw, r, silu), fp8_bytes)
     by = {row["path"]: row for row in rows if row.get("config") is None or "default" in row["config"]}
     best = min((row for row in rows if row["path"] != "bf16"), key=lambda row: row["us"], default=None)
     print(f"{name:8s} M {m:3d}: " + ", ".join(f"{p} {row['us']:7.2f} us" for p, row in by.items())
@@ -98,8 +110,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/fp8_linear.py needs CUDA (sm >= 8.9)")
     torch._dynamo.config.recompile_limit = 256  # one compile per (path, op, M)
-    bf16 = torch.compile(torch_op, fullgraph=True, dynamic=False)
-    compiled = dict(bf16=bf16, scaled_mm=torch.compile(scaled_mm_path, fullgraph=True, dynamic=False))
+    compiled = {
+        name: torch.compile(fn, fullgraph=True, dynamic=False)
+        for name, fn in (("bf16", torch_op), ("scaled_mm", scaled_mm_path), ("scaled_mm_t", scaled_mm_t_path))
+    }
     table_ops = ops(args.model_shape)
     rows = []
     for name in args.ops.split(","):
