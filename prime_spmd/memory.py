@@ -161,6 +161,7 @@ def model_shape(path: str, trust_remote_code: bool = False) -> ModelShape:
     code where it has the type (what the run loads, with no transformers config object: for these types that imports
     transformers' model factory, 2-6 s of start-up on 5.17), else the transformers class."""
     from prime_spmd.models import registry  # here: the plan needs the models only to count their parameters
+    from prime_spmd.models.common.meta import on_meta
 
     mtype = registry.model_type(path)
     if mtype in registry.REGISTRY:
@@ -175,7 +176,7 @@ def model_shape(path: str, trust_remote_code: bool = False) -> ModelShape:
         # transformers release (5.17 refuses Qwen3-VL there): build it as image-text-to-text, as models/loading.py
         vision = hasattr(cfg, "vision_config")
         auto = transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
-        with torch.device("meta"):
+        with on_meta():
             model = auto.from_config(cfg, trust_remote_code=trust_remote_code)
     num_params = sum(p.numel() for p in model.parameters())
     heads = text.num_attention_heads

@@ -16,6 +16,7 @@ import transformers
 from torch import nn
 
 from prime_spmd.models.adapter import ModelAdapter, ModelDims, ModelOutput, plain_decoder_layers
+from prime_spmd.models.common.meta import on_meta
 from prime_spmd.models.common.moe import load_balance_loss
 
 LLAMA_STYLE = {"qwen3", "qwen2", "llama", "mistral"}
@@ -131,7 +132,7 @@ class HFAdapter(ModelAdapter):
         return cos[0].contiguous(), sin[0].contiguous()
 
     def write_hf(self, state_dict: dict[str, torch.Tensor], out_dir: Path) -> None:
-        with torch.device("meta"):
+        with on_meta():
             fresh = getattr(transformers, self.hf_auto_class).from_config(self.lm.config)
         fresh.load_state_dict(state_dict, strict=False, assign=True)
         fresh.tie_weights()

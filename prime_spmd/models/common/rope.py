@@ -19,6 +19,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
 
     def _inv_freq(self) -> torch.Tensor:
+        if torch.get_default_device().type == "meta":  # built on meta: a placeholder that reset_parameters fills
+            # (torch.arange on meta runs through torch._refs, whose first call imports torch._dynamo: models/common/meta.py)
+            return torch.empty(self.head_dim // 2, dtype=torch.float)
         return 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim))
 
     def reset_parameters(self) -> None:

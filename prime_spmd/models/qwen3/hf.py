@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from prime_spmd.models.adapter import HF_EXPERT_NAME
+from prime_spmd.models.common.meta import on_meta
 from prime_spmd.models.common.norm import RMSNorm
 from prime_spmd.models.common.rope import RotaryEmbedding
 from prime_spmd.models.qwen3.model import Qwen3Args, Qwen3ForCausalLM, set_moe_impl
@@ -82,7 +83,7 @@ def read_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def build_model(args: Qwen3Args, device: torch.device | str, dtype: torch.dtype) -> Qwen3ForCausalLM:
     """An uninitialized model on ``device`` (built on meta, then materialized; call load or init_weights)."""
-    with torch.device("meta"):
+    with on_meta():
         model = Qwen3ForCausalLM(args)
     model = model.to_empty(device=device).to(dtype)
     model.model.rotary_emb.reset_parameters()
@@ -110,7 +111,7 @@ def load_qwen3(
             state.pop("lm_head.weight", None)
         model.load_state_dict(state, strict=True)
     else:
-        with torch.device("meta"):
+        with on_meta():
             model = Qwen3ForCausalLM(args).to(dtype)
         if torch.device(device).type != "meta":
             materialize_random(model, device, random_init_seed, random_init_std(cfg))
