@@ -4,7 +4,9 @@ on each path the engine can take, beside the bf16 torch ops.
 Paths (kernels/fp8/op.py): "gemv" (one row: the FP8 Triton GEMV at its default config, and with ``--gemv`` a grid of
 (BLOCK_N, BLOCK_K, warps, preload)), "tile" (the FP8 Triton tile kernel: ``TILE_ROWS_IMPL`` "triton"), "scaled_mm"
 (``fp8_fused_linear`` with ``TILE_ROWS_IMPL`` "scaled_mm": RMSNorm, the per-row activation quantize, ``torch._scaled_mm``,
-SiLU-gate and residual, compiled as the decode layer compiles them), "bf16" (the engine's torch ops on the bf16 weight,
+SiLU-gate and residual, compiled as the decode layer compiles them), "scaled_mm_t" (the same with the GEMM's operands
+swapped, not an engine path: does a skinny M lose to CUTLASS's tile choice? M a multiple of 16; not yet run on a GPU),
+"bf16" (the engine's torch ops on the bf16 weight,
 compiled: what ``--inference.quantization none`` runs at the 8B shape). Each runs over enough weight copies (> 256 MB)
 that the weights come from HBM, captured in one CUDA graph (benchmarks/common.time_graph), median over replays. GB/s
 counts the weight bytes (e4m3 plus fp32 scales for FP8, bf16 for the baseline).
