@@ -244,8 +244,8 @@ case $PART in
   fp8)  # --inference.quantization fp8 beside bf16 (0.6B, 8B; batch 1, 64; decode steps past the FP8 GEMV on the Triton
     # tile kernel and on torch._scaled_mm: --fp8-tile-rows), the quantize time, mismatch KL, the FP8 KV cache (8B), CUDA
     # tests; ~10 min. VARIANT ops: benchmarks/fp8_linear.py, each linear alone on every FP8 path (GEMV config grid at one
-    # row, tile kernel, _scaled_mm, _scaled_mm swapped) beside bf16, 8B and 0.6B; ~5 min. VARIANT tests: the CUDA tests alone (109 s warm
-    # at 4b65079; the cold first try ran past 120 s)
+    # row, tile kernel, _scaled_mm, _scaled_mm swapped) beside bf16, 8B and 0.6B; ~5 min. VARIANT tests: the CUDA
+    # tests alone (109 s warm at 4b65079; the cold first try ran past 120 s)
     FP8_TESTS="tests/gpu/test_fp8_real_shapes.py tests/kernels/test_fp8.py tests/unit/test_fp8_engine.py tests/unit/test_fp8_kv_cache.py tests/kernels/test_decode_attention_fp8.py"
     if [ "$VARIANT" = tests ]; then
       run tests_fp8 240 python3 -m pytest -q -rf -p no:cacheprovider -o addopts="" $FP8_TESTS
