@@ -66,6 +66,12 @@ class Completion:
     """Decoded completion (special tokens skipped)."""
 
 
+class EngineFailure(RuntimeError):
+    """An engine step raised (``InferenceEngine.generate``): the engine's state is unknown, so the run cannot go on.
+    Not an environment's error: ``rl/isolation.py`` re-raises it instead of dropping the environment's groups (at
+    c730d53 a CUDA allocator assert inside a step was counted as the environment's failure and the run then hung)."""
+
+
 class InferenceEngine(abc.ABC):
     """Step-wise engine. Subclasses implement ``add_request``, ``step``, ``has_unfinished``,
     ``load_weights`` and ``reset_cache``; ``generate`` is built on them.
@@ -123,7 +129,11 @@ class InferenceEngine(abc.ABC):
         done: dict[str, Completion] = {}
         bar = Progress(total=len(requests), desc="generate") if progress else None
         while self.has_unfinished():
-            for c in self.step():
+            try:
+                completions = self.step()
+            except Exception as e:  # noqa: BLE001 - any step failure: the engine's state is unknown from here
+                raise EngineFailure(f"the inference engine failed in a step: {type(e).__name__}: {e}") from e
+            for c in completions:
                 done[str(c.request_id)] = c
                 if bar is not None:
                     bar.update(1)

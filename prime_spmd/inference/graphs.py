@@ -41,6 +41,14 @@ class GraphPool:
         self.capture_s += time.perf_counter() - t0  # capture synchronizes the device, so the warm-ups are in it
         return graph
 
+    def new_pool(self) -> None:
+        """Capture later graphs into a fresh memory pool (after every graph of the current one was dropped:
+        ``NativeEngine.release_memory``). Capturing into a pool whose graphs are all gone, while tensors allocated in it
+        still live, trips torch's allocator (``it->second->use_count > 0 INTERNAL ASSERT FAILED``,
+        CUDACachingAllocator.cpp, torch 2.11: Qwen3-8B on an H200 at c730d53, the second generation after a release);
+        the old pool is freed once its last tensor is."""
+        self._pool = None
+
     def _capture(self, fn: Callable[[], object], warmups: int) -> torch.cuda.CUDAGraph:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))

@@ -270,6 +270,7 @@ class NativeEngine(InferenceEngine):
         self._released = True
         cache.free()
         self._graphs.clear()
+        self._graph_pool.new_pool()
         self._prefill_graphs = PrefillGraphs(
             self._graph_pool, self.runner.prefill, self.max_batch_size, self.vocab_size
         )

@@ -490,9 +490,11 @@ def test_released_kv_cache_comes_back_for_the_next_generation(model_dir, device,
     sp = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
     eng, _, tok = _engine(model_dir, device, max_batch_size=4, kv_cache=kv_cache)
     ref, _, _ = _engine(model_dir, device, max_batch_size=4, kv_cache=kv_cache)
+    pools = []
     for seed in (3, 4):
         want = ref.generate(_reqs(tok, sp, seed0=seed))
         got = eng.generate(_reqs(tok, sp, seed0=seed))
+        pools.append(eng._graph_pool._pool)
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
         for a, b in zip(got, want):  # CUDA: recaptured graphs; measured 2.4e-6 (H200, 2026-12-06)
             torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=LOGPROB_ATOL[device.type])
@@ -500,6 +502,8 @@ def test_released_kv_cache_comes_back_for_the_next_generation(model_dir, device,
         kv_bytes = 2 * cache.k.numel() * cache.k.element_size()
         assert eng.release_memory() == kv_bytes > 0
         assert cache.k is None and eng.release_memory() == 0  # released once
+    if device.type == "cuda":  # graphs recaptured after a release go to a new pool (GraphPool.new_pool)
+        assert None not in pools and pools[0] != pools[1]
 
 
 def test_warmup_varies_the_length_before_the_rows(model_dir, monkeypatch) -> None:

@@ -13,6 +13,7 @@ from prime_spmd.config import RLJobConfig, load_toml
 from prime_spmd.config.rl_sections import RolloutConfig
 from prime_spmd.config.sections import EnvConfig, env_label
 from prime_spmd.envs.rollout import Rollout
+from prime_spmd.inference.engine import EngineFailure, InferenceEngine, Request, SamplingParams
 from prime_spmd.rl.env_metrics import batch_env_metrics, eval_env_metrics
 from prime_spmd.rl.isolation import run_isolated
 from prime_spmd.rl.mixture import EnvSlot, Mixture
@@ -156,6 +157,42 @@ def test_a_failing_environment_loses_only_its_groups(mode: str, reason: str) -> 
     wrong_size = run_isolated("bad", _Env(), None, "train", [1], 3, None, 0)[0]
     assert len(wrong_size) == 1
     assert run_isolated("bad", _Env(), None, "train", [1], 3, None, 0)[1] == []
+
+
+class _FailingStepEngine(InferenceEngine):
+    """An engine whose step raises as a CUDA allocator assert does (c730d53, H200)."""
+
+    tokenizer = None
+
+    def __init__(self) -> None:
+        self.queued: list = []
+
+    def add_request(self, request) -> None:
+        self.queued.append(request)
+
+    def step(self):
+        raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.queued)
+
+    def load_weights(self, weights) -> None: ...
+
+    def reset_cache(self) -> None: ...
+
+
+class _GeneratingEnv(_Env):
+    def run_groups(self, engine, split, ids, group_size, sampling, seed) -> list[list[Rollout]]:
+        engine.generate([Request(prompt_ids=[1, 2], sampling=sampling, request_id=i) for i in ids])
+        return super().run_groups(engine, split, ids, group_size, sampling, seed)
+
+
+def test_an_engine_failure_ends_the_run_instead_of_dropping_the_environment_groups() -> None:
+    """A step of the engine that raises is the engine's failure, not the environment's: ``generate`` raises
+    EngineFailure (with the step's error as its cause) and ``run_isolated`` lets it through."""
+    with pytest.raises(EngineFailure, match="INTERNAL ASSERT") as info:
+        run_isolated("ok", _GeneratingEnv(), _FailingStepEngine(), "train", [4, 5], 2, SamplingParams(max_tokens=4), 0)
+    assert isinstance(info.value.__cause__, RuntimeError)
 
 
 def test_failure_rate_stops_the_run_naming_the_environment() -> None:
