@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_suite.sh PART OUTDIR [VARIANT]
 # PART: tests ["kernels unit" | "gpu exact"] | engine | prefill | loss | moe | train_step | weight_sync | env_bridge
 #       | rl_e2e [reverse_text | number_list] | sft_probe ["a b c" | name:steps:batch:lr:min_items:max_items]
-#       | scale [small | large | lora | moe | h200 | anchor] | startup [RUNS] | fp8 [ops] | exact [train] | vlm [rl]
+#       | scale [small | large | lora | moe | h200 | anchor | anchor_master] | startup [RUNS] | fp8 [ops] | exact [train] | vlm [rl]
 # Each step has its own time limit, so that one slow step does not lose the others' results.
 set -uo pipefail
 PART=$1; OUT=${2:-/tmp/gpu_out}; VARIANT=${3:-}; mkdir -p "$OUT"
@@ -181,7 +181,7 @@ case $PART in
         --rl-limit-s "$lim" --budget-s $((lim + 20)) --ours-flag=--rollout.advantage \
         --ours-flag=benchmarks/speed_advantages.py:alternating --out "/tmp/$name" "$@"
       cp "/tmp/$name/results.json" "$OUT/$name.json" 2> /dev/null
-      cp /tmp/"$name"/ours_k0_r0/metrics.jsonl "$OUT/${name}_metrics.jsonl" 2> /dev/null
+      for d in /tmp/"$name"/ours_k*_r0; do cp "$d/metrics.jsonl" "$OUT/${name}_metrics.jsonl" 2> /dev/null; done
       for f in /tmp/"$name"/*.log; do cp "$f" "$OUT/${name}_$(basename "$f")" 2> /dev/null; done; rm -rf "/tmp/$name"; }
     case "${VARIANT:-small}" in
       small)
@@ -239,7 +239,16 @@ case $PART in
         scale scale_8b_anchor --shape qwen3-8b --sides ours1 --prompts 4 --max-tokens 4000 --steps 5 \
           --micro-batch-tokens 8192 --ours-flag=--trainer.offload --ours-flag=optimizer \
           --ours-flag=--trainer.activation_checkpointing --ours-flag=--inference.native.release_kv_cache ;;
-      *) echo "scale: unknown variant ${VARIANT} (small, large, lora, moe, h200, anchor)" >&2; exit 2 ;;
+      anchor_master)  # the anchor's run with --trainer.offload master (fp32 masters and moments in host memory, the
+        # engine reads the trainer's bf16 weights in place): plan 57.2 GiB, so one H100 holds it; first the CUDA tests
+        # of the path (the optimizer and the weight sharing, ~30 s)
+        run tests_master 90 python3 -m pytest -q -rf -p no:cacheprovider -o addopts="" tests/unit/test_offload_optimizer.py \
+          tests/unit/test_shared_weights.py
+        SCALE_LIMIT_S=${SCALE_LIMIT_S:-480}
+        scale scale_8b_anchor_master --shape qwen3-8b --sides ours1 --prompts 4 --max-tokens 4000 --steps 5 \
+          --micro-batch-tokens 8192 --ours-flag=--trainer.offload --ours-flag=master \
+          --ours-flag=--trainer.activation_checkpointing --ours-flag=--inference.native.release_kv_cache ;;
+      *) echo "scale: unknown variant ${VARIANT} (small, large, lora, moe, h200, anchor, anchor_master)" >&2; exit 2 ;;
     esac ;;
   fp8)  # --inference.quantization fp8 beside bf16 (0.6B, 8B; batch 1, 64; decode steps past the FP8 GEMV on the Triton
     # tile kernel and on torch._scaled_mm: --fp8-tile-rows), the quantize time, mismatch KL, the FP8 KV cache (8B), CUDA

@@ -30,6 +30,8 @@ if TYPE_CHECKING:  # annotation only
 GIB = 1 << 30
 FIT_FLAGS = (
     "--trainer.offload optimizer (AdamW moments in host memory: 8 bytes a trained parameter off the device)",
+    "--trainer.offload master (one trainer rank, full fine-tuning: fp32 masters and moments in host memory, the engine "
+    "reads the trainer's bf16 weights: 2 bytes a parameter held, plus 4 of fp32 gradients while the trainer steps)",
     "--model.lora.rank 16 (train adapters; the frozen base is held once, in bf16)",
     "--inference.native.kv_cache paged --inference.native.kv_cache_tokens N (a smaller KV pool; admission waits for blocks)",
     "--inference.max_batch_size N (fewer sequences decoding at once)",
@@ -38,8 +40,9 @@ FIT_FLAGS = (
 
 
 OFFLOAD_STAGING_BYTES = 2 * (256 << 20)
-"""Device staging of ``--trainer.offload optimizer``: two chunks of moments (``trainer/offload.py``
-``HostOffloadAdamW``, ``chunk_bytes`` 256 MiB; a parameter larger than a chunk spans several), kept between steps.
+"""Device staging of ``--trainer.offload optimizer`` / ``master``: two chunks of host state (moments, and masters)
+(``trainer/offload.py`` ``HostOffloadAdamW``, ``chunk_bytes`` 256 MiB; a parameter larger than a chunk spans several),
+kept between steps.
 memory sits below the trainer: a test holds this equal to the optimizer's default."""
 
 KV_SCALE_BYTES = 4
@@ -219,7 +222,10 @@ def estimate(
     ``num_trainable``: parameters the optimizer updates (all of them for full fine-tuning, or the LoRA adapters). ``lora``: the frozen base is
     held once in the compute dtype (``param_bytes``) and shared with the engine when ``share_weights``, which then
     holds only the ``num_adapted`` weights of the adapted linears, merged.
-    ``offload``: "none" or "optimizer" (moments on the host). ``kv_cache_tokens``: tokens the engine's KV cache
+    ``offload``: "none", "optimizer" (moments on the host) or "master" (masters and moments on the host: the trained
+    weights are held once in the compute dtype, shared with the engine when ``share_weights``; fp32 gradients of the
+    optimizer's own in the train phase, plus the largest parameter's compute-dtype gradient before its hook takes it;
+    no compute copy, no reduce buffer). ``kv_cache_tokens``: tokens the engine's KV cache
     holds; ``release_kv_cache``: it is freed while the trainer steps (else it stays through both phases).
     Gradients exist only in the train phase (``zero_grad(set_to_none=True)`` after each step). ``quantization`` "fp8":
     the native engine also holds FP8 copies of the layer linears (``fp8_weight_bytes``), beside its bf16 weights.
@@ -240,20 +246,10 @@ def estimate(
     n, t = shape.num_params, num_trainable
     if lora:
         plan.parts["frozen base weights"] = (n - t) * param_bytes
-    plan.parts["trained weights (fp32)"] = t * 4
-    plan.train["gradients (fp32)"] = t * 4
-    if one_rank:
-        if not lora:
-            plan.train["compute weights"] = t * param_bytes
-        plan.reduce["gradients (fp32)"] = t * 4
-        plan.reduce["gradient reduce buffer"] = t * 4
-    (plan.host if offload == "optimizer" else plan.parts)["AdamW moments"] = t * 8
-    if offload == "optimizer":
-        plan.parts["AdamW moment staging"] = OFFLOAD_STAGING_BYTES
-    if lora and share_weights:  # the engine reads the frozen base in place; it holds the adapted weights, merged
-        plan.parts["engine weights (LoRA-merged)"] = num_adapted * param_bytes
+    if offload == "master":
+        _master_offload(plan, shape, t, share_weights, param_bytes)
     else:
-        plan.parts["engine weights"] = n * param_bytes
+        _device_masters(plan, shape, t, lora, offload, share_weights, one_rank, num_adapted, param_bytes)
     if quantization == "fp8":
         plan.parts["engine FP8 weights"] = fp8_weight_bytes(shape)
     kv = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, param_bytes, kv_cache_dtype)
@@ -271,6 +267,49 @@ def estimate(
         plan.train["attention mask"] = param_bytes * query_groups(shape) * micro_batch_tokens * rows
         plan.train["row padding"] = int(ROW_PAD_ALLOWANCE * plan.train["activations"])
     return plan
+
+
+def _device_masters(
+    plan: MemoryPlan,
+    shape: ModelShape,
+    t: int,
+    lora: bool,
+    offload: str,
+    share_weights: bool,
+    one_rank: bool,
+    num_adapted: int,
+    param_bytes: int,
+) -> None:
+    """``estimate``'s weights, gradients and optimizer state with fp32 masters on the device (the moments there too,
+    or on the host with ``offload`` "optimizer")."""
+    plan.parts["trained weights (fp32)"] = t * 4
+    plan.train["gradients (fp32)"] = t * 4
+    if one_rank:
+        if not lora:
+            plan.train["compute weights"] = t * param_bytes
+        plan.reduce["gradients (fp32)"] = t * 4
+        plan.reduce["gradient reduce buffer"] = t * 4
+    (plan.host if offload == "optimizer" else plan.parts)["AdamW moments"] = t * 8
+    if offload == "optimizer":
+        plan.parts["AdamW moment staging"] = OFFLOAD_STAGING_BYTES
+    if lora and share_weights:  # the engine reads the frozen base in place; it holds the adapted weights, merged
+        plan.parts["engine weights (LoRA-merged)"] = num_adapted * param_bytes
+    else:
+        plan.parts["engine weights"] = shape.num_params * param_bytes
+
+
+def _master_offload(plan: MemoryPlan, shape: ModelShape, t: int, share_weights: bool, param_bytes: int) -> None:
+    """``estimate``'s weights, gradients and optimizer state under ``--trainer.offload master`` (full fine-tuning, one
+    trainer rank: ``trainer/offload.py`` ``HostMasterAdamW``)."""
+    plan.parts["trained weights (compute dtype)"] = t * param_bytes
+    plan.parts["master + moment staging"] = OFFLOAD_STAGING_BYTES
+    plan.train["gradients (fp32)"] = t * 4
+    # autograd's compute-dtype gradient of one parameter before the hook adds it in: the embedding's is the largest
+    plan.train["gradient before its hook"] = shape.vocab_size * shape.hidden_size * param_bytes
+    plan.host["master weights (fp32)"] = t * 4
+    plan.host["AdamW moments"] = t * 8
+    if not share_weights:
+        plan.parts["engine weights"] = shape.num_params * param_bytes
 
 
 def fp8_weight_bytes(shape: ModelShape) -> int:

@@ -178,8 +178,8 @@ class TrainerConfig:
     """Stop the run after this many optimizer steps in a row were skipped for a non-finite loss or gradient (0: never)."""
     share_prompts: bool = True
     """Forward a prompt shared by documents of a micro-batch (a GRPO group) once, via an attention mask; dense custom Qwen3 only; RL only (SFT packs no share groups and builds its trainer without it)."""
-    offload: Literal["none", "optimizer"] = "none"
-    """optimizer: AdamW's moments (8 bytes a trained parameter) live in pinned host memory and stream through the device in chunks at each step (docs/memory.md)."""
+    offload: Literal["none", "optimizer", "master"] = "none"
+    """optimizer: AdamW's moments (8 bytes a trained parameter) live in pinned host memory and stream through the device in chunks at each step. master (one trainer rank, full fine-tuning): the fp32 master weights too (12 bytes a parameter on the host); the trained parameters are the compute-dtype (bf16) weights, which a colocated native engine reads in place (no copy at weight sync), and gradients accumulate in fp32 only while the trainer steps (docs/memory.md)."""
     compile: Literal["auto", "on", "off"] = "auto"
     """torch.compile each transformer block's forward for training (inductor, dynamic shapes): fewer kernels per step. auto: on for our dense model code (--model.impl custom/auto) on CUDA; off on CPU (compiling costs more than it saves at CPU sizes), for MoE and for transformers models."""
     compile_warmup: bool = False

@@ -43,9 +43,12 @@ def parallelize(
     reshard_after_forward: bool = True,
     experts: list[nn.Module] = (),
     compile_blocks: str | None = None,
+    plain_trained: bool = False,
 ) -> nn.Module:
     """Apply EP (when the mesh has an ``ep`` axis), block compilation, activation checkpointing and FSDP2,
     in that order. ``compile_blocks``: a torch.compile backend ("inductor") for every block's forward, or None.
+    ``plain_trained`` (one rank, ``--trainer.offload master``): trained parameters held in ``param_dtype`` stay plain
+    tensors too (``one_rank_plain``).
 
     ``layer_lists``: the ModuleLists holding the transformer blocks (AC replaces their entries);
     ``experts``: the stacked-expert modules inside them (``ModelAdapter.expert_modules``), sharded by EP
@@ -73,6 +76,7 @@ def parallelize(
         param_dtype,
         reshard_after_forward=reshard_after_forward,
         experts=experts,
+        plain_trained=plain_trained,
     )
 
 
@@ -127,6 +131,7 @@ def apply_fsdp(
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True,
     experts: list[nn.Module] = (),
+    plain_trained: bool = False,
 ) -> nn.Module:
     """``fully_shard`` each block, then the root (embeddings, final norm, LM head, wrapper); on a one-rank FSDP
     axis without experts, the root only (see below).
@@ -159,7 +164,7 @@ def apply_fsdp(
         mesh=axis,
         mp_policy=mp,
         reshard_after_forward=False,
-        ignored_params=one_rank_frozen(root, axis, experts, param_dtype),
+        ignored_params=one_rank_plain(root, axis, experts, param_dtype, plain_trained),
     )
     if axis.size() == 1 and not experts and hasattr(root, "set_custom_reduce_scatter"):
         root.set_custom_reduce_scatter(OneRankReduceScatter())
@@ -167,9 +172,13 @@ def apply_fsdp(
     return root
 
 
-def one_rank_frozen(root: nn.Module, axis: DeviceMesh, experts, param_dtype: torch.dtype) -> set[nn.Parameter] | None:
-    """The frozen parameters a one-rank root leaves out of FSDP2 (``ignored_params``): those already in the compute
-    dtype (the LoRA base, loaded in bf16). There FSDP2 would shard nothing, yet it copies each parameter into a new
+def one_rank_plain(
+    root: nn.Module, axis: DeviceMesh, experts, param_dtype: torch.dtype, trained: bool = False
+) -> set[nn.Parameter] | None:
+    """The parameters a one-rank root leaves out of FSDP2 (``ignored_params``): frozen ones already in the compute
+    dtype (the LoRA base, loaded in bf16), and with ``trained`` (``--trainer.offload master``: the trained weights are
+    compute-dtype parameters whose fp32 masters the optimizer keeps on the host) every parameter in the compute dtype:
+    they need no cast, and their gradients accumulate through the optimizer's hooks (``trainer/offload.py``). There FSDP2 would shard nothing, yet it copies each parameter into a new
     padded shard at ``fully_shard`` (all of the root's at once: one H100, Qwen3-30B-A3B LoRA at 667582b, out of memory
     at 78.5 GiB for 56.9 GiB of base weights) and into an unsharded copy for every forward, which the root keeps until
     the backward ends: twice the base either way. Left out, they stay plain tensors, read in place by the forward, the
@@ -177,7 +186,7 @@ def one_rank_frozen(root: nn.Module, axis: DeviceMesh, experts, param_dtype: tor
     cast; on more ranks, or beside expert units, every parameter is sharded as before."""
     if axis.size() > 1 or experts:
         return None
-    return {p for p in root.parameters() if not p.requires_grad and p.dtype == param_dtype} or None
+    return {p for p in root.parameters() if (trained or not p.requires_grad) and p.dtype == param_dtype} or None
 
 
 _ONE_RANK_ROOTS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -234,18 +243,18 @@ def set_gradient_sync(module: nn.Module, sync: bool) -> None:
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` for grads on several meshes (EP: expert grads live on the
-    (dp_shard, ep) mesh, the rest on dp_shard_ep; torch's version stacks norms across meshes and
-    fails). Returns the total L2 norm as a plain tensor, equal on every rank.
+def clip_grad_norm_(grads, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over gradient tensors (``grads``; None entries skipped) on several meshes
+    (EP: expert grads live on the (dp_shard, ep) mesh, the rest on dp_shard_ep; torch's version stacks norms across
+    meshes and fails). Returns the total L2 norm as a plain tensor, equal on every rank.
 
     Collective over the trainer role: every trainer rank calls it with the same parameters.
     """
     assert norm_type == 2.0, "only the L2 norm"
     groups: dict[object, list[torch.Tensor]] = {}
-    for p in parameters:
-        if p.grad is not None:  # insertion order = parameter order: the same on every rank
-            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
+    for g in grads:
+        if g is not None:  # insertion order = parameter order: the same on every rank
+            groups.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
     total_sq = None
     for grads in groups.values():
         norm = torch.nn.utils.get_total_norm(grads, norm_type)

@@ -11,7 +11,7 @@ from prime_spmd.config.sections import InferenceConfig, ModelConfig, NativeEngin
 from prime_spmd.inference.engine import InferenceEngine
 from prime_spmd.inference.native import NativeEngine
 from prime_spmd.inference.runner import prefill_choice
-from prime_spmd.inference.shared_weights import share_frozen_weights
+from prime_spmd.inference.shared_weights import count_shared, share_weights, tie_fused
 from prime_spmd.log import logger
 from prime_spmd.models import registry
 from prime_spmd.models.loading import load_model, load_tokenizer, materialize_random_init, resolve_dtype
@@ -30,6 +30,7 @@ def build_engine(
     seed: int = 0,
     share_from: torch.nn.Module | None = None,
     tokenizer: Any | None = None,
+    share_trained: bool = False,
 ) -> InferenceEngine:
     """Load the model and tokenizer of ``model_cfg`` and wrap them in the configured engine (the native engine takes
     ``tokenizer``, ``model_cfg``'s already loaded, where given: the colocated trainer's).
@@ -42,7 +43,9 @@ def build_engine(
 
     ``share_from`` (colocated, one trainer rank, native engine): the trainer's LM. The model is read to the host,
     every weight the trainer holds frozen in the engine's dtype becomes the trainer's tensor (``shared_weights.py``),
-    and only the rest moves to the device: the device never holds a second copy of a shared weight. With
+    and only the rest moves to the device: the device never holds a second copy of a shared weight. ``share_trained``
+    (``--trainer.offload master``): the trained weights too, which the optimizer updates in place; once the engine has
+    fused its q/k/v and gate/up weights, the trainer's parameters are re-pointed at the fused slices (``tie_fused``). With
     ``--model.random_init`` the model is built on meta instead and only the rest is drawn, on the device: no host copy.
     """
     max_len = inference_cfg.max_model_len or seq_len
@@ -61,21 +64,17 @@ def build_engine(
     if tp != 1:
         raise ValueError(f"--topology.engine_tp={tp} needs --inference.engine=vllm (the native engine runs tp 1)")
     dtype = resolve_dtype(model_cfg.dtype, device)
-    lora_base = None
+    lora_base, report = None, None
     if share_from is None:
         model = load_model(model_cfg, device, dtype)
     else:
         model = load_model(model_cfg, torch.device("meta" if model_cfg.random_init else "cpu"), dtype)
-        report = share_frozen_weights(model, share_from)
+        report = share_weights(model, share_from, trained_in_place=share_trained)
         lora_base = report.lora_base
         if model_cfg.random_init:  # what is not the trainer's is drawn on the device, as the trainer drew its own
             materialize_random_init(model, model_cfg, device)
         if registry.use_custom(model_cfg):  # read on the host, it chose the host's MoE kernel
             set_moe_impl(model, "triton" if device.type == "cuda" else "reference")
-        logger.info(
-            f"engine weights: {report.shared_bytes / 2**30:.2f} GiB read in place from the trainer ({report.shared} "
-            f"tensors), {report.owned_bytes / 2**30:.2f} GiB its own ({report.owned}: trained, LoRA-merged or fused)"
-        )
     native = inference_cfg.native
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_cfg)
     engine = NativeEngine(
@@ -99,6 +98,14 @@ def build_engine(
         exact=model_cfg.exact,
         kv_cache_dtype=inference_cfg.kv_cache_dtype,
     )
+    if report is not None:
+        if report.trained_in_place:  # before any graph capture: graphs hold the fused tensors' addresses
+            tie_fused(model, share_from)
+        count_shared(model, share_from, report)
+        logger.info(
+            f"engine weights: {report.shared_bytes / 2**30:.2f} GiB read in place from the trainer ({report.shared} "
+            f"tensors), {report.owned_bytes / 2**30:.2f} GiB its own ({report.owned}: trained, LoRA-merged or fused)"
+        )
     engine.processor = load_vision_processor(model_cfg.path, tokenizer)
     if native.warmup == "on":
         t0 = time.perf_counter()

@@ -105,7 +105,8 @@ class _TrainerLoop:
         engine_builder: Callable[[torch.nn.Module, Any], InferenceEngine] | None = None,
     ) -> None:
         """``engine_builder``: build this rank's engine from the trainer's LM once the trainer is built (colocated
-        LoRA: the engine reads the frozen base in place, ``inference/shared_weights.py``); else ``engine``."""
+        LoRA or ``--trainer.offload master``: the engine reads the trainer's bf16 weights in place,
+        ``inference/shared_weights.py``); else ``engine``."""
         self.cfg, self.ctx, self.envs, self.engine, self.stop = cfg, ctx, envs, engine, stop
         self.plan = plan  # colocated on CUDA: named in an out-of-memory error (memory.phase)
         self.guard = SkipGuard(cfg.trainer.max_skipped_steps)
@@ -468,16 +469,19 @@ def _run_rl(cfg: RLJobConfig, stop: StopSignal) -> dict[str, float]:
         if cfg.inference.engine == "native" and topo.engine_tp > 1:
             raise ValueError("--topology.engine_tp > 1 needs --inference.engine=vllm (the native engine runs tp 1)")
 
+        # colocated with one trainer rank, LoRA or the masters on the host: the engine is built after the trainer and
+        # reads its bf16 weights in place (the frozen base; with --trainer.offload master, the trained weights too)
+        share = topo.mode == "colocated" and topo.num_trainer_ranks == 1 and cfg.inference.engine == "native"
+        master = share and cfg.trainer.offload == "master"
+
         def builder(share_from: torch.nn.Module | None = None, tokenizer: Any | None = None) -> InferenceEngine:
             with memory.phase("the engine's build", plan):
                 return build_engine(
                     cfg.inference, cfg.model, ctx.device, cfg.trainer.seq_len, tp=topo.engine_tp,
-                    seed=cfg.trainer.seed, share_from=share_from, tokenizer=tokenizer,
+                    seed=cfg.trainer.seed, share_from=share_from, tokenizer=tokenizer, share_trained=master,
                 )  # fmt: skip
 
-        # colocated LoRA with one trainer rank: the engine is built after the trainer and reads its frozen bf16 base
-        share = topo.mode == "colocated" and topo.num_trainer_ranks == 1 and cfg.inference.engine == "native"
-        if not (share and cfg.model.lora.rank):
+        if not (share and (cfg.model.lora.rank or master)):
             engine, builder = builder(), None
     start = _start_step(ctx, cfg)
     result: dict[str, float] = {}

@@ -87,9 +87,13 @@ def build_trainer(
     device = ctx.device
     compute_dtype = resolve_dtype(model_cfg.dtype, device)
     torch.manual_seed(trainer_cfg.seed)
+    master = trainer_cfg.offload == "master"
+    if master:
+        check_master_offload(model_cfg, ctx.topo.num_trainer_ranks)
     # fp32 master weights for what trains; with LoRA the frozen base is held once, in the compute dtype (bf16 on CUDA:
-    # 2 bytes a parameter instead of 4) and only the fp32 adapters train
-    lm = load_model(model_cfg, device, dtype=compute_dtype if model_cfg.lora.rank else torch.float32)
+    # 2 bytes a parameter instead of 4) and only the fp32 adapters train; with the masters on the host
+    # (--trainer.offload master) the parameters are the compute-dtype weights
+    lm = load_model(model_cfg, device, dtype=compute_dtype if model_cfg.lora.rank or master else torch.float32)
     adapter = adapter_for(lm)
     adapter.prepare_for_training()
     if model_cfg.freeze_vision:  # before LoRA and FSDP2: frozen weights are held as loaded and get no optimizer state
@@ -128,6 +132,7 @@ def build_trainer(
         compile_blocks="inductor"
         if compile_training(trainer_cfg.compile, device, adapter.compiles_by_default()) and not model_cfg.exact
         else None,
+        plain_trained=master,
     )
     optimizer = build_optimizer(policy, optim_cfg, offload=trainer_cfg.offload)
     scheduler = build_scheduler(optimizer, optim_cfg, trainer_cfg.max_steps)
@@ -140,6 +145,21 @@ def build_trainer(
         compute_dtype=compute_dtype,
         processor=load_vision_processor(model_cfg.path, tokenizer),
     )
+
+
+def check_master_offload(model_cfg: ModelConfig, num_trainer_ranks: int) -> None:
+    """``--trainer.offload master`` needs one trainer rank (its parameters stay whole, plain tensors: no FSDP2 shard to
+    keep a master of) and full fine-tuning (LoRA's adapters are small fp32 tensors already)."""
+    if num_trainer_ranks != 1:
+        raise ValueError(
+            f"--trainer.offload master runs on one trainer rank (this job has {num_trainer_ranks}): use "
+            "--trainer.offload optimizer with several"
+        )
+    if model_cfg.lora.rank:
+        raise ValueError(
+            f"--trainer.offload master is for full fine-tuning; with --model.lora.rank {model_cfg.lora.rank} the "
+            "adapters are the only trained weights: use --trainer.offload optimizer"
+        )
 
 
 def strip_prefix(state_dict: dict[str, torch.Tensor], prefix: str = "lm.") -> dict[str, torch.Tensor]:

@@ -9,6 +9,12 @@ AdamW is elementwise, so a chunk holds element ranges of parameters): while the 
 (AdamW on the parameters' local shards, in place), a side stream copies chunk i + 1's moments in and chunk i - 1's
 out, through two device staging buffers. The device holds at most two chunks of moments at a time.
 
+``HostMasterAdamW`` (``--trainer.offload master``) also keeps the fp32 master weights on the host: the trained
+parameters are the compute-dtype (bf16) weights the forward reads, and the engine of a colocated run reads them in
+place; the step streams master and moments through the device the same way and writes each updated master back into
+its parameter, cast. Gradients accumulate over a step's micro-batches in fp32 buffers of the optimizer's own (a hook
+on each parameter takes its compute-dtype gradient as soon as autograd has it), freed by ``zero_grad``.
+
 The moments are ``DTensor``s with the parameter's mesh and placements whose local tensors are on the host (as FSDP2's
 own CPU offload keeps its sharded parameters), so checkpoints (DCP, ``get_state_dict``) save and resume them like a
 device optimizer's. The update is torch's AdamW (decoupled weight decay, bias-corrected moments, no amsgrad) written
@@ -69,6 +75,9 @@ def _like_on_host(p: torch.Tensor, pin: bool) -> torch.Tensor:
 
 
 class HostOffloadAdamW(torch.optim.Optimizer):
+    HOST: tuple[str, ...] = MOMENTS
+    """Per-parameter state kept in host memory and streamed through the device at each step."""
+
     """AdamW over ``params`` (device tensors or FSDP2 DTensors) with its moments in host memory.
 
     Same hyper-parameters and param-group semantics as ``torch.optim.AdamW`` (``lr``, ``betas``, ``eps``,
@@ -90,6 +99,7 @@ class HostOffloadAdamW(torch.optim.Optimizer):
             raise ValueError(f"chunk_bytes must hold at least one parameter's moments, got {chunk_bytes}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.chunk_bytes = chunk_bytes
+        """Bytes of host state (every name of ``HOST``) a chunk stages on the device."""
         self._staging: list[torch.Tensor] = []
         self._copy_stream: torch.cuda.Stream | None = None
 
@@ -98,9 +108,13 @@ class HostOffloadAdamW(torch.optim.Optimizer):
         if not state:
             pin = _local(p).device.type == "cuda"
             state["step"] = torch.tensor(0.0)
-            for name in MOMENTS:
+            for name in self.HOST:
                 state[name] = _like_on_host(p, pin)
         return state
+
+    def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The gradient the step applies to ``p`` (None: ``p`` has none this step)."""
+        return p.grad
 
     def _chunks(
         self, live: list[tuple[torch.Tensor, dict, dict]]
@@ -109,7 +123,7 @@ class HostOffloadAdamW(torch.optim.Optimizer):
         of at most ``chunk_bytes`` of moments. AdamW is elementwise, so a parameter larger than a chunk (an embedding
         or LM head: Qwen3-8B's is 622M elements, 4.6 GiB of moments) spans several chunks and the device staging stays
         at two chunks (docs/log.md 2026-12-07: whole-parameter chunks made the 4B run's staging 5.8 GiB)."""
-        limit = max(1, self.chunk_bytes // 8)  # elements a chunk: two fp32 moments each
+        limit = max(1, self.chunk_bytes // (4 * len(self.HOST)))  # elements a chunk: fp32 host state each
         chunks: list[list] = [[]]
         size = 0
         for p, state, group in live:
@@ -125,15 +139,18 @@ class HostOffloadAdamW(torch.optim.Optimizer):
         return [c for c in chunks if c]
 
     def _buffers(self, device: torch.device, numel: int) -> list[torch.Tensor]:
-        """Two staging buffers of [2, numel] fp32 (exp_avg, exp_avg_sq), grown when a chunk needs more."""
+        """Two staging buffers of [len(HOST), numel] fp32, grown when a chunk needs more."""
         if not self._staging or self._staging[0].shape[1] < numel or self._staging[0].device != device:
-            self._staging = [torch.empty(2, numel, dtype=torch.float32, device=device) for _ in range(2)]
+            n = len(self.HOST)
+            self._staging = [torch.empty(n, numel, dtype=torch.float32, device=device) for _ in range(2)]
         return self._staging
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D102 - torch.optim.Optimizer.step
         assert closure is None, "HostOffloadAdamW.step takes no closure"
-        live = [(p, self._init_state(p), g) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        live = [
+            (p, self._init_state(p), g) for g in self.param_groups for p in g["params"] if self._grad(p) is not None
+        ]
         for _, state, _ in live:  # one step a parameter, however many segments it has
             state["step"] += 1
         chunks = self._chunks(live)
@@ -148,17 +165,17 @@ class HostOffloadAdamW(torch.optim.Optimizer):
         copy = self._copy_stream
         compute = torch.cuda.current_stream(device) if cuda else None
 
-        def views(i: int) -> list[list[torch.Tensor]]:  # per moment, per parameter: slices of chunk i's buffer
+        def views(i: int) -> list[list[torch.Tensor]]:  # per host state, per parameter: slices of chunk i's buffer
             buf = bufs[i % 2]
-            return [list(buf[m, : sum(numels[i])].split(numels[i])) for m in range(2)]
+            return [list(buf[m, : sum(numels[i])].split(numels[i])) for m in range(len(self.HOST))]
 
         def load(i: int) -> None:  # host -> device (side stream on CUDA)
-            for m, name in enumerate(MOMENTS):
+            for m, name in enumerate(self.HOST):
                 for (_, state, _, a, b), v in zip(chunks[i], views(i)[m]):
                     v.copy_(_local(state[name]).view(-1)[a:b], non_blocking=True)
 
         def store(i: int) -> None:  # device -> host
-            for m, name in enumerate(MOMENTS):
+            for m, name in enumerate(self.HOST):
                 for (_, state, _, a, b), v in zip(chunks[i], views(i)[m]):
                     _local(state[name]).view(-1)[a:b].copy_(v, non_blocking=True)
 
@@ -198,45 +215,121 @@ class HostOffloadAdamW(torch.optim.Optimizer):
             copy.synchronize()
         return None
 
-    @staticmethod
-    def _update(chunk: list[tuple[torch.Tensor, dict, dict, int, int]], moments: list[list[torch.Tensor]]) -> None:
-        """torch's AdamW on one chunk's segments, in place on the parameters' local shards and the staged moments
-        (each parameter's step count already advanced by ``step``)."""
-        by_group: dict[int, list[int]] = {}
-        for j, (_, _, group, _, _) in enumerate(chunk):
-            by_group.setdefault(id(group), []).append(j)
-        for idx in by_group.values():
-            group = chunk[idx[0]][2]
-            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            params = [_local(chunk[j][0]).view(-1)[chunk[j][3] : chunk[j][4]] for j in idx]
-            grads = [_local(chunk[j][0].grad).view(-1)[chunk[j][3] : chunk[j][4]] for j in idx]
-            exp_avgs = [moments[0][j] for j in idx]
-            exp_avg_sqs = [moments[1][j] for j in idx]
-            steps = []
-            for j in idx:
-                steps.append(float(chunk[j][1]["step"]))
-            if wd != 0:
-                torch._foreach_mul_(params, 1 - lr * wd)
-            torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-            torch._foreach_mul_(exp_avg_sqs, beta2)
-            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
-            for s in set(steps):  # parameters of a group share their step count; kept general
-                sel = [k for k, v in enumerate(steps) if v == s]
-                step_size = lr / (1 - beta1**s)
-                bc2_sqrt = math.sqrt(1 - beta2**s)
-                denom = torch._foreach_sqrt([exp_avg_sqs[k] for k in sel])
-                torch._foreach_div_(denom, bc2_sqrt)
-                torch._foreach_add_(denom, eps)
-                torch._foreach_addcdiv_([params[k] for k in sel], [exp_avgs[k] for k in sel], denom, -step_size)
+    def _update(self, chunk: list[tuple[torch.Tensor, dict, dict, int, int]], staged: list[list[torch.Tensor]]) -> None:
+        """AdamW on one chunk's segments, in place on the parameters' local shards and the staged moments."""
+        params = [_local(p).view(-1)[a:b] for p, _, _, a, b in chunk]
+        grads = [_local(self._grad(p)).view(-1)[a:b] for p, _, _, a, b in chunk]
+        adamw_segments(chunk, params, grads, staged[0], staged[1])
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's loader moves every state tensor to its parameter's device: the moments go back to the host."""
+        """torch's loader casts every state tensor to its parameter's dtype and device: the host state goes back to the
+        host, in fp32, from the values saved (a bf16 parameter's fp32 master must not pass through bf16)."""
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        saved = {
+            i: {n: state_dict["state"][i][n] for n in self.HOST if n in state_dict["state"].get(i, {})} for i in ids
+        }
         super().load_state_dict(state_dict)
-        for p, state in self.state.items():
-            pin = _local(p).device.type == "cuda"
+        for i, p in zip(ids, (p for g in self.param_groups for p in g["params"])):
+            if p not in self.state:
+                continue
+            state = self.state[p]
             state["step"] = torch.as_tensor(float(state["step"]))
-            for name in MOMENTS:
-                if name in state and _local(state[name]).device.type != "cpu":
-                    host = _like_on_host(p, pin)
-                    _local(host).copy_(_local(state[name]))
-                    state[name] = host
+            for name, value in saved[i].items():
+                host = _like_on_host(p, _local(p).device.type == "cuda")
+                _local(host).copy_(_local(value))
+                state[name] = host
+
+
+class HostMasterAdamW(HostOffloadAdamW):
+    """``HostOffloadAdamW`` whose fp32 master weights live on the host too (``--trainer.offload master``).
+
+    ``params`` are the compute-dtype (bf16) weights the forward reads; a hook on each takes its gradient as soon as
+    autograd has accumulated it and adds it, in fp32, into a buffer of the optimizer's own (``gradients()``; freed by
+    ``zero_grad``), so the step's micro-batches sum in fp32 and no compute-dtype gradient outlives its hook. The master
+    starts as the parameter's value at the first step (a host copy, in fp32); each step streams master and moments
+    through the device in chunks, updates the master and writes it back into the parameter in place, cast (the
+    parameter's storage never moves: a colocated engine reads it, and CUDA graphs hold its address). Checkpoints save
+    and resume the masters with the moments (state ``master``)."""
+
+    HOST = ("master", *MOMENTS)
+
+    def __init__(self, params: Iterable, **kwargs) -> None:
+        super().__init__(params, **kwargs)
+        self._acc: dict[torch.Tensor, torch.Tensor] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.register_post_accumulate_grad_hook(self._accumulate)
+
+    @torch.no_grad()
+    def _accumulate(self, p: torch.Tensor) -> None:
+        acc = self._acc.get(p)
+        if acc is None:
+            self._acc[p] = p.grad.to(torch.float32, copy=True)
+        else:
+            acc.add_(p.grad)
+        p.grad = None
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The step's fp32 gradients so far, in parameter order (what clipping scales in place)."""
+        return [self._acc[p] for g in self.param_groups for p in g["params"] if p in self._acc]
+
+    def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The hooks' fp32 sum, else a gradient set on the parameter directly (DCP's optimizer-state init sets zeros
+        and steps at lr 0)."""
+        acc = self._acc.get(p)
+        if acc is None and p.grad is not None:
+            return p.grad.float()
+        return acc
+
+    def _init_state(self, p: torch.Tensor) -> dict:
+        fresh = not self.state[p]
+        state = super()._init_state(p)
+        if fresh:  # the master starts as the parameter's value
+            _local(state["master"]).copy_(_local(p).detach())
+        return state
+
+    def _update(self, chunk: list[tuple[torch.Tensor, dict, dict, int, int]], staged: list[list[torch.Tensor]]) -> None:
+        """AdamW on the staged masters, then each parameter's segment takes its master, cast."""
+        grads = [_local(self._grad(p)).view(-1)[a:b] for p, _, _, a, b in chunk]
+        adamw_segments(chunk, staged[0], grads, staged[1], staged[2])
+        torch._foreach_copy_([_local(p).view(-1)[a:b] for p, _, _, a, b in chunk], staged[0])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the fp32 gradient buffers (and any compute-dtype gradient): the memory is free until the next
+        backward."""
+        self._acc.clear()
+        super().zero_grad(set_to_none=set_to_none)
+
+
+def adamw_segments(
+    chunk: list[tuple[torch.Tensor, dict, dict, int, int]],
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+) -> None:
+    """torch's AdamW (decoupled weight decay, bias-corrected moments) on one chunk's segments, in place on ``params``
+    and the moments. ``chunk``: (param, state, group, start, end) a segment, each parameter's step count already
+    advanced; the other lists hold one flat view a segment, in the chunk's order."""
+    by_group: dict[int, list[int]] = {}
+    for j, (_, _, group, _, _) in enumerate(chunk):
+        by_group.setdefault(id(group), []).append(j)
+    for idx in by_group.values():
+        group = chunk[idx[0]][2]
+        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        ps, gs = [params[j] for j in idx], [grads[j] for j in idx]
+        ms, vs = [exp_avgs[j] for j in idx], [exp_avg_sqs[j] for j in idx]
+        steps = [float(chunk[j][1]["step"]) for j in idx]
+        if wd != 0:
+            torch._foreach_mul_(ps, 1 - lr * wd)
+        torch._foreach_lerp_(ms, gs, 1 - beta1)
+        torch._foreach_mul_(vs, beta2)
+        torch._foreach_addcmul_(vs, gs, gs, 1 - beta2)
+        for s in set(steps):  # parameters of a group share their step count; kept general
+            sel = [k for k, v in enumerate(steps) if v == s]
+            step_size = lr / (1 - beta1**s)
+            bc2_sqrt = math.sqrt(1 - beta2**s)
+            denom = torch._foreach_sqrt([vs[k] for k in sel])
+            torch._foreach_div_(denom, bc2_sqrt)
+            torch._foreach_add_(denom, eps)
+            torch._foreach_addcdiv_([ps[k] for k in sel], [ms[k] for k in sel], denom, -step_size)

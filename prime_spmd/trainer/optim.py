@@ -9,17 +9,19 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from prime_spmd.config.sections import OptimConfig
-from prime_spmd.trainer.offload import HostOffloadAdamW
+from prime_spmd.trainer.offload import HostMasterAdamW, HostOffloadAdamW
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, offload: str = "none") -> torch.optim.Optimizer:
     """AdamW over the (possibly FSDP-sharded DTensor) parameters; no decay on 1-D params (norms, biases).
-    ``offload="optimizer"`` (--trainer.offload): the moments live in host memory (``HostOffloadAdamW``)."""
+    ``offload="optimizer"`` (--trainer.offload): the moments live in host memory (``HostOffloadAdamW``); "master":
+    the fp32 master weights too, and the parameters are the compute-dtype weights (``HostMasterAdamW``)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if offload == "optimizer":
-        return HostOffloadAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    if offload in ("optimizer", "master"):
+        cls = HostMasterAdamW if offload == "master" else HostOffloadAdamW
+        return cls(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     # foreach also on CPU (torch picks the per-tensor loop there): the demo's AdamW step took 17 -> 6 ms of
     # CPU time. Not across meshes (EP: experts on (dp_shard, ep), the rest on dp_shard_ep).
     # CUDA: the fused kernel (a few launches for all parameters instead of foreach's per-op kernels), which

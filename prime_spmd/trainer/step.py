@@ -115,8 +115,12 @@ def train_step(
     if expert_counts_LE is not None:
         totals.update(router_aux=totals.pop("router_aux_sum") / max(n_global, 1.0))
         totals.update(max_expert_load=_max_expert_load(expert_counts_LE))
+    # the step's gradients: the parameters' own, or an optimizer's that keeps them apart (--trainer.offload master: fp32
+    # buffers beside compute-dtype parameters)
+    own = getattr(optimizer, "gradients", None)
     params = [p for p in policy.parameters() if p.grad is not None]
-    norm = clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+    grads = own() if own is not None else [p.grad for p in params]
+    norm = clip_grad_norm_(grads, max_grad_norm if max_grad_norm > 0 else float("inf"))
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()  # DTensor norm -> replicated scalar (no grad flows through it)
     grad_norm = float(norm)  # waits for the device: forward, backward and the grad reductions are done here
@@ -129,7 +133,7 @@ def train_step(
     if skipped:
         optimizer.zero_grad(set_to_none=True)
     else:
-        if params and not any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
+        if own is None and params and not any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
             raise RuntimeError(
                 f"the backward filled {len(params)} parameter gradients and none of them belongs to the optimizer: "
                 "the model's parameters were replaced after the optimizer was built or FSDP2 never reduced the "

@@ -19,7 +19,7 @@ def _cfg(out: Path, model: Path, offload: str, resume: bool = False) -> RLJobCon
     )
     # the offloaded runs also release the engine's KV cache while the trainer steps (the colocated role's path):
     # neither may change what the run computes
-    native = dataclasses.replace(cfg.inference.native, release_kv_cache=offload == "optimizer")
+    native = dataclasses.replace(cfg.inference.native, release_kv_cache=offload != "none")
     inference = dataclasses.replace(cfg.inference, native=native)
     return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, offload=offload), inference=inference)
 
@@ -40,6 +40,48 @@ def test_offloaded_optimizer_matches_and_resumes_exactly(tmp_path: Path) -> None
     run_ranks(rl_rank, 2, _cfg(res, model, "optimizer", resume=True))
     got = read_metrics(res)
     for a, b in zip(off[2:], got[2:]):
+        assert {k: v for k, v in a.items() if k not in TIMING_KEYS} == {
+            k: v for k, v in b.items() if k not in TIMING_KEYS
+        }
+
+
+def _master_rank(rank: int, world: int, cfg: RLJobConfig) -> dict:
+    """``rl_rank`` that also returns what the colocated engine shares with the trainer (``factory.count_shared``)."""
+    from prime_spmd.inference import factory
+    from prime_spmd.rl.loop import run_rl
+
+    seen: dict = {}
+    real = factory.count_shared
+
+    def count(engine_model, trainer_lm, report):
+        real(engine_model, trainer_lm, report)
+        seen.update(shared=report.shared, owned=report.owned, trained=report.trained_in_place)
+        return report
+
+    factory.count_shared = count
+    run_rl(cfg)
+    return seen
+
+
+def test_master_offload_shares_every_weight_and_resumes_exactly(tmp_path: Path) -> None:
+    """--trainer.offload master on one colocated rank (CPU: the compute dtype is fp32, so the trainer's parameters
+    hold what fp32 masters would): the engine reads every trainer weight in place, including the ones it fused (no
+    weight of its own), the run follows the device optimizer's trajectory, and it resumes exactly."""
+    from prime_spmd.models.tiny import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "base", "qwen3-nano", seed=0, initializer_range=0.3)
+    run_ranks(rl_rank, 1, _cfg(tmp_path / "device", model, "none"))
+    (seen,) = run_ranks(_master_rank, 1, _cfg(tmp_path / "master", model, "master"))
+    assert seen["trained"] and seen["owned"] == 0 and seen["shared"] > 0
+    ref, off = read_metrics(tmp_path / "device"), read_metrics(tmp_path / "master")
+    assert [r["step"] for r in off] == list(range(4))
+    for a, b in zip(ref, off):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * max(1.0, abs(a["loss"])), (a["step"], a["loss"], b["loss"])
+        assert abs(a["reward_mean"] - b["reward_mean"]) <= 0.05, (a["step"], a["reward_mean"], b["reward_mean"])
+    res = tmp_path / "resumed"
+    copy_for_resume(tmp_path / "master", res, 2)
+    run_ranks(rl_rank, 1, _cfg(res, model, "master", resume=True))
+    for a, b in zip(off[2:], read_metrics(res)[2:]):
         assert {k: v for k, v in a.items() if k not in TIMING_KEYS} == {
             k: v for k, v in b.items() if k not in TIMING_KEYS
         }

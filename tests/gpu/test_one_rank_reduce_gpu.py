@@ -60,7 +60,7 @@ def test_one_rank_step_holds_one_gradient_buffer_beside_the_accumulated_gradient
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
 def test_one_rank_root_holds_the_frozen_bf16_base_once(tmp_path) -> None:
     """The LoRA shape: a frozen bf16 base (8 x 4096^2: 256 MiB) and a trained fp32 layer. ``apply_fsdp`` and a
-    forward + backward add well under the base's bytes: the base stays out of FSDP2 (``one_rank_frozen``), which
+    forward + backward add well under the base's bytes: the base stays out of FSDP2 (``one_rank_plain``), which
     would copy it into new shards at ``fully_shard`` and into an unsharded copy for the forward (the 30B-A3B LoRA
     run at 667582b ran out of memory in the first)."""
     dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
