@@ -250,3 +250,26 @@ def test_fragmentation_hint_names_expandable_segments_when_cached_memory_is_free
     assert "21.4 GiB" in hint and "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in hint
     assert memory.fragmentation_hint(int(0.5 * memory.GIB), "") == ""  # too little to matter
     assert memory.fragmentation_hint(4 * memory.GIB, "max_split_size_mb:128, expandable_segments:True") == ""
+
+
+def test_master_offload_plan_holds_the_weights_once() -> None:
+    """--trainer.offload master (one rank): the bf16 parameters are the only device weights (the engine reads them when
+    it shares, else it holds its own copy), the fp32 gradients live only while the trainer steps beside the largest
+    parameter's bf16 gradient, masters and moments are host bytes, and there is no compute copy and no reduce phase.
+    The 8B anchor's settings (32 x 4,064-token KV cache released, 8,192-token micro-batches, checkpointing) plan
+    57.2 GiB against 107.3 with --trainer.offload optimizer: it fits an H100 (79.2 GiB)."""
+    n = 8_190_735_360
+    shape = memory.ModelShape(num_params=n, num_layers=36, hidden_size=4096, intermediate_size=12288,
+                              num_kv_heads=8, head_dim=128, vocab_size=151_936, num_heads=32)  # fmt: skip
+    kw = dict(num_trainable=n, lora=False, share_weights=True, kv_cache_tokens=32 * 4064, micro_batch_tokens=8192,
+              activation_checkpointing=True, release_kv_cache=True, masked_row_tokens=8 * 4064, one_rank=True)  # fmt: skip
+    master, opt = memory.estimate(shape, offload="master", **kw), memory.estimate(shape, offload="optimizer", **kw)
+    assert master.parts == {"trained weights (compute dtype)": 2 * n,
+                            "master + moment staging": memory.OFFLOAD_STAGING_BYTES}  # fmt: skip
+    assert master.host == {"master weights (fp32)": 4 * n, "AdamW moments": 8 * n} and not master.reduce
+    assert master.train["gradients (fp32)"] == 4 * n and "compute weights" not in master.train
+    assert master.train["gradient before its hook"] == 151_936 * 4096 * 2
+    assert abs(master.total / 2**30 - 57.2) < 0.05 and abs(opt.total / 2**30 - 107.3) < 0.05
+    memory.check_fits(master, int(79.2 * 2**30))
+    unshared = memory.estimate(shape, offload="master", **kw | {"share_weights": False})
+    assert unshared.parts["engine weights"] == 2 * n and unshared.total == master.total + 2 * n

@@ -179,3 +179,14 @@ def test_master_offload_matches_fp32_adamw_on_bf16_parameters(device) -> None:
     for a, b in zip(bf, cont):
         assert torch.equal(a, b)
         assert torch.equal(off.state[a]["master"], resumed.state[b]["master"])
+
+
+def test_master_offload_is_refused_with_several_trainer_ranks_or_lora() -> None:
+    from prime_spmd.config.sections import LoraConfig, ModelConfig
+    from prime_spmd.trainer.build import check_master_offload
+
+    check_master_offload(ModelConfig(path="m"), 1)
+    with pytest.raises(ValueError, match=r"--trainer.offload master runs on one trainer rank \(this job has 2\)"):
+        check_master_offload(ModelConfig(path="m"), 2)
+    with pytest.raises(ValueError, match=r"--model.lora.rank 8 .* --trainer.offload optimizer"):
+        check_master_offload(ModelConfig(path="m", lora=LoraConfig(rank=8)), 1)
