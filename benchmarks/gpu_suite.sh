@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_suite.sh PART OUTDIR [VARIANT]
 # PART: tests ["kernels unit" | "gpu exact"] | engine | prefill | loss | moe | train_step | weight_sync | env_bridge
 #       | rl_e2e [reverse_text | number_list] | sft_probe ["a b c" | name:steps:batch:lr:min_items:max_items]
-#       | scale [small | large | lora | moe | h200 | anchor | anchor_master] | startup [RUNS] | fp8 [ops] | exact [train] | vlm [rl]
+#       | scale [small | large | lora | moe | h200 | anchor | master | anchor_master] | startup [RUNS] | fp8 [ops] | exact [train] | vlm [rl]
 # Each step has its own time limit, so that one slow step does not lose the others' results.
 set -uo pipefail
 PART=$1; OUT=${2:-/tmp/gpu_out}; VARIANT=${3:-}; mkdir -p "$OUT"
@@ -168,7 +168,8 @@ case $PART in
     done ;;
   scale)  # colocated RL at real shapes from random bf16 weights (speed and memory; rewards mean nothing), one device call
     # a variant: small: 0.6B, 1.7B (+ the memory tests); large: 4B with offload, 4B without offload (the memory plan
-    # refuses it on 80 GB); lora: 8B LoRA; moe: 30B-A3B LoRA; h200: 8B full fine-tuning with offload (a 141 GB card).
+    # refuses it on 80 GB); lora: 8B LoRA; moe: 30B-A3B LoRA; h200: 8B full fine-tuning with offload (a 141 GB card);
+    # master: 8B full fine-tuning with the masters on the host (any card); anchor / anchor_master: 4,000-token samples.
     # 8 prompts x 8 samples, 256 new tokens a sample (a random model never stops early), 6 steps, rates from step 2;
     # random weights score 0: benchmarks/speed_advantages.py gives every group nonzero advantages, so every step runs
     # the whole backward and optimizer update
@@ -239,6 +240,13 @@ case $PART in
         scale scale_8b_anchor --shape qwen3-8b --sides ours1 --prompts 4 --max-tokens 4000 --steps 5 \
           --micro-batch-tokens 8192 --ours-flag=--trainer.offload --ours-flag=optimizer \
           --ours-flag=--trainer.activation_checkpointing --ours-flag=--inference.native.release_kv_cache ;;
+      master)  # 8B full fine-tuning with --trainer.offload master at the other rows' settings (weights drawn at load),
+        # after the CUDA tests of the path (the optimizer and the weight sharing; SCALE_TESTS=0: none); ~5 min
+        [ "${SCALE_TESTS:-1}" = 0 ] || run tests_master 90 python3 -m pytest -q -rf -p no:cacheprovider -o addopts="" \
+          tests/unit/test_offload_optimizer.py tests/unit/test_shared_weights.py
+        SCALE_LIMIT_S=${SCALE_LIMIT_S:-300}
+        scale scale_8b_master --shape qwen3-8b --random-init --micro-batch-tokens 4096 --ours-flag=--trainer.offload \
+          --ours-flag=master ;;
       anchor_master)  # the anchor's run with --trainer.offload master (fp32 masters and moments in host memory, the
         # engine reads the trainer's bf16 weights in place): plan 57.2 GiB, so one H100 holds it; first the CUDA tests
         # of the path (the optimizer and the weight sharing, ~30 s)
@@ -248,7 +256,7 @@ case $PART in
         scale scale_8b_anchor_master --shape qwen3-8b --sides ours1 --prompts 4 --max-tokens 4000 --steps 5 \
           --micro-batch-tokens 8192 --ours-flag=--trainer.offload --ours-flag=master \
           --ours-flag=--trainer.activation_checkpointing --ours-flag=--inference.native.release_kv_cache ;;
-      *) echo "scale: unknown variant ${VARIANT} (small, large, lora, moe, h200, anchor, anchor_master)" >&2; exit 2 ;;
+      *) echo "scale: unknown variant ${VARIANT} (small, large, lora, moe, h200, anchor, master, anchor_master)" >&2; exit 2 ;;
     esac ;;
   fp8)  # --inference.quantization fp8 beside bf16 (0.6B, 8B; batch 1, 64; decode steps past the FP8 GEMV on the Triton
     # tile kernel and on torch._scaled_mm: --fp8-tile-rows), the quantize time, mismatch KL, the FP8 KV cache (8B), CUDA
