@@ -69,3 +69,50 @@ def test_large_moments_are_registered_pinned_memory_of_their_exact_size() -> Non
     back.copy_(dev * 2, non_blocking=True)
     torch.cuda.synchronize()
     assert bool((back == 6.0).all())
+
+
+MASTER_PROBE = """
+import json, sys
+import torch
+from prime_spmd.inference import factory
+from prime_spmd.trainer import offload
+seen, shared = [], {}
+step, count = offload.HostMasterAdamW.step, factory.count_shared
+def probe(self, closure=None):
+    out = step(self, closure)
+    ps = [p for g in self.param_groups for p in g["params"]]
+    seen.append(dict(bf16=all(p.dtype == torch.bfloat16 and p.is_cuda for p in ps), states=len(self.state),
+                     host=all(s["master"].device.type == "cpu" and s["master"].is_pinned() for s in self.state.values()),
+                     cast=all(torch.equal(p.detach(), self.state[p]["master"].cuda().bfloat16()) for p in ps)))
+    return out
+def count_probe(engine_model, trainer_lm, report):
+    count(engine_model, trainer_lm, report)
+    shared.update(owned=report.owned, shared=report.shared)
+    return report
+offload.HostMasterAdamW.step, factory.count_shared = probe, count_probe
+from prime_spmd.models.tiny import build_tiny_model
+build_tiny_model(sys.argv[1] + "/model", "qwen3-nano")
+from prime_spmd.__main__ import main
+sys.argv = ["prime_spmd", "rl", "--config", "configs/reverse_text/rl.toml", "--model.path", sys.argv[1] + "/model",
+            "--output_dir", sys.argv[1] + "/run", "--trainer.max_steps", "3", "--trainer.offload", "master",
+            "--log.no_progress", "--log.no_plots", "--rollout.prompts_per_step", "2", "--rollout.group_size", "2",
+            "--rollout.advantage", "benchmarks/speed_advantages.py:alternating", "--ckpt.interval_steps", "0"]
+try:
+    main()
+finally:
+    print("PROBE " + json.dumps(dict(steps=seen, engine=shared)))
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_master_offload_cuda_run_shares_the_bf16_weights_with_the_engine(tmp_path: Path) -> None:
+    """--trainer.offload master in a CUDA RL run: bf16 parameters on the device, each step's fp32 masters in pinned
+    host memory with every parameter equal to its master cast, and an engine that owns no weight."""
+    out = subprocess.run([sys.executable, "-c", MASTER_PROBE, str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
+    lines = [x for x in out.stdout.splitlines() if x.startswith("PROBE ")]
+    assert out.returncode == 0 and lines, out.stderr[-3000:]
+    seen = json.loads(lines[-1][len("PROBE ") :])
+    assert seen["engine"]["owned"] == 0 and seen["engine"]["shared"] > 0, seen
+    assert len(seen["steps"]) == 3 and all(
+        s["bf16"] and s["host"] and s["cast"] and s["states"] > 0 for s in seen["steps"]
+    )
