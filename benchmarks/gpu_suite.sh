@@ -244,7 +244,7 @@ case $PART in
         # after the CUDA tests of the path (the optimizer and the weight sharing; SCALE_TESTS=0: none); ~5 min
         [ "${SCALE_TESTS:-1}" = 0 ] || run tests_master 150 python3 -m pytest -q -rf -p no:cacheprovider -o addopts="" \
           -m "gpu or not gpu" tests/unit/test_offload_optimizer.py tests/unit/test_shared_weights.py \
-          tests/gpu/test_offload_gpu.py -k "master"
+          tests/gpu/test_offload_gpu.py -k "master or trained_in_place"
         SCALE_LIMIT_S=${SCALE_LIMIT_S:-300}
         scale scale_8b_master --shape qwen3-8b --random-init --micro-batch-tokens 4096 --ours-flag=--trainer.offload \
           --ours-flag=master ;;
