@@ -14,6 +14,21 @@ import torch
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
+# The RL run of the probes below (3 steps of the reverse-text config on a random nano model) with --trainer.offload
+# OFFLOAD; the probe script before it defines ``seen``, printed at the end.
+RUN = """
+from prime_spmd.models.tiny import build_tiny_model
+build_tiny_model(sys.argv[1] + "/model", "qwen3-nano")
+from prime_spmd.__main__ import main
+sys.argv = ["prime_spmd", "rl", "--config", "configs/reverse_text/rl.toml", "--model.path", sys.argv[1] + "/model",
+            "--output_dir", sys.argv[1] + "/run", "--trainer.max_steps", "3", "--trainer.offload", "OFFLOAD",
+            "--log.no_progress", "--log.no_plots", "--rollout.prompts_per_step", "2", "--rollout.group_size", "2",
+            "--rollout.advantage", "benchmarks/speed_advantages.py:alternating", "--ckpt.interval_steps", "0"]
+try:
+    main()
+finally:
+    print("PROBE " + json.dumps(seen))
+"""
 PROBE = """
 import json, sys, traceback
 from prime_spmd.trainer import offload
@@ -27,18 +42,7 @@ def probe(self, closure=None):
                 caller=[f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in traceback.extract_stack()[-5:-1]]))
     return out
 offload.HostOffloadAdamW.step = probe
-from prime_spmd.models.tiny import build_tiny_model
-build_tiny_model(sys.argv[1] + "/model", "qwen3-nano")
-from prime_spmd.__main__ import main
-sys.argv = ["prime_spmd", "rl", "--config", "configs/reverse_text/rl.toml", "--model.path", sys.argv[1] + "/model",
-            "--output_dir", sys.argv[1] + "/run", "--trainer.max_steps", "3", "--trainer.offload", "optimizer",
-            "--log.no_progress", "--log.no_plots", "--rollout.prompts_per_step", "2", "--rollout.group_size", "2",
-            "--rollout.advantage", "benchmarks/speed_advantages.py:alternating", "--ckpt.interval_steps", "0"]
-try:
-    main()
-finally:
-    print("PROBE " + json.dumps(seen))
-"""
+""" + RUN.replace("OFFLOAD", "optimizer")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -76,12 +80,13 @@ import json, sys
 import torch
 from prime_spmd.inference import factory
 from prime_spmd.trainer import offload
-seen, shared = [], {}
+steps, shared = [], {}
+seen = dict(steps=steps, engine=shared)  # filled as the run goes
 step, count = offload.HostMasterAdamW.step, factory.count_shared
 def probe(self, closure=None):
     out = step(self, closure)
     ps = [p for g in self.param_groups for p in g["params"]]
-    seen.append(dict(bf16=all(p.dtype == torch.bfloat16 and p.is_cuda for p in ps), states=len(self.state),
+    steps.append(dict(bf16=all(p.dtype == torch.bfloat16 and p.is_cuda for p in ps), states=len(self.state),
                      host=all(s["master"].device.type == "cpu" and s["master"].is_pinned() for s in self.state.values()),
                      cast=all(torch.equal(p.detach(), self.state[p]["master"].cuda().bfloat16()) for p in ps)))
     return out
@@ -90,18 +95,7 @@ def count_probe(engine_model, trainer_lm, report):
     shared.update(owned=report.owned, shared=report.shared)
     return report
 offload.HostMasterAdamW.step, factory.count_shared = probe, count_probe
-from prime_spmd.models.tiny import build_tiny_model
-build_tiny_model(sys.argv[1] + "/model", "qwen3-nano")
-from prime_spmd.__main__ import main
-sys.argv = ["prime_spmd", "rl", "--config", "configs/reverse_text/rl.toml", "--model.path", sys.argv[1] + "/model",
-            "--output_dir", sys.argv[1] + "/run", "--trainer.max_steps", "3", "--trainer.offload", "master",
-            "--log.no_progress", "--log.no_plots", "--rollout.prompts_per_step", "2", "--rollout.group_size", "2",
-            "--rollout.advantage", "benchmarks/speed_advantages.py:alternating", "--ckpt.interval_steps", "0"]
-try:
-    main()
-finally:
-    print("PROBE " + json.dumps(dict(steps=seen, engine=shared)))
-"""
+""" + RUN.replace("OFFLOAD", "master")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
