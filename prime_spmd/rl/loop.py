@@ -240,6 +240,7 @@ class _TrainerLoop:
         """One optimizer step (all trainer ranks); its all-reduce also agrees on a stop. Returns (stats, s)."""
         n = self.cfg.trainer.max_steps
         stop_requested = self.stop.requested or self.role.stop_requested()
+        self.role.before_train()
         t_train = time.perf_counter()
         with memory.phase("the train step", self.plan):
             stats = self._train_step(micro_batches, stop_requested)

@@ -13,7 +13,9 @@ Both answer the same questions for ``rl/loop.py``, so the loop has no mode branc
   inference ranks, whose results arrive with the batches);
 - ``receive``: how the controller gets a batch it does not hold yet (only disjoint: over the data bridge);
   eval results that come with it go to ``evals``;
-- ``stop_requested`` / ``post_go``: the stop/go protocol with the inference ranks (only disjoint, ``rl/stop_go.py``).
+- ``stop_requested`` / ``post_go``: the stop/go protocol with the inference ranks (only disjoint, ``rl/stop_go.py``);
+- ``before_train``: what happens right before each optimizer step (colocated, with
+  ``--inference.native.release_kv_cache``: the engine's KV cache is released for the trainer's activations).
 """
 
 from __future__ import annotations
@@ -77,9 +79,6 @@ class Colocated(_RoleState):
         box = [plan]
         dist.broadcast_object_list(box, src=CONTROLLER_RANK)
         share = generate_share(self.cfg, self.envs, self.engine, b, version, topo.rank, topo.world_size, box[0])
-        release = getattr(self.engine, "release_memory", None)
-        if release is not None and self.cfg.inference.native.release_kv_cache:
-            release()  # the trainer steps next: its activations take the KV cache's memory (the engine's next step restores it)
         parts = [None] * topo.world_size if topo.is_controller else None
         dist.gather_object(share, parts, dst=CONTROLLER_RANK)
         if topo.is_controller:
@@ -103,6 +102,15 @@ class Colocated(_RoleState):
 
     def receive(self, buffer: dict[int, Batch]) -> None:
         raise AssertionError("colocated: every batch is in the controller's buffer once produced")
+
+    def before_train(self) -> None:
+        """With ``--inference.native.release_kv_cache``: release the engine's KV cache (and the graphs holding its
+        addresses) so the trainer's step can use that memory; the engine's next step allocates it again. Here, right
+        before a step, and not after each generation: batches generated back to back (max_async's first ones, an eval
+        after a batch) would release and recapture between them, and an eval's cache would stay through the step."""
+        release = getattr(self.engine, "release_memory", None)
+        if release is not None and self.cfg.inference.native.release_kv_cache:
+            release()
 
     def stop_requested(self) -> bool:
         """No inference rank outside the trainer group can ask to stop."""
@@ -143,6 +151,9 @@ class Disjoint(_RoleState):
         """The inference ranks evaluate w_version after generating that step's batch; the results arrive
         through ``receive``. 0 s."""
         return 0.0
+
+    def before_train(self) -> None:
+        """Nothing: the engines are in other processes."""
 
     def receive(self, buffer: dict[int, Batch]) -> None:
         """Controller: the next batch (or eval result, into ``evals``) from every engine leader's share (blocks on

@@ -85,3 +85,40 @@ def test_master_offload_shares_every_weight_and_resumes_exactly(tmp_path: Path) 
         assert {k: v for k, v in a.items() if k not in TIMING_KEYS} == {
             k: v for k, v in b.items() if k not in TIMING_KEYS
         }
+
+
+def _release_rank(rank: int, world: int, cfg: RLJobConfig) -> list[str]:
+    """``rl_rank`` recording, in order, each KV-cache release that freed memory ("R") and each train step ("T")."""
+    from prime_spmd.inference.native import NativeEngine
+    from prime_spmd.rl import loop
+
+    events: list[str] = []
+    release, step = NativeEngine.release_memory, loop.train_step
+
+    def recorded_release(self):
+        freed = release(self)
+        if freed:
+            events.append("R")
+        return freed
+
+    def recorded_step(*args, **kwargs):
+        events.append("T")
+        return step(*args, **kwargs)
+
+    NativeEngine.release_memory, loop.train_step = recorded_release, recorded_step
+    loop.run_rl(cfg)
+    return events
+
+
+def test_the_kv_cache_is_released_once_before_each_train_step(tmp_path: Path) -> None:
+    """--inference.native.release_kv_cache (colocated): max_async 1 generates two batches before the first step, and
+    the run evaluates every 2 steps; the cache is released right before each step, once, and never between two
+    generations (which would recapture every graph for nothing)."""
+    from prime_spmd.models.tiny import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "base", "qwen3-nano", seed=0, initializer_range=0.3)
+    cfg = _cfg(tmp_path / "run", model, "optimizer")
+    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, max_steps=3, offload="none"),
+                              eval=dataclasses.replace(cfg.eval, interval_steps=2))  # fmt: skip
+    (events,) = run_ranks(_release_rank, 1, cfg)
+    assert events == ["R", "T"] * 3, events
