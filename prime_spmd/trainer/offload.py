@@ -75,15 +75,16 @@ def _like_on_host(p: torch.Tensor, pin: bool) -> torch.Tensor:
 
 
 class HostOffloadAdamW(torch.optim.Optimizer):
-    HOST: tuple[str, ...] = MOMENTS
-    """Per-parameter state kept in host memory and streamed through the device at each step."""
-
     """AdamW over ``params`` (device tensors or FSDP2 DTensors) with its moments in host memory.
 
     Same hyper-parameters and param-group semantics as ``torch.optim.AdamW`` (``lr``, ``betas``, ``eps``,
     ``weight_decay``); the step counter is a host float per parameter. Called by every trainer rank on its own
-    shards (no collective). ``chunk_bytes``: moments streamed through the device per chunk (two chunks resident).
+    shards (no collective). ``chunk_bytes``: host state (``HOST``) streamed through the device per chunk (two chunks
+    resident).
     """
+
+    HOST: tuple[str, ...] = MOMENTS
+    """Per-parameter state kept in host memory and streamed through the device at each step."""
 
     def __init__(
         self,
