@@ -190,3 +190,33 @@ def test_master_offload_is_refused_with_several_trainer_ranks_or_lora() -> None:
         check_master_offload(ModelConfig(path="m"), 2)
     with pytest.raises(ValueError, match=r"--model.lora.rank 8 .* --trainer.offload optimizer"):
         check_master_offload(ModelConfig(path="m", lora=LoraConfig(rank=8)), 1)
+
+
+@pytest.mark.parametrize("cls", [HostOffloadAdamW, HostMasterAdamW])
+def test_resume_keeps_the_host_state_off_torchs_loader(cls, monkeypatch) -> None:
+    """torch's ``Optimizer.load_state_dict`` casts every state tensor to its parameter's device and dtype (an 8B run's
+    61 GiB of moments onto the device at once; a bf16 parameter's master through bf16): only the step counts go
+    through it, and host tensors already in the right form are kept as they are (a DCP resume loads into them)."""
+    params = [torch.nn.Parameter(p.detach().to(torch.bfloat16 if cls is HostMasterAdamW else torch.float32))
+              for p in _params(0, torch.device("cpu"))]  # fmt: skip
+    opt = cls(_groups(params), lr=1e-2)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    saved = opt.state_dict()
+    seen: list[set] = []
+    real = torch.optim.Optimizer.load_state_dict
+
+    def spy(self, sd):
+        seen.append({n for s in sd["state"].values() for n in s})
+        return real(self, sd)
+
+    monkeypatch.setattr(torch.optim.Optimizer, "load_state_dict", spy)
+    cont = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    resumed = cls(_groups(cont), lr=1e-2)
+    resumed.load_state_dict(saved)
+    assert seen == [{"step"}]
+    for p, q in zip(params, cont):
+        for name in cls.HOST:
+            assert resumed.state[q][name] is opt.state[p][name] and resumed.state[q][name].dtype == torch.float32
+        assert float(resumed.state[q]["step"]) == 1.0
