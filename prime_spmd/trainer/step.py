@@ -82,9 +82,8 @@ def train_step(
     t_start = time.perf_counter()
     warm_up = getattr(policy, "warm_up_compiled_blocks", None)  # PolicyModel: compiles every kind in the first step
     if warm_up is not None and warm_up(device):
-        optimizer.zero_grad(
-            set_to_none=True
-        )  # its zero gradients, where an optimizer keeps them apart (offload master)
+        # the warm-up's zero gradients, also where an optimizer keeps them apart (--trainer.offload master)
+        optimizer.zero_grad(set_to_none=True)
     world = dist.get_world_size() if dist.is_initialized() else 1
     n_local = sum(int(mb.loss_mask.sum()) for mb in micro_batches)
     agreed = _all_reduce_sum({"n": torch.tensor(float(n_local)), "stop": torch.tensor(float(stop_requested))}, device)
