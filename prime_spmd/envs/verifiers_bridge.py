@@ -41,7 +41,7 @@ from prime_spmd.envs.rollout import Rollout
 from prime_spmd.envs.vf_client import SEED_KEY, STATS_KEY, ChatRenderer, EngineClient, refuse_sampling_overrides
 from prime_spmd.envs.vf_output import failed_group, output_to_rollout
 from prime_spmd.envs.vf_rewards import guard_rubric
-from prime_spmd.inference.engine import AsyncEngine, InferenceEngine, SamplingParams
+from prime_spmd.inference.engine import AsyncEngine, EngineFailure, InferenceEngine, SamplingParams
 
 logger = logging.getLogger("prime_spmd")
 MODEL = "prime-spmd"  # the model name run_group gets (our client serves the one engine)
@@ -228,7 +228,7 @@ class VerifiersEnvironment(Environment):
         finally:  # also steps requests of cancelled rollouts (timeouts) to the end: the engine is left empty
             await aengine.aclose()
         if aengine.failure is not None:
-            raise RuntimeError("the inference engine failed during verifiers rollouts") from aengine.failure
+            raise EngineFailure("the inference engine failed during verifiers rollouts") from aengine.failure
         refuse_sampling_overrides(self.name, client.refused_overrides, sampling)
         if client.input_errors:  # bad input, not a failed sample (verifiers recorded it as the rollout's error)
             raise ValueError(f"environment {self.name!r}: {client.input_errors[0]}") from client.input_errors[0]

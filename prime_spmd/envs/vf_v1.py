@@ -61,7 +61,7 @@ from prime_spmd.envs.chat_render import ChatRenderer, split_tool_calls, turn_see
 from prime_spmd.envs.image_turns import needs_processor, next_prompt
 from prime_spmd.envs.rollout import Rollout
 from prime_spmd.envs.trajectory import COUNTERS, failed_rollout, stitch_turns
-from prime_spmd.inference.engine import AsyncEngine, InferenceEngine, SamplingParams
+from prime_spmd.inference.engine import AsyncEngine, EngineFailure, InferenceEngine, SamplingParams
 from prime_spmd.models.vision import ImageInputError, VisionInputs, has_images
 
 logger = logging.getLogger("prime_spmd")
@@ -439,7 +439,7 @@ class V1Environment(Environment):
         finally:  # also steps requests of abandoned rollouts to the end: the engine is left empty
             await aengine.aclose()
         if aengine.failure is not None:
-            raise RuntimeError("the inference engine failed during verifiers rollouts") from aengine.failure
+            raise EngineFailure("the inference engine failed during verifiers rollouts") from aengine.failure
         if client.input_errors:  # bad image input fails the run, naming the environment (module doc)
             raise ValueError(f"--env.name {self.name!r}: {client.input_errors[0]}") from client.input_errors[0]
         return [list(g) for g in groups]

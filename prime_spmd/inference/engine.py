@@ -67,7 +67,8 @@ class Completion:
 
 
 class EngineFailure(RuntimeError):
-    """An engine step raised (``InferenceEngine.generate``): the engine's state is unknown, so the run cannot go on.
+    """An engine step raised (``InferenceEngine.generate``, or ``AsyncEngine``'s driver as the verifiers bridges report
+    it): the engine's state is unknown, so the run cannot go on.
     Not an environment's error: ``rl/isolation.py`` re-raises it instead of dropping the environment's groups (at
     c730d53 a CUDA allocator assert inside a step was counted as the environment's failure and the run then hung)."""
 
@@ -195,7 +196,7 @@ class AsyncEngine:
         """Submit one request (``vision``: its prompt's images) and await its completion. Raises the engine's
         exception if a step failed."""
         if self.failure is not None:
-            raise RuntimeError("the inference engine failed earlier; no new requests") from self.failure
+            raise EngineFailure("the inference engine failed earlier; no new requests") from self.failure
         rid = f"async-{self._next_id}"
         self._next_id += 1
         fut = asyncio.get_running_loop().create_future()

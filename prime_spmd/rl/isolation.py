@@ -55,7 +55,7 @@ def run_isolated(
     # An environment's own error must not end the run (issue 41.5): its groups are dropped and counted,
     # and the failure rate decides when to stop. The engine's own failure is not the environment's.
     except Exception as e:  # noqa: BLE001
-        if isinstance(e, EngineFailure) or "the inference engine failed" in str(e):
+        if isinstance(e, EngineFailure):
             raise
         reason = f"raised {type(e).__name__}: {e}"
         logger.warning(f"environment {label!r} {reason} ({len(example_ids)} {split} groups dropped)")
