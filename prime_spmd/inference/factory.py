@@ -99,7 +99,7 @@ def build_engine(
         kv_cache_dtype=inference_cfg.kv_cache_dtype,
     )
     if report is not None:
-        if report.trained_in_place:  # before any graph capture: graphs hold the fused tensors' addresses
+        if share_trained:  # before any graph capture: graphs hold the fused tensors' addresses
             tie_fused(model, share_from)
         count_shared(model, share_from, report)
         logger.info(

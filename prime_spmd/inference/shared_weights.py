@@ -33,8 +33,6 @@ from prime_spmd.distributed.fsdp import unwrapped_name
 class SharingReport:
     shared_bytes: int = 0
     """Engine weight bytes that are the trainer's tensors (no copy)."""
-    trained_in_place: bool = False
-    """Trained weights were shared too (``share_weights``'s ``trained_in_place``): ``tie_fused`` applies."""
     owned_bytes: int = 0
     """Engine weight bytes it holds itself (see the module docstring for why)."""
     shared: int = 0
@@ -50,10 +48,6 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p
 
 
-def _shareable(t: torch.Tensor, trained_in_place: bool) -> bool:
-    return trained_in_place or not t.requires_grad
-
-
 @torch.no_grad()
 def share_weights(engine_model: nn.Module, trainer_lm: nn.Module, trained_in_place: bool = False) -> SharingReport:
     """Re-point each engine parameter whose trainer twin (same name, wrappers removed) is frozen (or, with
@@ -65,14 +59,13 @@ def share_weights(engine_model: nn.Module, trainer_lm: nn.Module, trained_in_pla
     trainer = {unwrapped_name(n): p for n, p in trainer_lm.named_parameters()}
     adapted = {unwrapped_name(n) + ".weight" for n, m in trainer_lm.named_modules() if hasattr(m, "lora_A")}
     report = SharingReport(lora_base={n: _local(trainer[n]) for n in adapted if n in trainer})
-    report.trained_in_place = trained_in_place
     for name, p in list(engine_model.named_parameters()):
         t = trainer.get(name)
         src = _local(t) if t is not None else None
         ok = (
             t is not None
             and name not in adapted
-            and _shareable(t, trained_in_place)
+            and (trained_in_place or not t.requires_grad)
             and src.shape == p.shape
             and src.dtype == p.dtype
             and p.untyped_storage().nbytes() == p.numel() * p.element_size()  # not a slice of a fused tensor
