@@ -178,12 +178,13 @@ def one_rank_plain(
     """The parameters a one-rank root leaves out of FSDP2 (``ignored_params``): frozen ones already in the compute
     dtype (the LoRA base, loaded in bf16), and with ``trained`` (``--trainer.offload master``: the trained weights are
     compute-dtype parameters whose fp32 masters the optimizer keeps on the host) every parameter in the compute dtype:
-    they need no cast, and their gradients accumulate through the optimizer's hooks (``trainer/offload.py``). There FSDP2 would shard nothing, yet it copies each parameter into a new
-    padded shard at ``fully_shard`` (all of the root's at once: one H100, Qwen3-30B-A3B LoRA at 667582b, out of memory
-    at 78.5 GiB for 56.9 GiB of base weights) and into an unsharded copy for every forward, which the root keeps until
-    the backward ends: twice the base either way. Left out, they stay plain tensors, read in place by the forward, the
-    weight sync and the engine. Frozen parameters in another dtype (a frozen fp32 vision tower) still need FSDP2's
-    cast; on more ranks, or beside expert units, every parameter is sharded as before."""
+    they need no cast, and their gradients accumulate through the optimizer's hooks (``trainer/offload.py``). There
+    FSDP2 would shard nothing, yet it copies each parameter into a new padded shard at ``fully_shard`` (all of the
+    root's at once: one H100, Qwen3-30B-A3B LoRA at 667582b, out of memory at 78.5 GiB for 56.9 GiB of base weights)
+    and into an unsharded copy for every forward, which the root keeps until the backward ends: twice the base either
+    way. Left out, they stay plain tensors, read in place by the forward, the weight sync and the engine. Frozen
+    parameters in another dtype (a frozen fp32 vision tower) still need FSDP2's cast; on more ranks, or beside expert
+    units, every parameter is sharded as before."""
     if axis.size() > 1 or experts:
         return None
     return {p for p in root.parameters() if (trained or not p.requires_grad) and p.dtype == param_dtype} or None
