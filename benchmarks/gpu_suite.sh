@@ -184,6 +184,14 @@ case $PART in
       cp "/tmp/$name/results.json" "$OUT/$name.json" 2> /dev/null
       for d in /tmp/"$name"/ours_k*_r0; do cp "$d/metrics.jsonl" "$OUT/${name}_metrics.jsonl" 2> /dev/null; done
       for f in /tmp/"$name"/*.log; do cp "$f" "$OUT/${name}_$(basename "$f")" 2> /dev/null; done; rm -rf "/tmp/$name"; }
+    # the anchor's workload (anchor, anchor_master): 4 prompts x 8 samples of 4,000 new tokens, max_async 1
+    anchor=(--shape qwen3-8b --sides ours1 --prompts 4 --max-tokens 4000 --micro-batch-tokens 8192
+            --ours-flag=--trainer.activation_checkpointing --ours-flag=--inference.native.release_kv_cache)
+    master_tests() {  # the CUDA tests of --trainer.offload master (the optimizer, the weight sharing, a CUDA RL run);
+      # SCALE_TESTS=0: none (they passed at 759f10e, 85 s)
+      [ "${SCALE_TESTS:-1}" = 0 ] || run tests_master 150 python3 -m pytest -q -rf -p no:cacheprovider -o addopts="" \
+        -m "gpu or not gpu" tests/unit/test_offload_optimizer.py tests/unit/test_shared_weights.py \
+        tests/gpu/test_offload_gpu.py -k "master or trained_in_place"; }
     case "${VARIANT:-small}" in
       small)
         run tests_memory 150 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/gpu/test_offload_gpu.py \
@@ -237,28 +245,20 @@ case $PART in
           echo "scale anchor: 8B full fine-tuning needs a 141 GB card (the memory plan would refuse it here)"; exit 2
         fi
         SCALE_LIMIT_S=${SCALE_LIMIT_S:-480}
-        scale scale_8b_anchor --shape qwen3-8b --sides ours1 --prompts 4 --max-tokens 4000 --steps 5 \
-          --micro-batch-tokens 8192 --ours-flag=--trainer.offload --ours-flag=optimizer \
-          --ours-flag=--trainer.activation_checkpointing --ours-flag=--inference.native.release_kv_cache ;;
+        scale scale_8b_anchor "${anchor[@]}" --steps 5 --ours-flag=--trainer.offload --ours-flag=optimizer ;;
       master)  # 8B full fine-tuning with --trainer.offload master at the other rows' settings (weights drawn at load),
-        # after the CUDA tests of the path (the optimizer and the weight sharing; SCALE_TESTS=0: none); ~5 min
-        [ "${SCALE_TESTS:-1}" = 0 ] || run tests_master 150 python3 -m pytest -q -rf -p no:cacheprovider -o addopts="" \
-          -m "gpu or not gpu" tests/unit/test_offload_optimizer.py tests/unit/test_shared_weights.py \
-          tests/gpu/test_offload_gpu.py -k "master or trained_in_place"
+        # after the CUDA tests of the path (master_tests); ~5 min
+        master_tests
         SCALE_LIMIT_S=${SCALE_LIMIT_S:-300}
         scale scale_8b_master --shape qwen3-8b --random-init --micro-batch-tokens 4096 --ours-flag=--trainer.offload \
           --ours-flag=master ;;
       anchor_master)  # the anchor's run with --trainer.offload master (fp32 masters and moments in host memory, the
-        # engine reads the trainer's bf16 weights in place): plan 57.2 GiB, so one H100 holds it; first the CUDA tests
-        # of the path (the optimizer and the weight sharing, ~30 s; SCALE_TESTS=0: none, as `master` ran them at 759f10e).
+        # engine reads the trainer's bf16 weights in place): plan 57.2 GiB, so one H100 holds it; first master_tests.
         # 4 steps, rates from step 1: ~75 s a step expected on an H100 (generation ~45 s, train ~25 s), so a 10-minute
         # call holds `SCALE_TESTS=0 SCALE_LIMIT_S=500`
-        [ "${SCALE_TESTS:-1}" = 0 ] || run tests_master 90 python3 -m pytest -q -rf -p no:cacheprovider -o addopts="" \
-          tests/unit/test_offload_optimizer.py tests/unit/test_shared_weights.py
+        master_tests
         SCALE_LIMIT_S=${SCALE_LIMIT_S:-480}
-        scale scale_8b_anchor_master --shape qwen3-8b --sides ours1 --prompts 4 --max-tokens 4000 --steps 4 --warmup 1 \
-          --micro-batch-tokens 8192 --ours-flag=--trainer.offload --ours-flag=master \
-          --ours-flag=--trainer.activation_checkpointing --ours-flag=--inference.native.release_kv_cache ;;
+        scale scale_8b_anchor_master "${anchor[@]}" --steps 4 --warmup 1 --ours-flag=--trainer.offload --ours-flag=master ;;
       *) echo "scale: unknown variant ${VARIANT} (small, large, lora, moe, h200, anchor, master, anchor_master)" >&2; exit 2 ;;
     esac ;;
   fp8)  # --inference.quantization fp8 beside bf16 (0.6B, 8B; batch 1, 64; decode steps past the FP8 GEMV on the Triton
