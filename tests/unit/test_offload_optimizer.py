@@ -107,24 +107,18 @@ def test_pinned_moments_are_registered_at_their_exact_size(monkeypatch) -> None:
         offload._host_zeros(torch.Size([3, 1000]), pin=True, register_min_bytes=12_000)
 
 
-def _backward(params, step: int, micro: int) -> None:
-    """One micro-batch's backward into bf16 parameters: the gradient of (p * c).sum() is c, exact in bf16."""
-    g = torch.Generator().manual_seed(1000 + 10 * step + micro)
-    loss = 0.0
-    for i, p in enumerate(params):
-        if step == 1 and i == 3:  # one step without a grad for this parameter
-            continue
-        c = torch.randn(p.shape, generator=g).to(p.device, torch.bfloat16)
-        loss = loss + (p * c).float().sum()
-    loss.backward()
-
-
 def _coeffs(params, step: int, micro: int) -> list[torch.Tensor | None]:
+    """Micro-batch ``micro`` of ``step``: a bf16 coefficient a parameter (None: one step without a grad for it)."""
     g = torch.Generator().manual_seed(1000 + 10 * step + micro)
     out = []
     for i, p in enumerate(params):
         out.append(None if (step == 1 and i == 3) else torch.randn(p.shape, generator=g).to(p.device, torch.bfloat16))
     return out
+
+
+def _backward(params, step: int, micro: int) -> None:
+    """One micro-batch's backward into bf16 parameters: the gradient of (p * c).sum() is c, exact in bf16."""
+    sum((p * c).float().sum() for p, c in zip(params, _coeffs(params, step, micro)) if c is not None).backward()
 
 
 def test_master_offload_matches_fp32_adamw_on_bf16_parameters(device) -> None:
